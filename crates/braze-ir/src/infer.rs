@@ -1,0 +1,189 @@
+//! Result types of ops: the typing rules that the builder applies and the verifier re-checks.
+
+use crate::dtype::DType;
+use crate::graph::TensorTy;
+use crate::op::{Op, ReduceKind};
+use crate::sym::Expr;
+use crate::Error;
+
+fn bad(msg: String) -> Error {
+    Error::Invalid(msg)
+}
+
+/// Numpy-style broadcast of shapes.
+pub fn broadcast(a: &[Expr], b: &[Expr]) -> Result<Vec<Expr>, Error> {
+    let n = a.len().max(b.len());
+    let mut out = Vec::with_capacity(n);
+    for i in 0..n {
+        let x = if i + a.len() >= n { Some(&a[i + a.len() - n]) } else { None };
+        let y = if i + b.len() >= n { Some(&b[i + b.len() - n]) } else { None };
+        out.push(match (x, y) {
+            (Some(x), Some(y)) if x == y => x.clone(),
+            (Some(x), Some(y)) if x.is_const(1) => y.clone(),
+            (Some(x), Some(y)) if y.is_const(1) => x.clone(),
+            (Some(x), None) | (None, Some(x)) => x.clone(),
+            (Some(x), Some(y)) => return Err(bad(format!("shapes do not broadcast: {x} vs {y}"))),
+            (None, None) => unreachable!(),
+        });
+    }
+    Ok(out)
+}
+
+/// The type of `op` applied to operands of types `ins`.
+pub fn infer(op: &Op, ins: &[&TensorTy]) -> Result<Option<TensorTy>, Error> {
+    if let Some(n) = op.arity() {
+        if ins.len() != n && !matches!(op, Op::ExternOut { .. }) {
+            return Err(bad(format!("{} takes {n} operands, got {}", op.name(), ins.len())));
+        }
+    }
+    let t = |dtype: DType, shape: Vec<Expr>| Ok(Some(TensorTy::new(dtype, shape)));
+    match op {
+        Op::Input { .. } | Op::ExternOut { .. } => Err(bad(format!("{} needs an explicit type", op.name()))),
+        Op::Extern { .. } => Ok(None),
+        Op::Scalar { dtype, .. } => t(*dtype, vec![]),
+        Op::Iota { len, dtype, .. } => t(*dtype, vec![len.clone()]),
+        Op::Unary(u) => {
+            let dt = if u.is_predicate() { DType::Bool } else { ins[0].dtype };
+            t(dt, ins[0].shape.clone())
+        }
+        Op::Binary(b) => {
+            if ins[0].dtype != ins[1].dtype {
+                return Err(bad(format!("{} operands differ in dtype: {} vs {}", b.name(), ins[0].dtype, ins[1].dtype)));
+            }
+            let dt = if b.is_predicate() { DType::Bool } else { ins[0].dtype };
+            t(dt, broadcast(&ins[0].shape, &ins[1].shape)?)
+        }
+        Op::Where => {
+            if ins[0].dtype != DType::Bool {
+                return Err(bad("where's condition must be bool".into()));
+            }
+            if ins[1].dtype != ins[2].dtype {
+                return Err(bad(format!("where's branches differ in dtype: {} vs {}", ins[1].dtype, ins[2].dtype)));
+            }
+            let s = broadcast(&broadcast(&ins[0].shape, &ins[1].shape)?, &ins[2].shape)?;
+            t(ins[1].dtype, s)
+        }
+        Op::Cast(d) => t(*d, ins[0].shape.clone()),
+        Op::Reduce { kind, dims, keepdim, .. } => {
+            let x = ins[0];
+            check_dims(dims, x.rank())?;
+            let mut shape = Vec::new();
+            for (d, s) in x.shape.iter().enumerate() {
+                if dims.contains(&d) {
+                    if *keepdim {
+                        shape.push(Expr::one());
+                    }
+                } else {
+                    shape.push(s.clone());
+                }
+            }
+            let dt = match kind {
+                ReduceKind::ArgMax | ReduceKind::ArgMin => DType::I64,
+                ReduceKind::Any | ReduceKind::All => DType::Bool,
+                ReduceKind::Sum | ReduceKind::Prod if !x.dtype.is_float() => DType::I64,
+                ReduceKind::Var if !x.dtype.is_float() => return Err(bad("var needs a float operand".into())),
+                _ => x.dtype,
+            };
+            t(dt, shape)
+        }
+        Op::Permute(p) => {
+            let x = ins[0];
+            let mut sorted = p.clone();
+            sorted.sort();
+            if sorted != (0..x.rank()).collect::<Vec<_>>() {
+                return Err(bad(format!("permute {p:?} is not a permutation of {} dims", x.rank())));
+            }
+            t(x.dtype, p.iter().map(|&d| x.shape[d].clone()).collect())
+        }
+        Op::Expand(shape) => {
+            let x = ins[0];
+            if shape.len() < x.rank() {
+                return Err(bad("expand cannot drop dims".into()));
+            }
+            let off = shape.len() - x.rank();
+            for (d, s) in x.shape.iter().enumerate() {
+                if !(s == &shape[d + off] || s.is_const(1)) {
+                    return Err(bad(format!("expand: size {s} cannot become {}", shape[d + off])));
+                }
+            }
+            t(x.dtype, shape.clone())
+        }
+        Op::Reshape(shape) => {
+            let x = ins[0];
+            let n: Expr = shape.iter().fold(Expr::one(), |a, b| a.mul(b));
+            if n != x.numel() {
+                return Err(bad(format!("reshape changes the element count: {} vs {}", x.numel(), n)));
+            }
+            t(x.dtype, shape.clone())
+        }
+        Op::Slice { dim, len, step, .. } => {
+            let x = ins[0];
+            check_dims(&[*dim], x.rank())?;
+            if *step < 1 {
+                return Err(bad("slice step must be positive".into()));
+            }
+            let mut s = x.shape.clone();
+            s[*dim] = len.clone();
+            t(x.dtype, s)
+        }
+        Op::Select { dim, .. } => {
+            let x = ins[0];
+            check_dims(&[*dim], x.rank())?;
+            let mut s = x.shape.clone();
+            s.remove(*dim);
+            t(x.dtype, s)
+        }
+        Op::IndexSelect { dim } => {
+            let (x, idx) = (ins[0], ins[1]);
+            check_dims(&[*dim], x.rank())?;
+            if idx.rank() != 1 || !idx.dtype.is_int() {
+                return Err(bad("index_select needs a 1-dim integer index".into()));
+            }
+            let mut s = x.shape.clone();
+            s[*dim] = idx.shape[0].clone();
+            t(x.dtype, s)
+        }
+        Op::Gather { dim } => {
+            let (x, idx) = (ins[0], ins[1]);
+            check_dims(&[*dim], x.rank())?;
+            if idx.rank() != x.rank() || !idx.dtype.is_int() {
+                return Err(bad("gather needs an integer index of the operand's rank".into()));
+            }
+            t(x.dtype, idx.shape.clone())
+        }
+        Op::Cat { dim } => {
+            let first = ins.first().ok_or_else(|| bad("cat needs operands".into()))?;
+            check_dims(&[*dim], first.rank())?;
+            let mut s = first.shape.clone();
+            for x in &ins[1..] {
+                if x.dtype != first.dtype || x.rank() != first.rank() {
+                    return Err(bad("cat operands differ in dtype or rank".into()));
+                }
+                for d in 0..x.rank() {
+                    if d != *dim && x.shape[d] != first.shape[d] {
+                        return Err(bad(format!("cat operands differ in size on dim {d}")));
+                    }
+                }
+                s[*dim] = s[*dim].add(&x.shape[*dim]);
+            }
+            t(first.dtype, s)
+        }
+        Op::Pad { pads, .. } => {
+            let x = ins[0];
+            if pads.len() != x.rank() || pads.iter().any(|&(a, b)| a < 0 || b < 0) {
+                return Err(bad("pad needs one non-negative (before, after) pair per dim".into()));
+            }
+            let s = x.shape.iter().zip(pads).map(|(s, &(a, b))| s.add(&Expr::constant(a + b))).collect();
+            t(x.dtype, s)
+        }
+    }
+}
+
+fn check_dims(dims: &[usize], rank: usize) -> Result<(), Error> {
+    for (i, &d) in dims.iter().enumerate() {
+        if d >= rank || dims[..i].contains(&d) {
+            return Err(bad(format!("dims {dims:?} invalid for rank {rank}")));
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,233 @@
+//! The op table: every operation a braze graph can hold, one doc line each.
+//! Adding an op: add the variant here, its name in `Op::name`/`parse`, its typing rule in
+//! `infer.rs`, its loop-IR lowering in braze-sched and its C spelling in braze-codegen
+//! (docs/architecture.md, "How to add an op").
+
+use crate::dtype::DType;
+use crate::sym::Expr;
+
+/// A literal scalar value.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Lit {
+    F(f64),
+    I(i64),
+    B(bool),
+}
+
+impl Lit {
+    pub fn as_f64(self) -> f64 {
+        match self {
+            Lit::F(v) => v,
+            Lit::I(v) => v as f64,
+            Lit::B(b) => b as i64 as f64,
+        }
+    }
+}
+
+macro_rules! named_enum {
+    ($(#[$m:meta])* $name:ident { $($(#[$vm:meta])* $v:ident = $s:literal),* $(,)? }) => {
+        $(#[$m])*
+        #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+        pub enum $name { $($(#[$vm])* $v),* }
+        impl $name {
+            pub const ALL: &'static [$name] = &[$($name::$v),*];
+            pub fn name(self) -> &'static str { match self { $($name::$v => $s),* } }
+            pub fn from_name(s: &str) -> Option<$name> {
+                match s { $($s => Some($name::$v),)* _ => None }
+            }
+        }
+    };
+}
+
+named_enum! {
+    /// Elementwise ops of one operand; the result has the operand's dtype unless noted.
+    UnaryOp {
+        Neg = "neg", Abs = "abs", Exp = "exp", Exp2 = "exp2", Expm1 = "expm1",
+        Log = "log", Log2 = "log2", Log10 = "log10", Log1p = "log1p",
+        Sqrt = "sqrt", Rsqrt = "rsqrt", Sin = "sin", Cos = "cos", Tan = "tan",
+        Asin = "asin", Acos = "acos", Atan = "atan", Sinh = "sinh", Cosh = "cosh",
+        Tanh = "tanh", Asinh = "asinh", Acosh = "acosh", Atanh = "atanh",
+        Sigmoid = "sigmoid", Relu = "relu", Erf = "erf", Erfc = "erfc", Erfinv = "erfinv",
+        Reciprocal = "reciprocal", Floor = "floor", Ceil = "ceil", Round = "round",
+        Trunc = "trunc", Sign = "sign", Lgamma = "lgamma",
+        /// Logical not; result is bool.
+        Not = "not",
+        BitwiseNot = "bitwise_not",
+        /// NaN test; result is bool.
+        IsNan = "isnan",
+        /// Infinity test; result is bool.
+        IsInf = "isinf",
+    }
+}
+
+named_enum! {
+    /// Elementwise ops of two operands of one dtype, broadcast numpy-style.
+    BinaryOp {
+        Add = "add", Sub = "sub", Mul = "mul",
+        /// True division (float operands).
+        Div = "div",
+        /// Floor division, rounding toward negative infinity.
+        FloorDiv = "floordiv",
+        /// Python-style remainder: the result has the divisor's sign.
+        Rem = "rem",
+        /// C-style remainder (torch.fmod).
+        Fmod = "fmod",
+        Pow = "pow",
+        /// NaN-propagating maximum (torch.maximum).
+        Max = "max",
+        /// NaN-propagating minimum (torch.minimum).
+        Min = "min",
+        Atan2 = "atan2", Hypot = "hypot", Copysign = "copysign",
+        /// Comparisons; result is bool.
+        Eq = "eq", Ne = "ne", Lt = "lt", Le = "le", Gt = "gt", Ge = "ge",
+        /// Logical ops on any dtype (non-zero is true); result is bool.
+        And = "and", Or = "or", Xor = "xor",
+        /// Bitwise ops on integer or bool operands.
+        BitAnd = "bitwise_and", BitOr = "bitwise_or", BitXor = "bitwise_xor",
+        Shl = "shl", Shr = "shr",
+    }
+}
+
+named_enum! {
+    /// Reductions over a set of dims.
+    ReduceKind {
+        Sum = "sum", Prod = "prod",
+        /// NaN-propagating maximum.
+        Max = "amax",
+        /// NaN-propagating minimum.
+        Min = "amin",
+        /// Index (i64, over the reduced dims flattened) of the first maximum.
+        ArgMax = "argmax",
+        /// Index (i64, over the reduced dims flattened) of the first minimum.
+        ArgMin = "argmin",
+        /// Logical any; result is bool.
+        Any = "any",
+        /// Logical all; result is bool.
+        All = "all",
+        /// Variance by Welford's algorithm, divided by `n - correction`.
+        Var = "var",
+    }
+}
+
+impl BinaryOp {
+    /// True for ops whose result is bool whatever the operand dtype.
+    pub fn is_predicate(self) -> bool {
+        use BinaryOp::*;
+        matches!(self, Eq | Ne | Lt | Le | Gt | Ge | And | Or | Xor)
+    }
+}
+
+impl UnaryOp {
+    pub fn is_predicate(self) -> bool {
+        matches!(self, UnaryOp::Not | UnaryOp::IsNan | UnaryOp::IsInf)
+    }
+}
+
+/// One operation of the graph. Operands are the node's `inputs`, in order.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Op {
+    /// Graph input `index`, a tensor laid out with `strides` (elements). No operands.
+    Input { index: u32, strides: Vec<Expr> },
+    /// A 0-dim constant. No operands.
+    Scalar { value: Lit, dtype: DType },
+    /// `start + step * i` for `i` in `0..len`, 1-dim. No operands.
+    Iota { len: Expr, start: i64, step: i64, dtype: DType },
+    /// Elementwise op of one operand.
+    Unary(UnaryOp),
+    /// Elementwise op of two broadcast operands of one dtype.
+    Binary(BinaryOp),
+    /// `where(cond, a, b)`: cond is bool; a and b share a dtype; all broadcast.
+    Where,
+    /// Converts the operand to `dtype` (C semantics; bool is `x != 0`).
+    Cast(DType),
+    /// Reduces the operand over `dims`; keeps them as size 1 when `keepdim`.
+    Reduce { kind: ReduceKind, dims: Vec<usize>, keepdim: bool, correction: i64 },
+    /// Reorders dims: output dim d is input dim `perm[d]`. A view.
+    Permute(Vec<usize>),
+    /// Broadcasts size-1 dims (and new leading dims) to `shape`. A view.
+    Expand(Vec<Expr>),
+    /// Same elements in row-major order, new shape. A view.
+    Reshape(Vec<Expr>),
+    /// Elements `start + step * k` for `k` in `0..len` along `dim`. A view.
+    Slice { dim: usize, start: Expr, len: Expr, step: i64 },
+    /// Index `index` along `dim`, which is removed. A view.
+    Select { dim: usize, index: Expr },
+    /// `out[.., i, ..] = x[.., idx[i], ..]` along `dim`; operands (x, idx: 1-dim integer).
+    IndexSelect { dim: usize },
+    /// `out[i] = x[i with dim replaced by idx[i]]`; operands (x, idx: same rank).
+    Gather { dim: usize },
+    /// Concatenation of all operands along `dim`.
+    Cat { dim: usize },
+    /// Constant padding: `pads[d] = (before, after)` elements on dim d, both >= 0.
+    Pad { pads: Vec<(i64, i64)>, value: Lit },
+    /// A call of the ATen op `target` (by name) on the operands; `outputs` results, each
+    /// taken by an `ExternOut`. The runtime (Python) holds the non-tensor arguments.
+    Extern { target: String, outputs: u32 },
+    /// Result `index` of the `Extern` operand, laid out with `strides`.
+    ExternOut { index: u32, strides: Vec<Expr> },
+}
+
+impl Op {
+    /// The op's text name.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Op::Input { .. } => "input",
+            Op::Scalar { .. } => "scalar",
+            Op::Iota { .. } => "iota",
+            Op::Unary(u) => u.name(),
+            Op::Binary(b) => b.name(),
+            Op::Where => "where",
+            Op::Cast(_) => "cast",
+            Op::Reduce { kind, .. } => kind.name(),
+            Op::Permute(_) => "permute",
+            Op::Expand(_) => "expand",
+            Op::Reshape(_) => "reshape",
+            Op::Slice { .. } => "slice",
+            Op::Select { .. } => "select",
+            Op::IndexSelect { .. } => "index_select",
+            Op::Gather { .. } => "gather",
+            Op::Cat { .. } => "cat",
+            Op::Pad { .. } => "pad",
+            Op::Extern { .. } => "extern",
+            Op::ExternOut { .. } => "extern_out",
+        }
+    }
+
+    /// Views change only how elements are indexed, never their values.
+    pub fn is_view(&self) -> bool {
+        matches!(self, Op::Permute(_) | Op::Expand(_) | Op::Reshape(_) | Op::Slice { .. } | Op::Select { .. })
+    }
+
+    /// Ops whose result is one value per output element computed from operand elements
+    /// (including computed loads: index_select, gather, cat, pad).
+    pub fn is_pointwise(&self) -> bool {
+        matches!(
+            self,
+            Op::Unary(_)
+                | Op::Binary(_)
+                | Op::Where
+                | Op::Cast(_)
+                | Op::IndexSelect { .. }
+                | Op::Gather { .. }
+                | Op::Cat { .. }
+                | Op::Pad { .. }
+        )
+    }
+
+    /// Nodes whose values already live in memory (graph inputs, extern results).
+    pub fn is_buffer(&self) -> bool {
+        matches!(self, Op::Input { .. } | Op::ExternOut { .. })
+    }
+
+    /// Expected number of operands, `None` when variadic.
+    pub fn arity(&self) -> Option<usize> {
+        Some(match self {
+            Op::Input { .. } | Op::Scalar { .. } | Op::Iota { .. } => 0,
+            Op::Unary(_) | Op::Cast(_) | Op::Reduce { .. } | Op::Pad { .. } | Op::ExternOut { .. } => 1,
+            Op::Permute(_) | Op::Expand(_) | Op::Reshape(_) | Op::Slice { .. } | Op::Select { .. } => 1,
+            Op::Binary(_) | Op::IndexSelect { .. } | Op::Gather { .. } => 2,
+            Op::Where => 3,
+            Op::Cat { .. } | Op::Extern { .. } => return None,
+        })
+    }
+}

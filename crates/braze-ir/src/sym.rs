@@ -1,0 +1,537 @@
+//! Symbolic integer expressions, used for tensor sizes (over size symbols `s0`, `s1`, ...)
+//! and, in the loop IR, for index arithmetic (over loop variables `i0`, ... and kernel
+//! temporaries `t0`, ... that hold gathered indices).
+//!
+//! An [`Expr`] is kept in a canonical polynomial form: a map from monomials (sorted atom
+//! lists) to non-zero integer coefficients. Two expressions are equal exactly when their
+//! canonical forms are equal, so shape checks are structural comparisons. Floor division
+//! and modulo are atoms; they are folded when the operands allow it, and the identity
+//! `(a // b) * b + a % b == a` is applied when both terms appear in one sum.
+//! All index arithmetic is on non-negative values, so C's `/` and `%` match `//` and `%`.
+
+use std::collections::BTreeMap;
+use std::fmt;
+
+/// An indivisible factor of a monomial.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Atom {
+    /// A size symbol `sN`, bound to an integer when the graph is called.
+    Sym(u32),
+    /// A loop variable `iN` of a kernel.
+    Var(u32),
+    /// A kernel temporary `tN` holding an index read from memory (gather, embedding).
+    Tmp(u32),
+    /// `a // b`
+    FloorDiv(Box<Expr>, Box<Expr>),
+    /// `a % b`
+    Mod(Box<Expr>, Box<Expr>),
+}
+
+/// A canonical integer polynomial over [`Atom`]s.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Expr {
+    terms: BTreeMap<Vec<Atom>, i64>,
+}
+
+impl From<i64> for Expr {
+    fn from(c: i64) -> Expr {
+        Expr::constant(c)
+    }
+}
+
+impl Expr {
+    pub fn constant(c: i64) -> Expr {
+        let mut terms = BTreeMap::new();
+        if c != 0 {
+            terms.insert(vec![], c);
+        }
+        Expr { terms }
+    }
+    pub fn zero() -> Expr {
+        Expr::default()
+    }
+    pub fn one() -> Expr {
+        Expr::constant(1)
+    }
+    fn atom(a: Atom) -> Expr {
+        let mut terms = BTreeMap::new();
+        terms.insert(vec![a], 1);
+        Expr { terms }
+    }
+    pub fn sym(n: u32) -> Expr {
+        Expr::atom(Atom::Sym(n))
+    }
+    pub fn var(n: u32) -> Expr {
+        Expr::atom(Atom::Var(n))
+    }
+    pub fn tmp(n: u32) -> Expr {
+        Expr::atom(Atom::Tmp(n))
+    }
+
+    /// The value if this expression is a constant.
+    pub fn as_const(&self) -> Option<i64> {
+        match self.terms.len() {
+            0 => Some(0),
+            1 => self.terms.get(&vec![]).copied(),
+            _ => None,
+        }
+    }
+    pub fn is_const(&self, c: i64) -> bool {
+        self.as_const() == Some(c)
+    }
+
+    pub fn add(&self, o: &Expr) -> Expr {
+        let mut terms = self.terms.clone();
+        for (m, c) in &o.terms {
+            let e = terms.entry(m.clone()).or_insert(0);
+            *e += c;
+            if *e == 0 {
+                terms.remove(m);
+            }
+        }
+        recombine_divmod(Expr { terms })
+    }
+    pub fn neg(&self) -> Expr {
+        Expr { terms: self.terms.iter().map(|(m, c)| (m.clone(), -c)).collect() }
+    }
+    pub fn sub(&self, o: &Expr) -> Expr {
+        self.add(&o.neg())
+    }
+    pub fn mul(&self, o: &Expr) -> Expr {
+        let mut out = Expr::zero();
+        for (m1, c1) in &self.terms {
+            for (m2, c2) in &o.terms {
+                let mut m: Vec<Atom> = m1.iter().chain(m2.iter()).cloned().collect();
+                m.sort();
+                let mut t = BTreeMap::new();
+                t.insert(m, c1 * c2);
+                out = out.add(&Expr { terms: t });
+            }
+        }
+        out
+    }
+    pub fn mul_c(&self, c: i64) -> Expr {
+        self.mul(&Expr::constant(c))
+    }
+
+    /// Floor division; folded when exact or constant.
+    pub fn floordiv(&self, d: &Expr) -> Expr {
+        if d.is_const(1) {
+            return self.clone();
+        }
+        if self.terms.is_empty() {
+            return Expr::zero();
+        }
+        if let Some(c) = d.as_const() {
+            if c > 0 {
+                if let Some(a) = self.as_const() {
+                    return Expr::constant(a.div_euclid(c));
+                }
+                if self.terms.values().all(|k| k % c == 0) {
+                    return Expr { terms: self.terms.iter().map(|(m, k)| (m.clone(), k / c)).collect() };
+                }
+            }
+        }
+        if self == d {
+            return Expr::one();
+        }
+        // (a * d) // d == a when d is a single monomial dividing every term.
+        if let Some(q) = self.exact_div_monomial(d) {
+            return q;
+        }
+        Expr::atom(Atom::FloorDiv(Box::new(self.clone()), Box::new(d.clone())))
+    }
+
+    /// Modulo; folded when constant or when `d` divides every term.
+    pub fn rem(&self, d: &Expr) -> Expr {
+        if d.is_const(1) || self.terms.is_empty() {
+            return Expr::zero();
+        }
+        if let Some(c) = d.as_const() {
+            if c > 0 {
+                if let Some(a) = self.as_const() {
+                    return Expr::constant(a.rem_euclid(c));
+                }
+                if self.terms.values().all(|k| k % c == 0) {
+                    return Expr::zero();
+                }
+            }
+        }
+        if self == d || self.exact_div_monomial(d).is_some() {
+            return Expr::zero();
+        }
+        Expr::atom(Atom::Mod(Box::new(self.clone()), Box::new(d.clone())))
+    }
+
+    /// `self / d` when `d` is one monomial (times a coefficient) dividing every term of `self`.
+    fn exact_div_monomial(&self, d: &Expr) -> Option<Expr> {
+        if d.terms.len() != 1 {
+            return None;
+        }
+        let (dm, dc) = d.terms.iter().next()?;
+        if dm.is_empty() {
+            return None;
+        }
+        let mut out = BTreeMap::new();
+        for (m, c) in &self.terms {
+            if c % dc != 0 {
+                return None;
+            }
+            let mut rest = m.clone();
+            for a in dm {
+                let pos = rest.iter().position(|x| x == a)?;
+                rest.remove(pos);
+            }
+            out.insert(rest, c / dc);
+        }
+        Some(Expr { terms: out })
+    }
+
+    pub fn atoms(&self) -> impl Iterator<Item = &Atom> {
+        self.terms.keys().flat_map(|m| m.iter())
+    }
+
+    /// Every size symbol this expression mentions (recursively).
+    pub fn syms(&self, out: &mut Vec<u32>) {
+        for a in self.atoms() {
+            match a {
+                Atom::Sym(s) => {
+                    if !out.contains(s) {
+                        out.push(*s)
+                    }
+                }
+                Atom::FloorDiv(x, y) | Atom::Mod(x, y) => {
+                    x.syms(out);
+                    y.syms(out);
+                }
+                _ => {}
+            }
+        }
+    }
+
+    /// True when the expression mentions loop variable `v`.
+    pub fn uses_var(&self, v: u32) -> bool {
+        self.atoms().any(|a| match a {
+            Atom::Var(x) => *x == v,
+            Atom::FloorDiv(x, y) | Atom::Mod(x, y) => x.uses_var(v) || y.uses_var(v),
+            _ => false,
+        })
+    }
+
+    /// The constant coefficient of loop variable `v` when `v` appears only linearly and
+    /// outside divisions; `None` when it appears in any other way.
+    pub fn linear_coef(&self, v: u32) -> Option<i64> {
+        let mut coef = 0;
+        for (m, c) in &self.terms {
+            let hits = m.iter().filter(|a| **a == Atom::Var(v)).count();
+            let nested = m.iter().any(|a| match a {
+                Atom::FloorDiv(x, y) | Atom::Mod(x, y) => x.uses_var(v) || y.uses_var(v),
+                _ => false,
+            });
+            if nested {
+                return None;
+            }
+            match (hits, m.len()) {
+                (0, _) => {}
+                (1, 1) => coef += c,
+                _ => return None,
+            }
+        }
+        Some(coef)
+    }
+
+    /// Evaluates with `atom` giving the value of each symbol, variable and temporary.
+    pub fn eval(&self, leaf: &dyn Fn(&Atom) -> Option<i64>) -> Option<i64> {
+        let mut total = 0i64;
+        for (m, c) in &self.terms {
+            let mut p = *c;
+            for a in m {
+                let v = match a {
+                    Atom::FloorDiv(x, y) => {
+                        let d = y.eval(leaf)?;
+                        if d == 0 {
+                            return None;
+                        }
+                        x.eval(leaf)?.div_euclid(d)
+                    }
+                    Atom::Mod(x, y) => {
+                        let d = y.eval(leaf)?;
+                        if d == 0 {
+                            return None;
+                        }
+                        x.eval(leaf)?.rem_euclid(d)
+                    }
+                    other => leaf(other)?,
+                };
+                p = p.checked_mul(v)?;
+            }
+            total = total.checked_add(p)?;
+        }
+        Some(total)
+    }
+
+    /// Evaluates given size-symbol values (`syms[n]` is `sN`).
+    pub fn eval_syms(&self, syms: &[i64]) -> Option<i64> {
+        self.eval(&|a| match a {
+            Atom::Sym(s) => syms.get(*s as usize).copied(),
+            _ => None,
+        })
+    }
+
+    /// Renders with a caller-supplied spelling for leaves; `/` and `%` for division.
+    pub fn render(&self, leaf: &dyn Fn(&Atom) -> String) -> String {
+        if self.terms.is_empty() {
+            return "0".into();
+        }
+        let mut parts: Vec<String> = Vec::new();
+        // Non-constant terms first, constant last: "2*s0 + 1".
+        let mut ordered: Vec<(&Vec<Atom>, &i64)> = self.terms.iter().filter(|(m, _)| !m.is_empty()).collect();
+        if let Some(c) = self.terms.get(&vec![]) {
+            ordered.push((&EMPTY, c));
+        }
+        for (m, c) in ordered {
+            let mut factors: Vec<String> = m
+                .iter()
+                .map(|a| match a {
+                    Atom::FloorDiv(x, y) => format!("({} / {})", x.render(leaf), y.render_factor(leaf)),
+                    Atom::Mod(x, y) => format!("({} % {})", x.render(leaf), y.render_factor(leaf)),
+                    other => leaf(other),
+                })
+                .collect();
+            let s = if m.is_empty() {
+                c.abs().to_string()
+            } else {
+                if c.abs() != 1 {
+                    factors.insert(0, c.abs().to_string());
+                }
+                factors.join("*")
+            };
+            if parts.is_empty() {
+                parts.push(if *c < 0 { format!("-{s}") } else { s });
+            } else {
+                parts.push(if *c < 0 { format!("- {s}") } else { format!("+ {s}") });
+            }
+        }
+        parts.join(" ")
+    }
+
+    fn render_factor(&self, leaf: &dyn Fn(&Atom) -> String) -> String {
+        let s = self.render(leaf);
+        if self.terms.len() > 1 || self.terms.values().any(|c| *c < 0) {
+            format!("({s})")
+        } else {
+            s
+        }
+    }
+}
+
+static EMPTY: Vec<Atom> = Vec::new();
+
+/// Applies `k*M*(a // b)*b + k*M*(a % b) == k*M*a` wherever both terms are present.
+fn recombine_divmod(e: Expr) -> Expr {
+    let mods: Vec<(Vec<Atom>, i64, Expr, Expr)> = e
+        .terms
+        .iter()
+        .flat_map(|(m, c)| {
+            m.iter().enumerate().filter_map(move |(i, a)| match a {
+                Atom::Mod(x, y) => {
+                    let mut rest = m.clone();
+                    rest.remove(i);
+                    Some((rest, *c, (**x).clone(), (**y).clone()))
+                }
+                _ => None,
+            })
+        })
+        .collect();
+    for (rest, k, a, b) in mods {
+        if b.terms.len() != 1 {
+            continue;
+        }
+        let (bm, bc) = b.terms.iter().next().unwrap();
+        let mut div_mono = rest.clone();
+        div_mono.push(Atom::FloorDiv(Box::new(a.clone()), Box::new(b.clone())));
+        div_mono.extend(bm.iter().cloned());
+        div_mono.sort();
+        if e.terms.get(&div_mono) == Some(&(k * bc)) {
+            let mut mod_mono = rest.clone();
+            mod_mono.push(Atom::Mod(Box::new(a.clone()), Box::new(b.clone())));
+            mod_mono.sort();
+            let mut terms = e.terms.clone();
+            terms.remove(&div_mono);
+            terms.remove(&mod_mono);
+            let mut rest_e = BTreeMap::new();
+            rest_e.insert(rest, k);
+            let replaced = a.mul(&Expr { terms: rest_e });
+            return Expr { terms }.add(&replaced);
+        }
+    }
+    e
+}
+
+impl fmt::Display for Expr {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        // The text form spells floor division `//` so that it reads like Python.
+        let s = self.render(&|a| match a {
+            Atom::Sym(n) => format!("s{n}"),
+            Atom::Var(n) => format!("i{n}"),
+            Atom::Tmp(n) => format!("t{n}"),
+            _ => unreachable!(),
+        });
+        f.write_str(&s.replace(" / ", " // "))
+    }
+}
+
+/// Parses the text form of an expression: integers, `sN`, `iN`, `tN`, `+ - *`, `//`, `%`,
+/// parentheses, and sympy's `FloorDiv(a, b)` / `Mod(a, b)` / `PythonMod(a, b)` spellings.
+pub fn parse_expr(s: &str) -> Result<Expr, String> {
+    let toks = lex(s)?;
+    let mut p = P { t: toks, i: 0 };
+    let e = p.sum()?;
+    if p.i != p.t.len() {
+        return Err(format!("unexpected `{}` in size expression `{s}`", p.t[p.i]));
+    }
+    Ok(e)
+}
+
+fn lex(s: &str) -> Result<Vec<String>, String> {
+    let c: Vec<char> = s.chars().collect();
+    let mut out = Vec::new();
+    let mut i = 0;
+    while i < c.len() {
+        let ch = c[i];
+        if ch.is_whitespace() {
+            i += 1;
+        } else if ch.is_ascii_alphanumeric() || ch == '_' {
+            let st = i;
+            while i < c.len() && (c[i].is_ascii_alphanumeric() || c[i] == '_') {
+                i += 1;
+            }
+            out.push(c[st..i].iter().collect());
+        } else if ch == '/' && i + 1 < c.len() && c[i + 1] == '/' {
+            out.push("//".into());
+            i += 2;
+        } else if "+-*%(),".contains(ch) {
+            out.push(ch.to_string());
+            i += 1;
+        } else {
+            return Err(format!("unexpected character `{ch}` in size expression `{s}`"));
+        }
+    }
+    Ok(out)
+}
+
+struct P {
+    t: Vec<String>,
+    i: usize,
+}
+
+impl P {
+    fn peek(&self) -> Option<&str> {
+        self.t.get(self.i).map(|s| s.as_str())
+    }
+    fn eat(&mut self, s: &str) -> bool {
+        if self.peek() == Some(s) {
+            self.i += 1;
+            true
+        } else {
+            false
+        }
+    }
+    fn sum(&mut self) -> Result<Expr, String> {
+        let mut e = self.product()?;
+        loop {
+            if self.eat("+") {
+                e = e.add(&self.product()?);
+            } else if self.eat("-") {
+                e = e.sub(&self.product()?);
+            } else {
+                return Ok(e);
+            }
+        }
+    }
+    fn product(&mut self) -> Result<Expr, String> {
+        let mut e = self.unary()?;
+        loop {
+            if self.eat("*") {
+                e = e.mul(&self.unary()?);
+            } else if self.eat("//") {
+                e = e.floordiv(&self.unary()?);
+            } else if self.eat("%") {
+                e = e.rem(&self.unary()?);
+            } else {
+                return Ok(e);
+            }
+        }
+    }
+    fn unary(&mut self) -> Result<Expr, String> {
+        if self.eat("-") {
+            return Ok(self.unary()?.neg());
+        }
+        self.atom()
+    }
+    fn atom(&mut self) -> Result<Expr, String> {
+        let t = self.peek().ok_or("unexpected end of size expression")?.to_string();
+        self.i += 1;
+        if t == "(" {
+            let e = self.sum()?;
+            if !self.eat(")") {
+                return Err("expected `)`".into());
+            }
+            return Ok(e);
+        }
+        if matches!(t.as_str(), "FloorDiv" | "Mod" | "PythonMod") {
+            if !self.eat("(") {
+                return Err(format!("expected `(` after {t}"));
+            }
+            let a = self.sum()?;
+            if !self.eat(",") {
+                return Err("expected `,`".into());
+            }
+            let b = self.sum()?;
+            if !self.eat(")") {
+                return Err("expected `)`".into());
+            }
+            return Ok(if t == "FloorDiv" { a.floordiv(&b) } else { a.rem(&b) });
+        }
+        if let Ok(v) = t.parse::<i64>() {
+            return Ok(Expr::constant(v));
+        }
+        let (head, num) = t.split_at(1);
+        match (head, num.parse::<u32>()) {
+            ("s", Ok(n)) => Ok(Expr::sym(n)),
+            ("i", Ok(n)) => Ok(Expr::var(n)),
+            ("t", Ok(n)) => Ok(Expr::tmp(n)),
+            _ => Err(format!("unknown name `{t}` in size expression")),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn canonical_and_divmod() {
+        let e = parse_expr("2*s0 + s0 + 1").unwrap();
+        assert_eq!(e.to_string(), "3*s0 + 1");
+        let a = parse_expr("i0").unwrap();
+        let k = Expr::constant(128);
+        let back = a.floordiv(&k).mul(&Expr::constant(128 * 768)).add(&a.rem(&k).mul_c(768));
+        assert_eq!(back, a.mul_c(768));
+        let s = Expr::sym(0);
+        let back = a.floordiv(&s).mul(&s).add(&a.rem(&s));
+        assert_eq!(back, a);
+        assert_eq!(parse_expr("(s0*4) // 4").unwrap(), Expr::sym(0));
+        assert_eq!(parse_expr("FloorDiv(s1, 2)").unwrap().to_string(), "(s1 // 2)");
+        assert_eq!(parse_expr("s0 - s0").unwrap(), Expr::zero());
+        assert_eq!(parse_expr("s0*s1").unwrap().eval_syms(&[3, 5]), Some(15));
+    }
+
+    #[test]
+    fn roundtrip_display() {
+        for s in ["s0", "2*s0 + 1", "s0*s1 - 3", "(s0 // 2)", "(i0 % 4)*8 + i1"] {
+            let e = parse_expr(s).unwrap();
+            assert_eq!(parse_expr(&e.to_string()).unwrap(), e, "{s}");
+        }
+    }
+}
