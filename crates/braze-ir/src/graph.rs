@@ -96,7 +96,7 @@ impl Graph {
         self.nodes[id.index()].ty.as_ref().expect("extern node has no tensor type")
     }
 
-    pub fn ids(&self) -> impl Iterator<Item = NodeId> {
+    pub fn ids(&self) -> impl DoubleEndedIterator<Item = NodeId> {
         (0..self.nodes.len() as u32).map(NodeId)
     }
 

@@ -1,0 +1,40 @@
+//! # braze-passes: graph-to-graph passes
+//!
+//! Each pass is one file with one `pub fn` taking and returning a [`Graph`]. The pipeline
+//! below is the list of stages the compiler runs, by name; each name is also a
+//! `BRAZE_LOGS` dump name and a golden-test `// run:` step.
+
+pub mod const_fold;
+pub mod cse;
+pub mod dce;
+pub mod rewrite;
+pub mod simplify;
+
+use braze_ir::Graph;
+
+/// A named graph pass.
+pub type Pass = fn(&Graph) -> Graph;
+
+/// The passes by name, in the order the default pipeline runs them.
+pub const PASSES: &[(&str, Pass)] = &[
+    ("const_fold", const_fold::const_fold),
+    ("simplify", simplify::simplify),
+    ("cse", cse::cse),
+    ("dce", dce::dce),
+];
+
+pub fn pass_by_name(name: &str) -> Option<Pass> {
+    PASSES.iter().find(|(n, _)| *n == name).map(|(_, p)| *p)
+}
+
+/// The default pipeline: every pass twice over (a fold can expose a simplification and a
+/// simplification a common subexpression), ending with dead-code elimination.
+pub fn optimize(g: &Graph) -> Graph {
+    let mut g = g.clone();
+    for _ in 0..2 {
+        for (_, p) in PASSES {
+            g = p(&g);
+        }
+    }
+    g
+}
