@@ -1,0 +1,33 @@
+//! # braze-sched: from graph to kernels
+//!
+//! `schedule` decides which values are stored (realization), groups roots into kernels
+//! (fusion, see the notes in `schedule.rs`), lowers each group to the loop IR
+//! (`loop_ir.rs`, `lower.rs`), and orders kernels and extern calls into steps.
+
+pub mod layout;
+pub mod loop_ir;
+pub mod lower;
+pub mod schedule;
+
+pub use loop_ir::{BufId, Kernel, Stmt};
+pub use schedule::{schedule, Access, BufKind, Buffer, SchedError, Schedule, Step};
+
+impl std::fmt::Display for Schedule {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        for (i, b) in self.buffers.iter().enumerate() {
+            let sh: Vec<String> = b.shape.iter().map(|e| e.to_string()).collect();
+            writeln!(f, "buf{i} = {:?} {} [{}]  // {}", b.kind, b.dtype, sh.join(", "), b.node)?;
+        }
+        for s in &self.steps {
+            match s {
+                Step::Kernel(k) => write!(f, "{}", self.kernels[*k])?,
+                Step::Extern { target, args, outs, .. } => {
+                    let a: Vec<String> = args.iter().map(|a| format!("buf{}{}", a.buf, if a.view.is_some() { "(view)" } else { "" })).collect();
+                    writeln!(f, "extern {target}({}) -> {:?}", a.join(", "), outs)?
+                }
+            }
+        }
+        let o: Vec<String> = self.outputs.iter().map(|a| format!("buf{}{}", a.buf, if a.view.is_some() { "(view)" } else { "" })).collect();
+        writeln!(f, "return {}", o.join(", "))
+    }
+}

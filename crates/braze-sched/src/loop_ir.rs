@@ -1,0 +1,162 @@
+//! The loop IR: what one kernel computes, as straight-line statements over temporaries
+//! inside a fixed loop structure.
+//!
+//! A kernel loops over `outer` (loop variables `i0..`) and, for reductions, runs one or
+//! more passes over `inner` (variables numbered after the outer ones) per outer point:
+//!
+//! ```text
+//! for outer index:            (parallel)
+//!     prelude                 (values of the outer point)
+//!     for each pass:
+//!         for inner index:    (vectorized)
+//!             body            (loads, math, stores, reduction inputs)
+//!         finish reductions   (their results are temporaries from here on)
+//!         after               (math and stores of the outer point)
+//! ```
+//! A pointwise kernel has no inner dims and one pass whose body runs per outer point.
+//! Temporaries `tN` are assigned once; their dtypes are in `Kernel::tmp_dtypes`.
+
+use braze_ir::print::fmt_lit;
+use braze_ir::{BinaryOp, DType, Expr, Lit, ReduceKind, UnaryOp};
+use std::fmt;
+
+pub type BufId = u32;
+pub type Tmp = u32;
+
+/// One statement. `dst` temporaries hold values of `Kernel::tmp_dtypes[dst]`.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Stmt {
+    /// `dst = buf[index]`, or `mask ? buf[index] : 0` when masked.
+    Load { dst: Tmp, buf: BufId, index: Expr, mask: Option<Tmp> },
+    /// `dst = value`
+    Const { dst: Tmp, value: Lit },
+    /// `dst = index` converted to dst's dtype (iota; gathered indices).
+    Index { dst: Tmp, index: Expr },
+    /// `dst = (lo <= index) && (index < hi)`: an in-bounds mask.
+    InRange { dst: Tmp, index: Expr, lo: Expr, hi: Expr },
+    Unary { dst: Tmp, op: UnaryOp, a: Tmp },
+    Binary { dst: Tmp, op: BinaryOp, a: Tmp, b: Tmp },
+    Where { dst: Tmp, c: Tmp, a: Tmp, b: Tmp },
+    /// `dst = a` converted to dst's dtype.
+    Cast { dst: Tmp, a: Tmp },
+    /// `buf[index] = value` (converted to the buffer's dtype).
+    Store { buf: BufId, index: Expr, value: Tmp },
+}
+
+/// A reduction accumulated in a pass's inner loop.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Reduction {
+    /// Temporary holding the result after the pass.
+    pub dst: Tmp,
+    pub kind: ReduceKind,
+    /// Temporary, computed in the pass body, that is reduced.
+    pub src: Tmp,
+    /// For `var`: the divisor is `count - correction`.
+    pub correction: i64,
+    /// Flattened inner index (for argmax/argmin).
+    pub inner_index: Expr,
+    /// Number of reduced elements.
+    pub count: Expr,
+}
+
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Pass {
+    pub body: Vec<Stmt>,
+    pub reductions: Vec<Reduction>,
+    pub after: Vec<Stmt>,
+}
+
+/// A buffer a kernel touches, with its dtype.
+#[derive(Clone, Debug, PartialEq)]
+pub struct BufRef {
+    pub id: BufId,
+    pub dtype: DType,
+    pub written: bool,
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct Kernel {
+    /// `braze_poi_fused_add_cos_sin_0`: kind, the ops fused, index in the graph.
+    pub name: String,
+    /// The IR nodes the kernel stores (its roots), for the source comment.
+    pub roots: Vec<String>,
+    pub outer: Vec<Expr>,
+    pub inner: Vec<Expr>,
+    pub prelude: Vec<Stmt>,
+    pub passes: Vec<Pass>,
+    pub tmp_dtypes: Vec<DType>,
+    pub bufs: Vec<BufRef>,
+}
+
+impl Kernel {
+    pub fn is_reduction(&self) -> bool {
+        self.passes.iter().any(|p| !p.reductions.is_empty())
+    }
+    /// Every size symbol the kernel's loops and indices mention.
+    pub fn syms(&self) -> Vec<u32> {
+        let mut out = Vec::new();
+        for e in self.outer.iter().chain(&self.inner) {
+            e.syms(&mut out);
+        }
+        let all = self.prelude.iter().chain(self.passes.iter().flat_map(|p| p.body.iter().chain(&p.after)));
+        for s in all {
+            match s {
+                Stmt::Load { index, .. } | Stmt::Store { index, .. } | Stmt::Index { index, .. } => index.syms(&mut out),
+                Stmt::InRange { index, lo, hi, .. } => {
+                    index.syms(&mut out);
+                    lo.syms(&mut out);
+                    hi.syms(&mut out);
+                }
+                _ => {}
+            }
+        }
+        for p in &self.passes {
+            for r in &p.reductions {
+                r.count.syms(&mut out);
+                r.inner_index.syms(&mut out);
+            }
+        }
+        out.sort();
+        out
+    }
+}
+
+impl fmt::Display for Stmt {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Stmt::Load { dst, buf, index, mask: None } => write!(f, "t{dst} = load buf{buf}[{index}]"),
+            Stmt::Load { dst, buf, index, mask: Some(m) } => write!(f, "t{dst} = load buf{buf}[{index}] if t{m}"),
+            Stmt::Const { dst, value } => write!(f, "t{dst} = {}", fmt_lit(*value)),
+            Stmt::Index { dst, index } => write!(f, "t{dst} = index {index}"),
+            Stmt::InRange { dst, index, lo, hi } => write!(f, "t{dst} = {lo} <= {index} < {hi}"),
+            Stmt::Unary { dst, op, a } => write!(f, "t{dst} = {} t{a}", op.name()),
+            Stmt::Binary { dst, op, a, b } => write!(f, "t{dst} = {} t{a}, t{b}", op.name()),
+            Stmt::Where { dst, c, a, b } => write!(f, "t{dst} = where t{c}, t{a}, t{b}"),
+            Stmt::Cast { dst, a } => write!(f, "t{dst} = cast t{a}"),
+            Stmt::Store { buf, index, value } => write!(f, "store buf{buf}[{index}] = t{value}"),
+        }
+    }
+}
+
+impl fmt::Display for Kernel {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let list = |v: &[Expr]| v.iter().map(|e| e.to_string()).collect::<Vec<_>>().join(", ");
+        writeln!(f, "kernel {} outer=[{}] inner=[{}]  // {}", self.name, list(&self.outer), list(&self.inner), self.roots.join(", "))?;
+        for s in &self.prelude {
+            writeln!(f, "  {s}")?;
+        }
+        for (i, p) in self.passes.iter().enumerate() {
+            writeln!(f, "  pass {i}:")?;
+            for s in &p.body {
+                writeln!(f, "    {s}")?;
+            }
+            for r in &p.reductions {
+                writeln!(f, "    t{} = {} t{}", r.dst, r.kind.name(), r.src)?;
+            }
+            for s in &p.after {
+                writeln!(f, "  {s}")?;
+            }
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,486 @@
+//! Lowering one fusion group to a loop-IR [`Kernel`].
+//!
+//! Every root of the group is stored at its index in the group's domain; every node between
+//! roots and loads is computed inline by `value(node, index)`, memoized per (node, index,
+//! mask) so a value used twice is computed once. Views only rewrite the index; cat and pad
+//! become masked loads; index_select and gather read an index into a temporary.
+//! Lowering fails with [`Illegal`] when the group cannot be one kernel (a reduction of this
+//! group read at another point than its own); fusion uses that as its legality test.
+
+use crate::layout::view_index;
+use crate::loop_ir::{BufId, BufRef, Kernel, Pass, Reduction, Stmt, Tmp};
+use braze_ir::{BinaryOp, DType, Expr, Graph, Lit, NodeId, Op};
+use std::collections::{HashMap, HashSet};
+
+/// The group cannot be lowered as one kernel.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Illegal(pub String);
+
+/// A group's iteration space: non-1 dims of the (reduction input or pointwise) shape, with
+/// a flag for reduced dims. Outer loop variables number the unreduced dims in order, inner
+/// variables the reduced ones.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Domain {
+    pub dims: Vec<Expr>,
+    pub reduced: Vec<bool>,
+}
+
+impl Domain {
+    pub fn outer(&self) -> Vec<Expr> {
+        self.dims.iter().zip(&self.reduced).filter(|(_, r)| !**r).map(|(d, _)| d.clone()).collect()
+    }
+    pub fn inner(&self) -> Vec<Expr> {
+        self.dims.iter().zip(&self.reduced).filter(|(_, r)| **r).map(|(d, _)| d.clone()).collect()
+    }
+    fn var(&self, d: usize) -> Expr {
+        let n_outer = self.reduced.iter().filter(|r| !**r).count();
+        let before = |flag: bool| self.reduced[..d].iter().filter(|r| **r == flag).count();
+        if self.reduced[d] {
+            Expr::var((n_outer + before(true)) as u32)
+        } else {
+            Expr::var(before(false) as u32)
+        }
+    }
+    pub fn has_reduction(&self) -> bool {
+        self.reduced.iter().any(|r| *r)
+    }
+
+    /// The domain a root alone would have.
+    pub fn of_root(g: &Graph, r: NodeId) -> Domain {
+        let n = g.node(r);
+        match &n.op {
+            Op::Reduce { dims, .. } => {
+                let t = g.ty(n.inputs[0]);
+                let keep: Vec<usize> = (0..t.rank()).filter(|&d| !t.shape[d].is_const(1)).collect();
+                Domain { dims: keep.iter().map(|&d| t.shape[d].clone()).collect(), reduced: keep.iter().map(|d| dims.contains(d)).collect() }
+            }
+            _ => {
+                let s = &g.ty(r).shape;
+                let dims: Vec<Expr> = s.iter().filter(|e| !e.is_const(1)).cloned().collect();
+                Domain { reduced: vec![false; dims.len()], dims }
+            }
+        }
+    }
+}
+
+/// Where a root is computed within its group.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Level {
+    /// Once per point of the whole domain (inside the inner loop of a pass).
+    Row,
+    /// Once per outer point (a reduction result or math on reduction results).
+    Outer,
+}
+
+/// Maps the non-1 dims of `shape` onto domain dims `ds` in order; 1-dims get index 0.
+fn map_dims(shape: &[Expr], dom: &Domain, ds: &[usize]) -> Option<Vec<Expr>> {
+    let real: Vec<usize> = (0..shape.len()).filter(|&d| !shape[d].is_const(1)).collect();
+    if real.len() != ds.len() || real.iter().zip(ds).any(|(&d, &k)| shape[d] != dom.dims[k]) {
+        return None;
+    }
+    let mut idx = vec![Expr::zero(); shape.len()];
+    for (&d, &k) in real.iter().zip(ds) {
+        idx[d] = dom.var(k);
+    }
+    Some(idx)
+}
+
+/// The index at which root `r` is stored, and its level; `None` if `r` does not fit `dom`.
+pub fn root_index(g: &Graph, dom: &Domain, r: NodeId) -> Option<(Vec<Expr>, Level)> {
+    let n = g.node(r);
+    let all: Vec<usize> = (0..dom.dims.len()).collect();
+    let outer: Vec<usize> = all.iter().copied().filter(|&k| !dom.reduced[k]).collect();
+    match &n.op {
+        Op::Reduce { dims, keepdim, .. } => {
+            let own = Domain::of_root(g, r);
+            if own.dims != dom.dims || own.reduced != dom.reduced {
+                return None;
+            }
+            let t = g.ty(n.inputs[0]);
+            let in_idx = map_dims(&t.shape, dom, &all)?;
+            let out_idx = (0..t.rank()).filter(|d| *keepdim || !dims.contains(d)).map(|d| if dims.contains(&d) { Expr::zero() } else { in_idx[d].clone() }).collect();
+            Some((out_idx, Level::Outer))
+        }
+        _ => {
+            let s = &g.ty(r).shape;
+            if let Some(idx) = map_dims(s, dom, &all) {
+                return Some((idx, Level::Row));
+            }
+            if dom.has_reduction() {
+                if let Some(idx) = map_dims(s, dom, &outer) {
+                    return Some((idx, Level::Outer));
+                }
+            }
+            None
+        }
+    }
+}
+
+/// The input index of a reduction root in its own domain.
+fn reduction_input_index(g: &Graph, dom: &Domain, r: NodeId) -> Vec<Expr> {
+    let t = g.ty(g.node(r).inputs[0]);
+    map_dims(&t.shape, dom, &(0..dom.dims.len()).collect::<Vec<_>>()).expect("checked by root_index")
+}
+
+/// What lowering needs to know about the rest of the schedule.
+pub struct Ctx<'a> {
+    pub g: &'a Graph,
+    /// The group of every root (`None` for inlined nodes, buffers, externs).
+    pub group_of: &'a [Option<usize>],
+    /// The buffer holding a node's value, its strides and dtype, for nodes read from memory.
+    pub buffer: &'a dyn Fn(NodeId) -> Option<(BufId, Vec<Expr>)>,
+}
+
+struct Builder<'a, 'c> {
+    cx: &'a Ctx<'c>,
+    me: usize,
+    tmp_dtypes: Vec<DType>,
+    out: Vec<Stmt>,
+    inner_cache: HashMap<(NodeId, Vec<Expr>, Option<Tmp>), Tmp>,
+    outer_cache: HashMap<(NodeId, Vec<Expr>, Option<Tmp>), Tmp>,
+    in_inner: bool,
+    mask: Option<Tmp>,
+    /// Finished reductions of this group: result temporary and the index it belongs to.
+    reds: HashMap<NodeId, (Tmp, Vec<Expr>)>,
+    bufs: Vec<BufRef>,
+    ops: Vec<&'static str>,
+}
+
+impl Builder<'_, '_> {
+    fn tmp(&mut self, dt: DType) -> Tmp {
+        self.tmp_dtypes.push(dt);
+        (self.tmp_dtypes.len() - 1) as Tmp
+    }
+    fn emit(&mut self, dt: DType, f: impl FnOnce(Tmp) -> Stmt) -> Tmp {
+        let t = self.tmp(dt);
+        self.out.push(f(t));
+        t
+    }
+    fn touch(&mut self, id: BufId, dtype: DType, written: bool) {
+        match self.bufs.iter_mut().find(|b| b.id == id) {
+            Some(b) => b.written |= written,
+            None => self.bufs.push(BufRef { id, dtype, written }),
+        }
+    }
+    fn mine(&self, n: NodeId) -> bool {
+        self.cx.group_of[n.index()] == Some(self.me)
+    }
+
+    fn bcast(&self, operand: NodeId, out_shape: &[Expr], idx: &[Expr]) -> Vec<Expr> {
+        let s = &self.cx.g.ty(operand).shape;
+        let off = out_shape.len() - s.len();
+        (0..s.len()).map(|d| if s[d].is_const(1) { Expr::zero() } else { idx[d + off].clone() }).collect()
+    }
+
+    fn with_mask<T>(&mut self, m: Tmp, f: impl FnOnce(&mut Self) -> Result<T, Illegal>) -> Result<T, Illegal> {
+        let saved = self.mask;
+        let combined = match saved {
+            Some(old) => self.emit(DType::Bool, |dst| Stmt::Binary { dst, op: BinaryOp::And, a: old, b: m }),
+            None => m,
+        };
+        self.mask = Some(combined);
+        let r = f(self);
+        self.mask = saved;
+        r
+    }
+
+    fn as_index(&mut self, t: Tmp) -> Expr {
+        let t = if self.tmp_dtypes[t as usize] == DType::I64 { t } else { self.emit(DType::I64, |dst| Stmt::Cast { dst, a: t }) };
+        Expr::tmp(t)
+    }
+
+    fn value(&mut self, n: NodeId, idx: &[Expr]) -> Result<Tmp, Illegal> {
+        let key = (n, idx.to_vec(), self.mask);
+        if self.in_inner {
+            if let Some(&t) = self.inner_cache.get(&key) {
+                return Ok(t);
+            }
+        }
+        if let Some(&t) = self.outer_cache.get(&key) {
+            return Ok(t);
+        }
+        let t = self.compute(n, idx)?;
+        if self.in_inner { &mut self.inner_cache } else { &mut self.outer_cache }.insert(key, t);
+        Ok(t)
+    }
+
+    fn compute(&mut self, n: NodeId, idx: &[Expr]) -> Result<Tmp, Illegal> {
+        let g = self.cx.g;
+        let node = g.node(n);
+        let is_reduce = matches!(node.op, Op::Reduce { .. });
+        if is_reduce && self.mine(n) {
+            return match self.reds.get(&n) {
+                Some((t, own)) if own.as_slice() == idx => Ok(*t),
+                Some(_) => Err(Illegal(format!("{n} is read at another point than its own"))),
+                None => Err(Illegal(format!("{n} is read before it is finished"))),
+            };
+        }
+        if !self.mine(n) {
+            if let Some((buf, strides)) = (self.cx.buffer)(n) {
+                let index = idx.iter().zip(&strides).fold(Expr::zero(), |a, (i, s)| a.add(&i.mul(s)));
+                let dt = g.ty(n).dtype;
+                self.touch(buf, dt, false);
+                let mask = self.mask;
+                return Ok(self.emit(dt, |dst| Stmt::Load { dst, buf, index, mask }));
+            }
+        }
+        let ty = g.ty(n).clone();
+        let dt = ty.dtype;
+        if !node.op.is_view() && !matches!(node.op, Op::Scalar { .. }) {
+            self.ops.push(node.op.name());
+        }
+        let ins = node.inputs.clone();
+        Ok(match &node.op {
+            Op::Scalar { value, .. } => {
+                let v = *value;
+                self.emit(dt, |dst| Stmt::Const { dst, value: v })
+            }
+            Op::Iota { start, step, .. } => {
+                let index = Expr::constant(*start).add(&idx[0].mul_c(*step));
+                self.emit(dt, |dst| Stmt::Index { dst, index })
+            }
+            Op::Unary(u) => {
+                let a = self.value(ins[0], idx)?;
+                let u = *u;
+                self.emit(dt, |dst| Stmt::Unary { dst, op: u, a })
+            }
+            Op::Binary(b) => {
+                let (ia, ib) = (self.bcast(ins[0], &ty.shape, idx), self.bcast(ins[1], &ty.shape, idx));
+                let a = self.value(ins[0], &ia)?;
+                let bb = self.value(ins[1], &ib)?;
+                let op = *b;
+                self.emit(dt, |dst| Stmt::Binary { dst, op, a, b: bb })
+            }
+            Op::Where => {
+                let mut v = [0; 3];
+                for k in 0..3 {
+                    let i = self.bcast(ins[k], &ty.shape, idx);
+                    v[k] = self.value(ins[k], &i)?;
+                }
+                self.emit(dt, |dst| Stmt::Where { dst, c: v[0], a: v[1], b: v[2] })
+            }
+            Op::Cast(_) => {
+                let a = self.value(ins[0], idx)?;
+                self.emit(dt, |dst| Stmt::Cast { dst, a })
+            }
+            op if op.is_view() => {
+                let i = view_index(g, n, idx);
+                self.value(ins[0], &i)?
+            }
+            Op::IndexSelect { dim } => {
+                let j = self.value(ins[1], &[idx[*dim].clone()])?;
+                let mut i = idx.to_vec();
+                i[*dim] = self.as_index(j);
+                self.value(ins[0], &i)?
+            }
+            Op::Gather { dim } => {
+                let j = self.value(ins[1], idx)?;
+                let mut i = idx.to_vec();
+                i[*dim] = self.as_index(j);
+                self.value(ins[0], &i)?
+            }
+            Op::Cat { dim } => {
+                let dim = *dim;
+                let mut parts = Vec::new();
+                let mut off = Expr::zero();
+                for &x in &ins {
+                    let hi = off.add(&g.ty(x).shape[dim]);
+                    let (index, lo, hi2) = (idx[dim].clone(), off.clone(), hi.clone());
+                    let m = self.emit(DType::Bool, |dst| Stmt::InRange { dst, index, lo, hi: hi2 });
+                    let mut i = idx.to_vec();
+                    i[dim] = idx[dim].sub(&off);
+                    let v = self.with_mask(m, |b| b.value(x, &i))?;
+                    parts.push((m, v));
+                    off = hi;
+                }
+                let mut acc = parts.last().unwrap().1;
+                for &(m, v) in parts.iter().rev().skip(1) {
+                    acc = self.emit(dt, |dst| Stmt::Where { dst, c: m, a: v, b: acc });
+                }
+                acc
+            }
+            Op::Pad { pads, value } => {
+                let x = ins[0];
+                let xs = g.ty(x).shape.clone();
+                let mut cond: Option<Tmp> = None;
+                let mut i = idx.to_vec();
+                for (d, &(before, after)) in pads.iter().enumerate() {
+                    if before == 0 && after == 0 {
+                        continue;
+                    }
+                    let b = Expr::constant(before);
+                    let (index, lo, hi) = (idx[d].clone(), b.clone(), b.add(&xs[d]));
+                    let m = self.emit(DType::Bool, |dst| Stmt::InRange { dst, index, lo, hi });
+                    cond = Some(match cond {
+                        Some(c) => self.emit(DType::Bool, |dst| Stmt::Binary { dst, op: BinaryOp::And, a: c, b: m }),
+                        None => m,
+                    });
+                    i[d] = idx[d].sub(&b);
+                }
+                let Some(c) = cond else { return self.value(x, idx) };
+                let v = self.with_mask(c, |bld| bld.value(x, &i))?;
+                let lit = lit_for(*value, dt);
+                let p = self.emit(dt, |dst| Stmt::Const { dst, value: lit });
+                self.emit(dt, |dst| Stmt::Where { dst, c, a: v, b: p })
+            }
+            Op::Reduce { .. } => return Err(Illegal(format!("{n}: a reduction of another group has no buffer"))),
+            Op::Input { .. } | Op::ExternOut { .. } | Op::Extern { .. } => {
+                return Err(Illegal(format!("{n} has no buffer")));
+            }
+            _ => unreachable!(),
+        })
+    }
+
+    /// Same-group reductions that `n` needs (through inlined nodes).
+    fn red_deps(&self, n: NodeId, memo: &mut HashMap<NodeId, HashSet<NodeId>>) -> HashSet<NodeId> {
+        if let Some(s) = memo.get(&n) {
+            return s.clone();
+        }
+        let g = self.cx.g;
+        let mut out = HashSet::new();
+        let node = g.node(n);
+        if !self.mine(n) && (self.cx.buffer)(n).is_some() {
+            // read from memory
+        } else {
+            for &i in &node.inputs {
+                if matches!(g.node(i).op, Op::Reduce { .. }) && self.mine(i) {
+                    out.insert(i);
+                } else {
+                    out.extend(self.red_deps(i, memo));
+                }
+            }
+        }
+        memo.insert(n, out.clone());
+        out
+    }
+
+    fn store(&mut self, r: NodeId, idx: &[Expr], value: Tmp) {
+        if let Some((buf, strides)) = (self.cx.buffer)(r) {
+            let index = idx.iter().zip(&strides).fold(Expr::zero(), |a, (i, s)| a.add(&i.mul(s)));
+            self.touch(buf, self.cx.g.ty(r).dtype, true);
+            self.out.push(Stmt::Store { buf, index, value });
+        }
+    }
+}
+
+fn lit_for(v: Lit, dt: DType) -> Lit {
+    match (v, dt.is_float(), dt == DType::Bool) {
+        (_, true, _) => Lit::F(v.as_f64()),
+        (_, _, true) => Lit::B(v.as_f64() != 0.0),
+        (Lit::F(f), _, _) => Lit::I(f as i64),
+        _ => v,
+    }
+}
+
+/// Lowers group `me` (its roots in topological order over `dom`) to a kernel.
+pub fn lower(cx: &Ctx, me: usize, dom: &Domain, roots: &[NodeId]) -> Result<Kernel, Illegal> {
+    let g = cx.g;
+    let mut b = Builder {
+        cx,
+        me,
+        tmp_dtypes: Vec::new(),
+        out: Vec::new(),
+        inner_cache: HashMap::new(),
+        outer_cache: HashMap::new(),
+        in_inner: false,
+        mask: None,
+        reds: HashMap::new(),
+        bufs: Vec::new(),
+        ops: Vec::new(),
+    };
+    // Place every root: reductions and row-level roots in a pass, outer-level roots in the
+    // prelude or after the pass whose reductions they need.
+    let mut memo = HashMap::new();
+    let mut pass_of: HashMap<NodeId, usize> = HashMap::new();
+    let mut placed: Vec<(NodeId, Vec<Expr>, Level, Option<usize>)> = Vec::new();
+    for &r in roots {
+        let (idx, level) = root_index(g, dom, r).ok_or_else(|| Illegal(format!("{r} does not fit the group's domain")))?;
+        let deps = if matches!(g.node(r).op, Op::Reduce { .. }) {
+            let mut d = b.red_deps(g.node(r).inputs[0], &mut memo);
+            if matches!(g.node(g.node(r).inputs[0]).op, Op::Reduce { .. }) && b.mine(g.node(r).inputs[0]) {
+                d.insert(g.node(r).inputs[0]);
+            }
+            d
+        } else {
+            b.red_deps(r, &mut memo)
+        };
+        let need = deps.iter().map(|d| pass_of.get(d).copied().ok_or_else(|| Illegal(format!("{r} needs {d} first")))).collect::<Result<Vec<_>, _>>()?;
+        let slot = match (matches!(g.node(r).op, Op::Reduce { .. }), level) {
+            (true, _) | (false, Level::Row) => Some(need.iter().map(|p| p + 1).max().unwrap_or(0)),
+            (false, Level::Outer) => need.iter().max().map(|p| *p),
+        };
+        if matches!(g.node(r).op, Op::Reduce { .. }) {
+            pass_of.insert(r, slot.unwrap());
+        }
+        placed.push((r, idx, level, slot));
+    }
+    let is_red = |r: NodeId| matches!(g.node(r).op, Op::Reduce { .. });
+    let n_passes = placed.iter().filter(|(r, _, l, _)| is_red(*r) || *l == Level::Row).filter_map(|p| p.3).max().map(|m| m + 1).unwrap_or(0);
+    if !dom.has_reduction() && placed.iter().any(|p| is_red(p.0)) {
+        // Reductions over size-1 dims only: still one pass with an empty inner loop.
+    }
+    // Prelude: outer-level roots that need no reduction.
+    for (r, idx, level, slot) in &placed {
+        if *level == Level::Outer && slot.is_none() && !is_red(*r) {
+            let v = b.value(*r, idx)?;
+            b.store(*r, idx, v);
+        }
+    }
+    let prelude = std::mem::take(&mut b.out);
+    let inner = dom.inner();
+    let n_outer = dom.outer().len();
+    let inner_cs = braze_ir::contiguous_strides(&inner);
+    let inner_index = inner_cs.iter().enumerate().fold(Expr::zero(), |a, (k, s)| a.add(&Expr::var((n_outer + k) as u32).mul(s)));
+    let count = inner.iter().fold(Expr::one(), |a, s| a.mul(s));
+    let mut passes = Vec::new();
+    for p in 0..n_passes.max(if placed.iter().any(|x| x.2 == Level::Row) { 1 } else { 0 }) {
+        b.in_inner = true;
+        b.inner_cache.clear();
+        let mut reductions = Vec::new();
+        for (r, idx, level, slot) in &placed {
+            if *slot != Some(p) {
+                continue;
+            }
+            if is_red(*r) {
+                let Op::Reduce { kind, correction, .. } = g.node(*r).op.clone() else { unreachable!() };
+                let in_idx = reduction_input_index(g, dom, *r);
+                let src = b.value(g.node(*r).inputs[0], &in_idx)?;
+                let dst = b.tmp(g.ty(*r).dtype);
+                b.ops.push(kind.name());
+                reductions.push((*r, idx.clone(), Reduction { dst, kind, src, correction, inner_index: inner_index.clone(), count: count.clone() }));
+            } else if *level == Level::Row {
+                let v = b.value(*r, idx)?;
+                b.store(*r, idx, v);
+            }
+        }
+        let body = std::mem::take(&mut b.out);
+        b.in_inner = false;
+        for (r, idx, red) in &reductions {
+            b.reds.insert(*r, (red.dst, idx.clone()));
+            b.store(*r, idx, red.dst);
+        }
+        for (r, idx, level, slot) in &placed {
+            if *level == Level::Outer && !is_red(*r) && *slot == Some(p) {
+                let v = b.value(*r, idx)?;
+                b.store(*r, idx, v);
+            }
+        }
+        let after = std::mem::take(&mut b.out);
+        passes.push(Pass { body, reductions: reductions.into_iter().map(|x| x.2).collect(), after });
+    }
+    let mut ops = b.ops.clone();
+    ops.sort();
+    ops.dedup();
+    ops.truncate(6);
+    let kind = if passes.iter().any(|p| !p.reductions.is_empty()) { "red" } else { "poi" };
+    Ok(Kernel {
+        name: format!("braze_{kind}_fused_{}", ops.join("_")),
+        roots: roots.iter().map(|r| r.to_string()).collect(),
+        outer: dom.outer(),
+        inner,
+        prelude,
+        passes,
+        tmp_dtypes: b.tmp_dtypes,
+        bufs: b.bufs,
+    })
+}

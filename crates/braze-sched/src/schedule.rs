@@ -1,0 +1,378 @@
+//! From an optimized graph to a [`Schedule`]: which values live in memory (realization),
+//! which roots share a kernel (fusion), the kernels in loop IR, and the ordered steps
+//! (kernels and extern calls) with the buffers they read and write.
+//!
+//! [Note: realization] A node's value is stored to a buffer only when something outside
+//! a kernel needs it: a graph output, an extern operand, or a root of another kernel. Views
+//! of stored values are handed to externs and outputs as strided views, never copied,
+//! unless a reshape makes that impossible. Pointwise nodes otherwise are computed inline
+//! inside each kernel that uses them; one used by several kernels is stored when it is not
+//! cheap to recompute (more than `RECOMPUTE_LIMIT` ops).
+//!
+//! [Note: fusion] Roots (stored pointwise nodes and every reduction) are visited in order.
+//! A root joins an earlier kernel when (1) its shape fits the kernel's domain (the same
+//! iteration space, or for reduction kernels the space of kept dims), (2) every step it
+//! depends on runs before that kernel, and (3) the kernel still lowers (a reduction is only
+//! read at its own point). Otherwise it starts a new kernel. The candidates are the kernels
+//! whose roots it reads, latest first, then the latest kernel (sibling fusion).
+
+use crate::layout::{strided, view_base, View};
+use crate::loop_ir::{BufId, Kernel};
+use crate::lower::{lower, root_index, Ctx, Domain, Illegal};
+use braze_ir::{contiguous_strides, DType, Expr, Graph, NodeId, Op};
+use std::collections::HashSet;
+
+const RECOMPUTE_LIMIT: usize = 4;
+
+#[derive(Clone, Debug, PartialEq)]
+pub enum BufKind {
+    /// Graph input `n`.
+    Input(u32),
+    /// A result of an extern call.
+    ExternOut,
+    /// Written by a kernel; allocated by the runtime, contiguous.
+    Temp,
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct Buffer {
+    pub node: NodeId,
+    pub dtype: DType,
+    pub shape: Vec<Expr>,
+    pub strides: Vec<Expr>,
+    pub kind: BufKind,
+}
+
+/// How a step or output reads a value: a buffer, or a strided view of one.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Access {
+    pub buf: BufId,
+    pub view: Option<View>,
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub enum Step {
+    /// Run kernel `n`.
+    Kernel(usize),
+    /// Call ATen op `target` (extern node `node`) on `args`; its results fill `outs`.
+    Extern { node: NodeId, target: String, args: Vec<Access>, outs: Vec<BufId> },
+}
+
+#[derive(Clone, Debug, Default)]
+pub struct Schedule {
+    pub buffers: Vec<Buffer>,
+    pub kernels: Vec<Kernel>,
+    pub steps: Vec<Step>,
+    pub outputs: Vec<Access>,
+    /// Buffers that can be dropped after each step.
+    pub frees: Vec<Vec<BufId>>,
+    /// Why roots did not join a kernel (for `BRAZE_LOGS=fusion`).
+    pub log: Vec<String>,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum SchedError {
+    #[error("cannot schedule: {0}")]
+    Unsupported(String),
+}
+
+struct Group {
+    dom: Domain,
+    roots: Vec<NodeId>,
+    /// Creation order among steps (kernels and externs).
+    order: usize,
+}
+
+fn is_compute(op: &Op) -> bool {
+    op.is_pointwise() || op.is_view() || matches!(op, Op::Scalar { .. } | Op::Iota { .. } | Op::Reduce { .. })
+}
+
+/// Buffer nodes and roots reachable from `n` without passing through another root.
+fn reads(g: &Graph, n: NodeId, stored: &[bool], out: &mut HashSet<NodeId>, seen: &mut HashSet<NodeId>) {
+    for &i in &g.node(n).inputs {
+        if !seen.insert(i) {
+            continue;
+        }
+        if stored[i.index()] || matches!(g.node(i).op, Op::Reduce { .. }) {
+            out.insert(i);
+        } else {
+            reads(g, i, stored, out, seen);
+        }
+    }
+}
+
+fn inline_cost(g: &Graph, n: NodeId, stored: &[bool], seen: &mut HashSet<NodeId>) -> usize {
+    let mut c = 1;
+    for &i in &g.node(n).inputs {
+        if seen.insert(i) && !stored[i.index()] && !matches!(g.node(i).op, Op::Reduce { .. }) {
+            c += inline_cost(g, i, stored, seen);
+        }
+    }
+    c
+}
+
+pub fn schedule(g: &Graph) -> Result<Schedule, SchedError> {
+    let n = g.nodes.len();
+    let mut stored = vec![false; n];
+    // Values that must be in memory, as themselves or as the base of a strided view.
+    let need_access = |stored: &mut Vec<bool>, o: NodeId| {
+        let base = view_base(g, o);
+        if base == o {
+            stored[o.index()] = true;
+            return;
+        }
+        let base_strides = base_strides(g, base);
+        if matches!(g.node(base).op, Op::Scalar { .. } | Op::Iota { .. }) || strided(g, o, &base_strides).is_none() {
+            stored[o.index()] = true;
+        } else {
+            stored[base.index()] = true;
+        }
+    };
+    for id in g.ids() {
+        let node = g.node(id);
+        if node.op.is_buffer() {
+            stored[id.index()] = true;
+        }
+        if matches!(node.op, Op::Extern { .. }) {
+            for &i in &node.inputs {
+                need_access(&mut stored, i);
+            }
+        }
+    }
+    for &o in &g.outputs {
+        need_access(&mut stored, o);
+    }
+    for id in g.ids() {
+        if let Op::Extern { .. } = g.node(id).op {
+            continue;
+        }
+        if !is_compute(&g.node(id).op) && !g.node(id).op.is_buffer() {
+            return Err(SchedError::Unsupported(format!("{id}: {}", g.node(id).op.name())));
+        }
+    }
+    let mut log = Vec::new();
+    let (mut groups, mut group_of, mut ext_order) = fuse(g, &stored, &mut log)?;
+    // Store pointwise values recomputed by several kernels when they are not cheap.
+    for _ in 0..3 {
+        let mut users_in: Vec<HashSet<usize>> = vec![HashSet::new(); n];
+        for (k, gr) in groups.iter().enumerate() {
+            for &r in &gr.roots {
+                let mut seen = HashSet::new();
+                mark_inlined(g, r, &stored, &mut users_in, k, &mut seen);
+            }
+        }
+        let mut changed = false;
+        for id in g.ids() {
+            let op = &g.node(id).op;
+            if !stored[id.index()] && op.is_pointwise() && users_in[id.index()].len() > 1 && inline_cost(g, id, &stored, &mut HashSet::new()) > RECOMPUTE_LIMIT {
+                stored[id.index()] = true;
+                changed = true;
+            }
+        }
+        if !changed {
+            break;
+        }
+        log.clear();
+        (groups, group_of, ext_order) = fuse(g, &stored, &mut log)?;
+    }
+    // Reductions read by other steps are stored too.
+    for (k, gr) in groups.iter().enumerate() {
+        for &r in &gr.roots {
+            let mut rs = HashSet::new();
+            reads(g, r, &stored, &mut rs, &mut HashSet::new());
+            for x in rs {
+                if matches!(g.node(x).op, Op::Reduce { .. }) && group_of[x.index()] != Some(k) {
+                    stored[x.index()] = true;
+                }
+            }
+        }
+    }
+    // Buffers.
+    let mut buffers = Vec::new();
+    let mut buf_of: Vec<Option<BufId>> = vec![None; n];
+    for id in g.ids() {
+        if !stored[id.index()] {
+            continue;
+        }
+        let ty = g.ty(id);
+        let (kind, strides) = match &g.node(id).op {
+            Op::Input { index, strides } => (BufKind::Input(*index), strides.clone()),
+            Op::ExternOut { strides, .. } => (BufKind::ExternOut, strides.clone()),
+            _ => (BufKind::Temp, contiguous_strides(&ty.shape)),
+        };
+        buf_of[id.index()] = Some(buffers.len() as BufId);
+        buffers.push(Buffer { node: id, dtype: ty.dtype, shape: ty.shape.clone(), strides, kind });
+    }
+    let buffer = |id: NodeId| buf_of[id.index()].map(|b| (b, buffers[b as usize].strides.clone()));
+    let cx = Ctx { g, group_of: &group_of, buffer: &buffer };
+    // Steps in creation order (a topological order by construction).
+    let mut order: Vec<(usize, Option<usize>, Option<NodeId>)> = groups.iter().enumerate().map(|(k, gr)| (gr.order, Some(k), None)).collect();
+    order.extend(ext_order.iter().map(|&(o, e)| (o, None, Some(e))));
+    order.sort_by_key(|x| x.0);
+    let mut kernels = Vec::new();
+    let mut steps = Vec::new();
+    let access = |o: NodeId| -> Access {
+        if let Some(b) = buf_of[o.index()] {
+            return Access { buf: b, view: None };
+        }
+        let base = view_base(g, o);
+        let b = buf_of[base.index()].expect("realized base");
+        Access { buf: b, view: strided(g, o, &buffers[b as usize].strides) }
+    };
+    for (_, k, e) in order {
+        if let Some(k) = k {
+            let gr = &groups[k];
+            let mut kern = lower(&cx, k, &gr.dom, &gr.roots).map_err(|Illegal(m)| SchedError::Unsupported(format!("lowering failed: {m}")))?;
+            kern.name = format!("{}_{}", kern.name, kernels.len());
+            steps.push(Step::Kernel(kernels.len()));
+            kernels.push(kern);
+        } else if let Some(e) = e {
+            let Op::Extern { target, outputs } = &g.node(e).op else { unreachable!() };
+            let mut outs = vec![u32::MAX; *outputs as usize];
+            for id in g.ids() {
+                if let Op::ExternOut { index, .. } = g.node(id).op {
+                    if g.node(id).inputs[0] == e {
+                        outs[index as usize] = buf_of[id.index()].unwrap();
+                    }
+                }
+            }
+            let args = g.node(e).inputs.iter().map(|&i| access(i)).collect();
+            steps.push(Step::Extern { node: e, target: target.clone(), args, outs });
+        }
+    }
+    let outputs: Vec<Access> = g.outputs.iter().map(|&o| access(o)).collect();
+    let frees = plan_frees(&buffers, &kernels, &steps, &outputs);
+    Ok(Schedule { buffers, kernels, steps, outputs, frees, log })
+}
+
+fn base_strides(g: &Graph, base: NodeId) -> Vec<Expr> {
+    match &g.node(base).op {
+        Op::Input { strides, .. } | Op::ExternOut { strides, .. } => strides.clone(),
+        _ => contiguous_strides(&g.ty(base).shape),
+    }
+}
+
+fn mark_inlined(g: &Graph, n: NodeId, stored: &[bool], users_in: &mut [HashSet<usize>], k: usize, seen: &mut HashSet<NodeId>) {
+    for &i in &g.node(n).inputs {
+        if seen.insert(i) && !stored[i.index()] && !matches!(g.node(i).op, Op::Reduce { .. }) {
+            users_in[i.index()].insert(k);
+            mark_inlined(g, i, stored, users_in, k, seen);
+        }
+    }
+}
+
+type Fused = (Vec<Group>, Vec<Option<usize>>, Vec<(usize, NodeId)>);
+
+fn fuse(g: &Graph, stored: &[bool], log: &mut Vec<String>) -> Result<Fused, SchedError> {
+    let mut groups: Vec<Group> = Vec::new();
+    let mut group_of: Vec<Option<usize>> = vec![None; g.nodes.len()];
+    let mut step_of: Vec<Option<usize>> = vec![None; g.nodes.len()];
+    let mut externs = Vec::new();
+    let mut next_order = 0;
+    let dummy = |id: NodeId| if stored[id.index()] || matches!(g.node(id).op, Op::Reduce { .. }) { Some((id.0, contiguous_strides(&g.ty(id).shape))) } else { None };
+    for id in g.ids() {
+        let node = g.node(id);
+        if let Op::Extern { .. } = node.op {
+            externs.push((next_order, id));
+            step_of[id.index()] = Some(next_order);
+            next_order += 1;
+            continue;
+        }
+        if let Op::ExternOut { .. } = node.op {
+            step_of[id.index()] = step_of[node.inputs[0].index()];
+            continue;
+        }
+        let is_root = matches!(node.op, Op::Reduce { .. }) || (stored[id.index()] && !node.op.is_buffer());
+        if !is_root {
+            continue;
+        }
+        let mut rs = HashSet::new();
+        reads(g, id, stored, &mut rs, &mut HashSet::new());
+        // Steps this root depends on, and candidate groups.
+        let dep_steps: Vec<usize> = rs.iter().filter_map(|x| step_of[x.index()]).collect();
+        let mut cands: Vec<usize> = rs.iter().filter_map(|x| group_of[x.index()]).collect();
+        cands.sort_by_key(|&k| std::cmp::Reverse(groups[k].order));
+        cands.dedup();
+        if let Some(last) = groups.len().checked_sub(1) {
+            if !cands.contains(&last) {
+                cands.push(last);
+            }
+        }
+        let mut joined = None;
+        for k in cands {
+            let gr = &groups[k];
+            if dep_steps.iter().any(|&s| s > gr.order) {
+                log.push(format!("{id} not fused into group {k}: it needs a step that runs later"));
+                continue;
+            }
+            let own = Domain::of_root(g, id);
+            let dom = if root_index(g, &gr.dom, id).is_some() {
+                gr.dom.clone()
+            } else if !gr.dom.has_reduction() && own.dims == gr.dom.dims {
+                own
+            } else {
+                log.push(format!("{id} not fused into group {k}: iteration space differs"));
+                continue;
+            };
+            let mut roots = gr.roots.clone();
+            roots.push(id);
+            let mut trial_group = group_of.clone();
+            trial_group[id.index()] = Some(k);
+            let cx = Ctx { g, group_of: &trial_group, buffer: &dummy };
+            match lower(&cx, k, &dom, &roots) {
+                Ok(_) => {
+                    joined = Some((k, dom));
+                    break;
+                }
+                Err(Illegal(m)) => log.push(format!("{id} not fused into group {k}: {m}")),
+            }
+        }
+        match joined {
+            Some((k, dom)) => {
+                groups[k].dom = dom;
+                groups[k].roots.push(id);
+                group_of[id.index()] = Some(k);
+                step_of[id.index()] = Some(groups[k].order);
+            }
+            None => {
+                groups.push(Group { dom: Domain::of_root(g, id), roots: vec![id], order: next_order });
+                group_of[id.index()] = Some(groups.len() - 1);
+                step_of[id.index()] = Some(next_order);
+                next_order += 1;
+            }
+        }
+    }
+    Ok((groups, group_of, externs))
+}
+
+/// For each step, the temp and extern buffers whose last reader it is (outputs excluded).
+fn plan_frees(buffers: &[Buffer], kernels: &[Kernel], steps: &[Step], outputs: &[Access]) -> Vec<Vec<BufId>> {
+    let mut last = vec![None; buffers.len()];
+    for (s, st) in steps.iter().enumerate() {
+        match st {
+            Step::Kernel(k) => {
+                for b in &kernels[*k].bufs {
+                    last[b.id as usize] = Some(s);
+                }
+            }
+            Step::Extern { args, outs, .. } => {
+                for a in args {
+                    last[a.buf as usize] = Some(s);
+                }
+                for &o in outs {
+                    if last[o as usize].is_none() {
+                        last[o as usize] = Some(s);
+                    }
+                }
+            }
+        }
+    }
+    let mut frees = vec![Vec::new(); steps.len()];
+    for (b, l) in last.iter().enumerate() {
+        let is_out = outputs.iter().any(|a| a.buf as usize == b);
+        if let (Some(s), false, false) = (l, is_out, matches!(buffers[b].kind, BufKind::Input(_))) {
+            frees[*s].push(b as BufId);
+        }
+    }
+    frees
+}
