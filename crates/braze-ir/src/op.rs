@@ -47,7 +47,7 @@ named_enum! {
         Sqrt = "sqrt", Rsqrt = "rsqrt", Sin = "sin", Cos = "cos", Tan = "tan",
         Asin = "asin", Acos = "acos", Atan = "atan", Sinh = "sinh", Cosh = "cosh",
         Tanh = "tanh", Asinh = "asinh", Acosh = "acosh", Atanh = "atanh",
-        Sigmoid = "sigmoid", Relu = "relu", Erf = "erf", Erfc = "erfc", Erfinv = "erfinv",
+        Sigmoid = "sigmoid", Relu = "relu", Erf = "erf", Erfc = "erfc",
         Reciprocal = "reciprocal", Floor = "floor", Ceil = "ceil", Round = "round",
         Trunc = "trunc", Sign = "sign", Lgamma = "lgamma",
         /// Logical not; result is bool.

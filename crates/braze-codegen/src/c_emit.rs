@@ -1,0 +1,301 @@
+//! Statements of the loop IR as C expressions, shared by every dialect.
+
+use crate::dialect::{compute_type, Dialect};
+use crate::CodegenError;
+use braze_ir::{Atom, BinaryOp, DType, Expr, Lit, ReduceKind, UnaryOp};
+use braze_sched::loop_ir::{Kernel, Reduction, Stmt};
+
+/// Index expressions in C (all index arithmetic is on non-negative int64 values).
+pub fn index(e: &Expr) -> String {
+    e.render(&|a| match a {
+        Atom::Sym(n) => format!("s{n}"),
+        Atom::Var(n) => format!("i{n}"),
+        Atom::Tmp(n) => format!("t{n}"),
+        _ => unreachable!(),
+    })
+}
+
+pub fn lit(v: Lit, dt: DType) -> String {
+    match dt {
+        DType::Bool => (if v.as_f64() != 0.0 { "true" } else { "false" }).into(),
+        d if d.is_float() => {
+            let x = v.as_f64();
+            let s = if x.is_nan() {
+                "NAN".to_string()
+            } else if x.is_infinite() {
+                (if x > 0.0 { "INFINITY" } else { "(-INFINITY)" }).to_string()
+            } else {
+                let s = format!("{x:?}");
+                if s.contains(['.', 'e']) {
+                    s
+                } else {
+                    format!("{s}.0")
+                }
+            };
+            if d == DType::F64 || x.is_nan() || x.is_infinite() {
+                format!("(({})({s}))", compute_type(d))
+            } else {
+                format!("{s}f")
+            }
+        }
+        d => {
+            let i = match v {
+                Lit::I(i) => i,
+                Lit::B(b) => b as i64,
+                Lit::F(f) => f as i64,
+            };
+            if i == i64::MIN {
+                format!("(({})INT64_MIN)", compute_type(d))
+            } else {
+                format!("(({}){i}LL)", compute_type(d))
+            }
+        }
+    }
+}
+
+pub struct Emitter<'a> {
+    pub k: &'a Kernel,
+    pub d: &'a dyn Dialect,
+}
+
+impl Emitter<'_> {
+    fn dt(&self, t: u32) -> DType {
+        self.k.tmp_dtypes[t as usize]
+    }
+    fn buf_dtype(&self, id: u32) -> DType {
+        self.k.bufs.iter().find(|b| b.id == id).map(|b| b.dtype).expect("buffer of kernel")
+    }
+
+    fn load(&self, buf: u32, idx: &Expr) -> String {
+        let raw = format!("b{buf}[{}]", index(idx));
+        match self.buf_dtype(buf) {
+            DType::F16 => format!("bz_h2f({raw})"),
+            DType::BF16 => format!("bz_bf2f({raw})"),
+            _ => raw,
+        }
+    }
+
+    /// One statement as a line of C.
+    pub fn stmt(&self, s: &Stmt) -> Result<String, CodegenError> {
+        let decl = |t: u32, rhs: String| format!("{} t{t} = {rhs};", compute_type(self.dt(t)));
+        Ok(match s {
+            Stmt::Load { dst, buf, index: i, mask: None } => decl(*dst, self.load(*buf, i)),
+            Stmt::Load { dst, buf, index: i, mask: Some(m) } => {
+                decl(*dst, format!("t{m} ? {} : ({})0", self.load(*buf, i), compute_type(self.dt(*dst))))
+            }
+            Stmt::Const { dst, value } => decl(*dst, lit(*value, self.dt(*dst))),
+            Stmt::Index { dst, index: i } => decl(*dst, format!("({})({})", compute_type(self.dt(*dst)), index(i))),
+            Stmt::InRange { dst, index: i, lo, hi } => {
+                let v = index(i);
+                decl(*dst, format!("({} <= ({v})) && (({v}) < {})", index(lo), index(hi)))
+            }
+            Stmt::Unary { dst, op, a } => decl(*dst, self.unary(*op, format!("t{a}"), self.dt(*a))?),
+            Stmt::Binary { dst, op, a, b } => decl(*dst, self.binary(*op, format!("t{a}"), format!("t{b}"), self.dt(*a))?),
+            Stmt::Where { dst, c, a, b } => decl(*dst, format!("t{c} ? t{a} : t{b}")),
+            Stmt::Cast { dst, a } => decl(*dst, cast(&format!("t{a}"), self.dt(*a), self.dt(*dst))),
+            Stmt::Store { buf, index: i, value } => {
+                let v = format!("t{value}");
+                let from = self.dt(*value);
+                let rhs = match self.buf_dtype(*buf) {
+                    DType::F16 => format!("bz_f2h({v})"),
+                    DType::BF16 => format!("bz_f2bf({v})"),
+                    to => cast(&v, from, to),
+                };
+                format!("b{buf}[{}] = {rhs};", index(i))
+            }
+        })
+    }
+
+    fn unary(&self, op: UnaryOp, a: String, dt: DType) -> Result<String, CodegenError> {
+        use UnaryOp::*;
+        let ct = compute_type(dt);
+        if dt.is_float() {
+            let m = |f: &str| format!("{}({a})", self.d.math(f, dt));
+            return Ok(match op {
+                Neg => format!("-{a}"),
+                Abs => m("fabs"),
+                Exp | Exp2 | Expm1 | Log | Log2 | Log10 | Log1p | Sqrt | Sin | Cos | Tan | Asin | Acos | Atan | Sinh | Cosh | Tanh | Asinh | Acosh | Atanh | Erf | Erfc | Floor | Ceil | Trunc | Lgamma => m(op.name()),
+                Round => m("nearbyint"),
+                Rsqrt => format!("({ct})1 / {}", m("sqrt")),
+                Reciprocal => format!("({ct})1 / {a}"),
+                Sigmoid => format!("({ct})1 / (({ct})1 + {}({}))", self.d.math("exp", dt), format_args!("-{a}")),
+                Relu => format!("{a} < 0 ? ({ct})0 : {a}"),
+                Sign => format!("{a} != {a} ? {a} : ({ct})(({a} > 0) - ({a} < 0))"),
+                Not => format!("{a} == 0"),
+                IsNan => format!("{a} != {a}"),
+                IsInf => format!("isinf({a})"),
+                BitwiseNot => return Err(CodegenError::Unsupported(format!("{} on {dt}", op.name()))),
+            });
+        }
+        Ok(match op {
+            Neg => format!("({ct})-{a}"),
+            Abs => format!("({ct})({a} < 0 ? -{a} : {a})"),
+            Relu => format!("({ct})({a} < 0 ? 0 : {a})"),
+            Sign => format!("({ct})(({a} > 0) - ({a} < 0))"),
+            Not => format!("!{a}"),
+            BitwiseNot if dt == DType::Bool => format!("!{a}"),
+            BitwiseNot => format!("({ct})~{a}"),
+            IsNan | IsInf => "false".into(),
+            _ => return Err(CodegenError::Unsupported(format!("{} on {dt}", op.name()))),
+        })
+    }
+
+    fn binary(&self, op: BinaryOp, a: String, b: String, dt: DType) -> Result<String, CodegenError> {
+        use BinaryOp::*;
+        let ct = compute_type(dt);
+        let cmp = |o: &str| format!("{a} {o} {b}");
+        let common = match op {
+            Eq => Some(cmp("==")),
+            Ne => Some(cmp("!=")),
+            Lt => Some(cmp("<")),
+            Le => Some(cmp("<=")),
+            Gt => Some(cmp(">")),
+            Ge => Some(cmp(">=")),
+            And => Some(format!("({a} != 0) && ({b} != 0)")),
+            Or => Some(format!("({a} != 0) || ({b} != 0)")),
+            Xor => Some(format!("({a} != 0) != ({b} != 0)")),
+            _ => None,
+        };
+        if let Some(c) = common {
+            return Ok(c);
+        }
+        if dt.is_float() {
+            let m = |f: &str| format!("{}({a}, {b})", self.d.math(f, dt));
+            return Ok(match op {
+                Add => cmp("+"),
+                Sub => cmp("-"),
+                Mul => cmp("*"),
+                Div => cmp("/"),
+                FloorDiv => format!("{}({a} / {b})", self.d.math("floor", dt)),
+                Rem => format!("bz_rem_{ct}({a}, {b})"),
+                Fmod => m("fmod"),
+                Pow => m("pow"),
+                Max => format!("({a} != {a} || {a} > {b}) ? {a} : {b}"),
+                Min => format!("({a} != {a} || {a} < {b}) ? {a} : {b}"),
+                Atan2 => m("atan2"),
+                Hypot => m("hypot"),
+                Copysign => m("copysign"),
+                _ => return Err(CodegenError::Unsupported(format!("{} on {dt}", op.name()))),
+            });
+        }
+        Ok(match op {
+            Add | Sub | Mul if dt == DType::Bool => return Err(CodegenError::Unsupported(format!("{} on bool", op.name()))),
+            Add => format!("({ct})({a} + {b})"),
+            Sub => format!("({ct})({a} - {b})"),
+            Mul => format!("({ct})({a} * {b})"),
+            FloorDiv if dt != DType::Bool => format!("({ct})bz_floordiv_i64({a}, {b})"),
+            Rem if dt != DType::Bool => format!("({ct})bz_rem_i64({a}, {b})"),
+            Fmod if dt != DType::Bool => format!("({ct})({b} == 0 ? 0 : {a} % {b})"),
+            Pow if dt != DType::Bool => format!("({ct})bz_pow_i64({a}, {b})"),
+            Max => format!("{a} > {b} ? {a} : {b}"),
+            Min => format!("{a} < {b} ? {a} : {b}"),
+            BitAnd => format!("({ct})({a} & {b})"),
+            BitOr => format!("({ct})({a} | {b})"),
+            BitXor => format!("({ct})({a} ^ {b})"),
+            Shl if dt != DType::Bool => format!("({ct})({a} << {b})"),
+            Shr if dt != DType::Bool => format!("({ct})({a} >> {b})"),
+            _ => return Err(CodegenError::Unsupported(format!("{} on {dt}", op.name()))),
+        })
+    }
+
+    /// Declarations of a reduction's accumulator before the inner loop.
+    pub fn red_init(&self, r: &Reduction) -> Vec<String> {
+        let sdt = self.dt(r.src);
+        let st = compute_type(sdt);
+        let acc = acc_type(r.kind, sdt);
+        let n = r.dst;
+        match r.kind {
+            ReduceKind::Sum => vec![format!("{acc} a{n} = 0;")],
+            ReduceKind::Prod => vec![format!("{acc} a{n} = 1;")],
+            ReduceKind::Max | ReduceKind::Min | ReduceKind::ArgMax | ReduceKind::ArgMin => {
+                let is_max = matches!(r.kind, ReduceKind::Max | ReduceKind::ArgMax);
+                let init = if sdt.is_float() {
+                    if is_max { "(-INFINITY)" } else { "INFINITY" }.to_string()
+                } else if sdt == DType::Bool {
+                    (if is_max { "false" } else { "true" }).to_string()
+                } else {
+                    format!("bz_{}_{st}", if is_max { "min" } else { "max" })
+                };
+                let mut v = vec![format!("{st} a{n} = {init};")];
+                if matches!(r.kind, ReduceKind::ArgMax | ReduceKind::ArgMin) {
+                    v.push(format!("int64_t ai{n} = 0;"));
+                }
+                v
+            }
+            ReduceKind::Any => vec![format!("bool a{n} = false;")],
+            ReduceKind::All => vec![format!("bool a{n} = true;")],
+            ReduceKind::Var => vec![format!("{st} wm{n} = 0, wq{n} = 0; int64_t wn{n} = 0;")],
+        }
+    }
+
+    /// The accumulator update inside the inner loop.
+    pub fn red_update(&self, r: &Reduction) -> String {
+        let (n, s) = (r.dst, format!("t{}", r.src));
+        let fl = self.dt(r.src).is_float();
+        let nan_first = |cmp: &str| if fl { format!("({s} != {s} && a{n} == a{n}) || {s} {cmp} a{n}") } else { format!("{s} {cmp} a{n}") };
+        match r.kind {
+            ReduceKind::Sum => format!("a{n} += {s};"),
+            ReduceKind::Prod => format!("a{n} *= {s};"),
+            ReduceKind::Max => format!("a{n} = ({}) ? {s} : a{n};", if fl { format!("{s} != {s} || {s} > a{n}") } else { format!("{s} > a{n}") }),
+            ReduceKind::Min => format!("a{n} = ({}) ? {s} : a{n};", if fl { format!("{s} != {s} || {s} < a{n}") } else { format!("{s} < a{n}") }),
+            ReduceKind::ArgMax => format!("if ({}) {{ a{n} = {s}; ai{n} = {}; }}", nan_first(">"), index(&r.inner_index)),
+            ReduceKind::ArgMin => format!("if ({}) {{ a{n} = {s}; ai{n} = {}; }}", nan_first("<"), index(&r.inner_index)),
+            ReduceKind::Any => format!("a{n} |= ({s} != 0);"),
+            ReduceKind::All => format!("a{n} &= ({s} != 0);"),
+            ReduceKind::Var => format!("{{ wn{n} += 1; {ct} d = {s} - wm{n}; wm{n} += d / ({ct})wn{n}; wq{n} += d * ({s} - wm{n}); }}", ct = compute_type(self.dt(r.src))),
+        }
+    }
+
+    /// The result temporary after the inner loop.
+    pub fn red_final(&self, r: &Reduction) -> String {
+        let n = r.dst;
+        let ct = compute_type(self.dt(n));
+        match r.kind {
+            ReduceKind::ArgMax | ReduceKind::ArgMin => format!("{ct} t{n} = ai{n};"),
+            ReduceKind::Var => format!("{ct} t{n} = ({ct})(wq{n} / ({}) (wn{n} - {}));", compute_type(self.dt(r.src)), r.correction),
+            _ => format!("{ct} t{n} = ({ct})a{n};"),
+        }
+    }
+
+    /// The `reduction(...)` clause for a vectorized inner loop, or `None` when some
+    /// accumulator of the pass cannot be vectorized that way.
+    pub fn simd_clause(&self, reds: &[Reduction]) -> Option<String> {
+        let mut plus = Vec::new();
+        let mut times = Vec::new();
+        for r in reds {
+            match r.kind {
+                ReduceKind::Sum => plus.push(format!("a{}", r.dst)),
+                ReduceKind::Prod => times.push(format!("a{}", r.dst)),
+                _ => return None,
+            }
+        }
+        let mut c = String::new();
+        if !plus.is_empty() {
+            c.push_str(&format!(" reduction(+:{})", plus.join(",")));
+        }
+        if !times.is_empty() {
+            c.push_str(&format!(" reduction(*:{})", times.join(",")));
+        }
+        Some(c)
+    }
+}
+
+fn acc_type(kind: ReduceKind, src: DType) -> &'static str {
+    match kind {
+        ReduceKind::Sum | ReduceKind::Prod if !src.is_float() => "int64_t",
+        _ => compute_type(src),
+    }
+}
+
+/// Converts a computed value to another dtype (C semantics; bool is `!= 0`; half types round).
+pub fn cast(v: &str, from: DType, to: DType) -> String {
+    if from == to {
+        return v.to_string();
+    }
+    match to {
+        DType::Bool => format!("({v} != 0)"),
+        DType::F16 => format!("bz_round_h((float){v})"),
+        DType::BF16 => format!("bz_round_bf((float){v})"),
+        _ => format!("({}){v}", compute_type(to)),
+    }
+}

@@ -1,0 +1,196 @@
+//! The C + OpenMP dialect: one C file per graph, one function per kernel with the
+//! signature `void NAME(void** B, const int64_t* S)` (B: every buffer of the graph by id,
+//! S: the size symbols). Outer loops run in parallel, the innermost loop is vectorized
+//! (`omp simd`, with a reduction clause for sums and products).
+
+use crate::c_emit::Emitter;
+use crate::dialect::{compute_type, storage_type, Dialect};
+use crate::CodegenError;
+use braze_ir::Expr;
+use braze_sched::loop_ir::Kernel;
+use std::fmt::Write;
+
+pub struct OpenMp;
+
+const PRELUDE: &str = r#"#include <math.h>
+#include <stdbool.h>
+#include <stdint.h>
+#include <string.h>
+#ifdef __x86_64__
+/* Vector variants of libm functions from glibc's libmvec, so `omp simd` loops calling them vectorize. */
+#pragma omp declare simd notinbranch
+float sinf(float);
+#pragma omp declare simd notinbranch
+float cosf(float);
+#pragma omp declare simd notinbranch
+float expf(float);
+#pragma omp declare simd notinbranch
+float logf(float);
+#pragma omp declare simd notinbranch
+float tanhf(float);
+#pragma omp declare simd notinbranch
+float erff(float);
+#pragma omp declare simd notinbranch
+float log1pf(float);
+#pragma omp declare simd notinbranch
+float expm1f(float);
+#endif
+#define bz_min_int64_t INT64_MIN
+#define bz_max_int64_t INT64_MAX
+#define bz_min_int32_t INT32_MIN
+#define bz_max_int32_t INT32_MAX
+#define bz_min_int16_t INT16_MIN
+#define bz_max_int16_t INT16_MAX
+#define bz_min_int8_t INT8_MIN
+#define bz_max_int8_t INT8_MAX
+#define bz_min_uint8_t 0
+#define bz_max_uint8_t 255
+static inline float bz_h2f(uint16_t h) { _Float16 f; memcpy(&f, &h, 2); return (float)f; }
+static inline uint16_t bz_f2h(float x) { _Float16 f = (_Float16)x; uint16_t h; memcpy(&h, &f, 2); return h; }
+static inline float bz_round_h(float x) { return (float)(_Float16)x; }
+static inline float bz_bf2f(uint16_t h) { uint32_t u = (uint32_t)h << 16; float f; memcpy(&f, &u, 4); return f; }
+static inline uint16_t bz_f2bf(float x) {
+  uint32_t u; memcpy(&u, &x, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return (uint16_t)(u >> 16);
+}
+static inline float bz_round_bf(float x) { return bz_bf2f(bz_f2bf(x)); }
+static inline float bz_rem_float(float a, float b) { float r = fmodf(a, b); if (r != 0 && ((r < 0) != (b < 0))) r += b; return r; }
+static inline double bz_rem_double(double a, double b) { double r = fmod(a, b); if (r != 0 && ((r < 0) != (b < 0))) r += b; return r; }
+static inline int64_t bz_floordiv_i64(int64_t a, int64_t b) { if (b == 0) return 0; int64_t q = a / b; if ((a % b != 0) && ((a < 0) != (b < 0))) q -= 1; return q; }
+static inline int64_t bz_rem_i64(int64_t a, int64_t b) { if (b == 0) return 0; int64_t r = a % b; if (r != 0 && ((r < 0) != (b < 0))) r += b; return r; }
+static inline int64_t bz_pow_i64(int64_t a, int64_t b) { int64_t r = 1; if (b < 0) return a == 1 ? 1 : (a == -1 ? ((b & 1) ? -1 : 1) : 0); while (b) { if (b & 1) r *= a; a *= a; b >>= 1; } return r; }
+"#;
+
+impl Dialect for OpenMp {
+    fn prelude(&self) -> &'static str {
+        PRELUDE
+    }
+}
+
+/// Elements below which a kernel runs on one thread (thread start-up costs more).
+const PARALLEL_MIN: i64 = 32768;
+
+fn product(v: &[Expr]) -> Expr {
+    v.iter().fold(Expr::one(), |a, b| a.mul(b))
+}
+
+/// Emits one kernel as a C function.
+pub fn emit_kernel(k: &Kernel, out: &mut String) -> Result<(), CodegenError> {
+    let d = OpenMp;
+    let e = Emitter { k, d: &d };
+    let ix = crate::c_emit::index;
+    writeln!(out, "/* {}: stores {} */", k.name, k.roots.join(", ")).unwrap();
+    writeln!(out, "void {}(void** restrict B, const int64_t* restrict S) {{", k.name).unwrap();
+    for s in k.syms() {
+        writeln!(out, "  const int64_t s{s} = S[{s}];").unwrap();
+    }
+    let mut bufs = k.bufs.clone();
+    bufs.sort_by_key(|b| b.id);
+    for b in &bufs {
+        let c = if b.written { "" } else { "const " };
+        writeln!(out, "  {c}{t}* restrict b{id} = ({c}{t}*)B[{id}];", t = storage_type(b.dtype), id = b.id).unwrap();
+    }
+    let _ = compute_type;
+    let n_outer = k.outer.len();
+    let total = product(&k.outer).mul(&product(&k.inner));
+    let par_if = format!("if({} >= {PARALLEL_MIN})", ix(&total));
+    let reduction_kernel = !k.inner.is_empty() || k.is_reduction() || !k.prelude.is_empty() || k.passes.len() != 1 || k.passes.iter().any(|p| !p.after.is_empty());
+    let mut depth = 1;
+    let pad = |d: usize| "  ".repeat(d);
+    if !reduction_kernel {
+        // Pointwise: parallel over all dims but the last, vectorized over the last.
+        let body = &k.passes[0].body;
+        for (i, size) in k.outer.iter().enumerate() {
+            let last = i + 1 == n_outer;
+            if i == 0 {
+                let pragma = match (n_outer, last) {
+                    (1, _) => format!("#pragma omp parallel for simd schedule(static) {par_if}"),
+                    _ if n_outer > 2 => format!("#pragma omp parallel for collapse({}) schedule(static) {par_if}", n_outer - 1),
+                    _ => format!("#pragma omp parallel for schedule(static) {par_if}"),
+                };
+                writeln!(out, "{}{pragma}", pad(depth)).unwrap();
+            } else if last {
+                writeln!(out, "{}#pragma omp simd", pad(depth)).unwrap();
+            }
+            writeln!(out, "{}for (int64_t i{i} = 0; i{i} < {}; i{i}++) {{", pad(depth), ix(size)).unwrap();
+            depth += 1;
+        }
+        for s in body {
+            writeln!(out, "{}{}", pad(depth), e.stmt(s)?).unwrap();
+        }
+        for _ in 0..n_outer {
+            depth -= 1;
+            writeln!(out, "{}}}", pad(depth)).unwrap();
+        }
+        writeln!(out, "}}\n").unwrap();
+        return Ok(());
+    }
+    // Reduction: parallel over outer points; per point, passes over the inner dims.
+    for (i, size) in k.outer.iter().enumerate() {
+        if i == 0 {
+            let c = if n_outer > 1 { format!(" collapse({n_outer})") } else { String::new() };
+            writeln!(out, "{}#pragma omp parallel for{c} schedule(static) {par_if}", pad(depth)).unwrap();
+        }
+        writeln!(out, "{}for (int64_t i{i} = 0; i{i} < {}; i{i}++) {{", pad(depth), ix(size)).unwrap();
+        depth += 1;
+    }
+    for s in &k.prelude {
+        writeln!(out, "{}{}", pad(depth), e.stmt(s)?).unwrap();
+    }
+    for p in &k.passes {
+        for r in &p.reductions {
+            for l in e.red_init(r) {
+                writeln!(out, "{}{l}", pad(depth)).unwrap();
+            }
+        }
+        let n_inner = k.inner.len();
+        for (j, size) in k.inner.iter().enumerate() {
+            if j + 1 == n_inner {
+                if let Some(clause) = e.simd_clause(&p.reductions) {
+                    writeln!(out, "{}#pragma omp simd{clause}", pad(depth)).unwrap();
+                }
+            }
+            let v = n_outer + j;
+            writeln!(out, "{}for (int64_t i{v} = 0; i{v} < {}; i{v}++) {{", pad(depth), ix(size)).unwrap();
+            depth += 1;
+        }
+        if n_inner == 0 {
+            writeln!(out, "{}{{", pad(depth)).unwrap();
+            depth += 1;
+        }
+        for s in &p.body {
+            writeln!(out, "{}{}", pad(depth), e.stmt(s)?).unwrap();
+        }
+        for r in &p.reductions {
+            writeln!(out, "{}{}", pad(depth), e.red_update(r)).unwrap();
+        }
+        for _ in 0..n_inner.max(1) {
+            depth -= 1;
+            writeln!(out, "{}}}", pad(depth)).unwrap();
+        }
+        for r in &p.reductions {
+            writeln!(out, "{}{}", pad(depth), e.red_final(r)).unwrap();
+        }
+        for s in &p.after {
+            writeln!(out, "{}{}", pad(depth), e.stmt(s)?).unwrap();
+        }
+    }
+    for _ in 0..n_outer {
+        depth -= 1;
+        writeln!(out, "{}}}", pad(depth)).unwrap();
+    }
+    writeln!(out, "}}\n").unwrap();
+    Ok(())
+}
+
+/// The whole C module of a graph's kernels.
+pub fn emit_module(kernels: &[Kernel]) -> Result<String, CodegenError> {
+    let mut out = String::from(OpenMp.prelude());
+    out.push('\n');
+    for k in kernels {
+        emit_kernel(k, &mut out)?;
+    }
+    Ok(out)
+}

@@ -1,0 +1,99 @@
+//! CPU modules: the graph's C source is compiled once by the system C compiler (`$CC` or
+//! `cc`) into a shared library, cached on disk, and loaded into the process. Every kernel
+//! has the signature `void k(void** buffers, const int64_t* sizes)`.
+
+use crate::cache::{cache_dir, key};
+use crate::RuntimeError;
+use std::ffi::c_void;
+use std::process::Command;
+use std::sync::OnceLock;
+
+type KernelFn = unsafe extern "C" fn(*const *mut c_void, *const i64);
+
+pub const CFLAGS: &[&str] = &["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno", "-fno-trapping-math", "-std=gnu11", "-w"];
+
+pub struct CpuModule {
+    _lib: libloading::Library,
+    fns: Vec<KernelFn>,
+    pub path: std::path::PathBuf,
+    /// True when the module came from the disk cache.
+    pub cached: bool,
+}
+
+fn compiler() -> String {
+    std::env::var("CC").unwrap_or_else(|_| "cc".to_string())
+}
+
+/// The compiler's `--version` text (part of the cache key), read once per process.
+fn compiler_id() -> Result<&'static str, RuntimeError> {
+    static ID: OnceLock<Result<String, String>> = OnceLock::new();
+    ID.get_or_init(|| {
+        Command::new(compiler())
+            .arg("--version")
+            .output()
+            .map_err(|e| format!("no C compiler `{}`: {e}", compiler()))
+            .map(|o| String::from_utf8_lossy(&o.stdout).to_string())
+    })
+    .as_deref()
+    .map_err(|e| RuntimeError::Environment(e.clone()))
+}
+
+impl CpuModule {
+    /// Compiles (or finds in the cache) `source` and resolves the kernels `names`.
+    pub fn load(source: &str, names: &[String], version: &str) -> Result<CpuModule, RuntimeError> {
+        let cc = compiler();
+        let flags = CFLAGS.join(" ");
+        let k = key(&[source, compiler_id()?, &cc, &flags, version]);
+        let dir = cache_dir().join("cpu");
+        std::fs::create_dir_all(&dir).map_err(|e| RuntimeError::Environment(format!("cache dir {}: {e}", dir.display())))?;
+        let so = dir.join(format!("{k}.so"));
+        let cached = so.exists();
+        if !cached {
+            let src = dir.join(format!("{k}.c"));
+            std::fs::write(&src, source).map_err(|e| RuntimeError::Environment(e.to_string()))?;
+            let tmp = dir.join(format!("{k}.{}.tmp.so", std::process::id()));
+            let out = Command::new(&cc)
+                .args(CFLAGS)
+                .arg(&src)
+                .arg("-o")
+                .arg(&tmp)
+                .arg("-lm")
+                .output()
+                .map_err(|e| RuntimeError::Environment(format!("cannot run `{cc}`: {e}")))?;
+            if !out.status.success() {
+                return Err(RuntimeError::Compile(format!("{} failed on {}:\n{}", cc, src.display(), String::from_utf8_lossy(&out.stderr))));
+            }
+            std::fs::rename(&tmp, &so).map_err(|e| RuntimeError::Environment(e.to_string()))?;
+        }
+        // SAFETY: the library is braze's own generated code, compiled just now or earlier
+        // from the same source; loading it runs no initializers of ours.
+        let lib = unsafe { libloading::Library::new(&so) }.map_err(|e| RuntimeError::Environment(format!("cannot load {}: {e}", so.display())))?;
+        let mut fns = Vec::with_capacity(names.len());
+        for n in names {
+            // SAFETY: every kernel is emitted with exactly the `KernelFn` signature.
+            let f: libloading::Symbol<KernelFn> = unsafe { lib.get(n.as_bytes()) }.map_err(|e| RuntimeError::Compile(format!("kernel {n} missing: {e}")))?;
+            fns.push(*f);
+        }
+        Ok(CpuModule { _lib: lib, fns, path: so, cached })
+    }
+
+    pub fn len(&self) -> usize {
+        self.fns.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.fns.is_empty()
+    }
+
+    /// Runs kernels `lo..hi` in order.
+    ///
+    /// # Safety
+    /// `buffers[b]` must point to memory laid out as the schedule's buffer `b` for every
+    /// buffer the kernels touch, and `sizes` must hold every size symbol they use.
+    pub unsafe fn run(&self, lo: usize, hi: usize, buffers: &[usize], sizes: &[i64]) {
+        for f in &self.fns[lo..hi] {
+            // SAFETY: guaranteed by the caller (see above).
+            unsafe { f(buffers.as_ptr() as *const *mut c_void, sizes.as_ptr()) };
+        }
+    }
+}
