@@ -81,17 +81,20 @@ impl Emitter<'_> {
         Ok(match s {
             Stmt::Load { dst, buf, index: i, mask: None } => decl(*dst, self.load(*buf, i)),
             Stmt::Load { dst, buf, index: i, mask: Some(m) } => {
-                decl(*dst, format!("t{m} ? {} : ({})0", self.load(*buf, i), compute_type(self.dt(*dst))))
+                // Branch-free: a masked-off lane reads element 0 and discards it.
+                let safe = Expr::tmp(*m).mul(i);
+                let ct = compute_type(self.dt(*dst));
+                decl(*dst, sel(&format!("t{m}"), &self.load(*buf, &safe), &format!("({ct})0"), self.dt(*dst)))
             }
             Stmt::Const { dst, value } => decl(*dst, lit(*value, self.dt(*dst))),
             Stmt::Index { dst, index: i } => decl(*dst, format!("({})({})", compute_type(self.dt(*dst)), index(i))),
             Stmt::InRange { dst, index: i, lo, hi } => {
                 let v = index(i);
-                decl(*dst, format!("({} <= ({v})) && (({v}) < {})", index(lo), index(hi)))
+                decl(*dst, format!("({} <= ({v})) & (({v}) < {})", index(lo), index(hi)))
             }
             Stmt::Unary { dst, op, a } => decl(*dst, self.unary(*op, format!("t{a}"), self.dt(*a))?),
             Stmt::Binary { dst, op, a, b } => decl(*dst, self.binary(*op, format!("t{a}"), format!("t{b}"), self.dt(*a))?),
-            Stmt::Where { dst, c, a, b } => decl(*dst, format!("t{c} ? t{a} : t{b}")),
+            Stmt::Where { dst, c, a, b } => decl(*dst, sel(&format!("t{c}"), &format!("t{a}"), &format!("t{b}"), self.dt(*dst))),
             Stmt::Cast { dst, a } => decl(*dst, cast(&format!("t{a}"), self.dt(*a), self.dt(*dst))),
             Stmt::Store { buf, index: i, value } => {
                 let v = format!("t{value}");
@@ -119,8 +122,8 @@ impl Emitter<'_> {
                 Rsqrt => format!("({ct})1 / {}", m("sqrt")),
                 Reciprocal => format!("({ct})1 / {a}"),
                 Sigmoid => format!("({ct})1 / (({ct})1 + {}({}))", self.d.math("exp", dt), format_args!("-{a}")),
-                Relu => format!("{a} < 0 ? ({ct})0 : {a}"),
-                Sign => format!("{a} != {a} ? {a} : ({ct})(({a} > 0) - ({a} < 0))"),
+                Relu => sel(&format!("{a} < 0"), &format!("({ct})0"), &a, dt),
+                Sign => sel(&format!("{a} != {a}"), &a, &format!("({ct})(({a} > 0) - ({a} < 0))"), dt),
                 Not => format!("{a} == 0"),
                 IsNan => format!("{a} != {a}"),
                 IsInf => format!("isinf({a})"),
@@ -129,8 +132,8 @@ impl Emitter<'_> {
         }
         Ok(match op {
             Neg => format!("({ct})-{a}"),
-            Abs => format!("({ct})({a} < 0 ? -{a} : {a})"),
-            Relu => format!("({ct})({a} < 0 ? 0 : {a})"),
+            Abs => sel(&format!("{a} < 0"), &format!("({ct})-{a}"), &a, dt),
+            Relu => sel(&format!("{a} < 0"), &format!("({ct})0"), &a, dt),
             Sign => format!("({ct})(({a} > 0) - ({a} < 0))"),
             Not => format!("!{a}"),
             BitwiseNot if dt == DType::Bool => format!("!{a}"),
@@ -151,8 +154,8 @@ impl Emitter<'_> {
             Le => Some(cmp("<=")),
             Gt => Some(cmp(">")),
             Ge => Some(cmp(">=")),
-            And => Some(format!("({a} != 0) && ({b} != 0)")),
-            Or => Some(format!("({a} != 0) || ({b} != 0)")),
+            And => Some(format!("({a} != 0) & ({b} != 0)")),
+            Or => Some(format!("({a} != 0) | ({b} != 0)")),
             Xor => Some(format!("({a} != 0) != ({b} != 0)")),
             _ => None,
         };
@@ -170,8 +173,8 @@ impl Emitter<'_> {
                 Rem => format!("bz_rem_{ct}({a}, {b})"),
                 Fmod => m("fmod"),
                 Pow => m("pow"),
-                Max => format!("({a} != {a} || {a} > {b}) ? {a} : {b}"),
-                Min => format!("({a} != {a} || {a} < {b}) ? {a} : {b}"),
+                Max => sel(&format!("({a} != {a}) | ({a} > {b})"), &a, &b, dt),
+                Min => sel(&format!("({a} != {a}) | ({a} < {b})"), &a, &b, dt),
                 Atan2 => m("atan2"),
                 Hypot => m("hypot"),
                 Copysign => m("copysign"),
@@ -187,8 +190,8 @@ impl Emitter<'_> {
             Rem if dt != DType::Bool => format!("({ct})bz_rem_i64({a}, {b})"),
             Fmod if dt != DType::Bool => format!("({ct})({b} == 0 ? 0 : {a} % {b})"),
             Pow if dt != DType::Bool => format!("({ct})bz_pow_i64({a}, {b})"),
-            Max => format!("{a} > {b} ? {a} : {b}"),
-            Min => format!("{a} < {b} ? {a} : {b}"),
+            Max => sel(&format!("{a} > {b}"), &a, &b, dt),
+            Min => sel(&format!("{a} < {b}"), &a, &b, dt),
             BitAnd => format!("({ct})({a} & {b})"),
             BitOr => format!("({ct})({a} | {b})"),
             BitXor => format!("({ct})({a} ^ {b})"),
@@ -236,8 +239,8 @@ impl Emitter<'_> {
         match r.kind {
             ReduceKind::Sum => format!("a{n} += {s};"),
             ReduceKind::Prod => format!("a{n} *= {s};"),
-            ReduceKind::Max => format!("a{n} = ({}) ? {s} : a{n};", if fl { format!("{s} != {s} || {s} > a{n}") } else { format!("{s} > a{n}") }),
-            ReduceKind::Min => format!("a{n} = ({}) ? {s} : a{n};", if fl { format!("{s} != {s} || {s} < a{n}") } else { format!("{s} < a{n}") }),
+            ReduceKind::Max => format!("a{n} = {};", sel(&if fl { format!("({s} != {s}) | ({s} > a{n})") } else { format!("{s} > a{n}") }, &s, &format!("a{n}"), self.dt(r.src))),
+            ReduceKind::Min => format!("a{n} = {};", sel(&if fl { format!("({s} != {s}) | ({s} < a{n})") } else { format!("{s} < a{n}") }, &s, &format!("a{n}"), self.dt(r.src))),
             ReduceKind::ArgMax => format!("if ({}) {{ a{n} = {s}; ai{n} = {}; }}", nan_first(">"), index(&r.inner_index)),
             ReduceKind::ArgMin => format!("if ({}) {{ a{n} = {s}; ai{n} = {}; }}", nan_first("<"), index(&r.inner_index)),
             ReduceKind::Any => format!("a{n} |= ({s} != 0);"),
@@ -277,6 +280,17 @@ impl Emitter<'_> {
             c.push_str(&format!(" reduction(*:{})", times.join(",")));
         }
         Some(c)
+    }
+}
+
+/// `c ? a : b` without a branch. GCC 12 does not if-convert loops that call (vector) math
+/// functions, so a `?:` there would stop vectorization of the whole loop.
+pub fn sel(c: &str, a: &str, b: &str, dt: DType) -> String {
+    match dt {
+        DType::F64 => format!("bz_seld({c}, {a}, {b})"),
+        d if d.is_float() => format!("bz_self({c}, {a}, {b})"),
+        DType::Bool => format!("(bool)bz_seli({c}, {a}, {b})"),
+        d => format!("({})bz_seli({c}, {a}, {b})", compute_type(d)),
     }
 }
 

@@ -16,24 +16,104 @@ const PRELUDE: &str = r#"#include <math.h>
 #include <stdbool.h>
 #include <stdint.h>
 #include <string.h>
-#ifdef __x86_64__
-/* Vector variants of libm functions from glibc's libmvec, so `omp simd` loops calling them vectorize. */
+#if defined(__x86_64__) && defined(__GLIBC__)
+/* Vector variants from glibc's libmvec, so `omp simd` loops calling these vectorize. */
 #pragma omp declare simd notinbranch
-float sinf(float);
+float acosf(float);
+#pragma omp declare simd notinbranch
+double acos(double);
+#pragma omp declare simd notinbranch
+float acoshf(float);
+#pragma omp declare simd notinbranch
+double acosh(double);
+#pragma omp declare simd notinbranch
+float asinf(float);
+#pragma omp declare simd notinbranch
+double asin(double);
+#pragma omp declare simd notinbranch
+float asinhf(float);
+#pragma omp declare simd notinbranch
+double asinh(double);
+#pragma omp declare simd notinbranch
+float atanf(float);
+#pragma omp declare simd notinbranch
+double atan(double);
+#pragma omp declare simd notinbranch
+float atanhf(float);
+#pragma omp declare simd notinbranch
+double atanh(double);
 #pragma omp declare simd notinbranch
 float cosf(float);
 #pragma omp declare simd notinbranch
-float expf(float);
+double cos(double);
 #pragma omp declare simd notinbranch
-float logf(float);
+float coshf(float);
 #pragma omp declare simd notinbranch
-float tanhf(float);
+double cosh(double);
 #pragma omp declare simd notinbranch
 float erff(float);
 #pragma omp declare simd notinbranch
-float log1pf(float);
+double erf(double);
+#pragma omp declare simd notinbranch
+float erfcf(float);
+#pragma omp declare simd notinbranch
+double erfc(double);
+#pragma omp declare simd notinbranch
+float expf(float);
+#pragma omp declare simd notinbranch
+double exp(double);
+#pragma omp declare simd notinbranch
+float exp2f(float);
+#pragma omp declare simd notinbranch
+double exp2(double);
 #pragma omp declare simd notinbranch
 float expm1f(float);
+#pragma omp declare simd notinbranch
+double expm1(double);
+#pragma omp declare simd notinbranch
+float logf(float);
+#pragma omp declare simd notinbranch
+double log(double);
+#pragma omp declare simd notinbranch
+float log10f(float);
+#pragma omp declare simd notinbranch
+double log10(double);
+#pragma omp declare simd notinbranch
+float log1pf(float);
+#pragma omp declare simd notinbranch
+double log1p(double);
+#pragma omp declare simd notinbranch
+float log2f(float);
+#pragma omp declare simd notinbranch
+double log2(double);
+#pragma omp declare simd notinbranch
+float sinf(float);
+#pragma omp declare simd notinbranch
+double sin(double);
+#pragma omp declare simd notinbranch
+float sinhf(float);
+#pragma omp declare simd notinbranch
+double sinh(double);
+#pragma omp declare simd notinbranch
+float tanf(float);
+#pragma omp declare simd notinbranch
+double tan(double);
+#pragma omp declare simd notinbranch
+float tanhf(float);
+#pragma omp declare simd notinbranch
+double tanh(double);
+#pragma omp declare simd notinbranch
+float atan2f(float, float);
+#pragma omp declare simd notinbranch
+double atan2(double, double);
+#pragma omp declare simd notinbranch
+float hypotf(float, float);
+#pragma omp declare simd notinbranch
+double hypot(double, double);
+#pragma omp declare simd notinbranch
+float powf(float, float);
+#pragma omp declare simd notinbranch
+double pow(double, double);
 #endif
 #define bz_min_int64_t INT64_MIN
 #define bz_max_int64_t INT64_MAX
@@ -45,6 +125,9 @@ float expm1f(float);
 #define bz_max_int8_t INT8_MAX
 #define bz_min_uint8_t 0
 #define bz_max_uint8_t 255
+static inline float bz_self(int c, float a, float b) { uint32_t x, y, m = -(uint32_t)(c != 0); memcpy(&x, &a, 4); memcpy(&y, &b, 4); x = (x & m) | (y & ~m); memcpy(&a, &x, 4); return a; }
+static inline double bz_seld(int c, double a, double b) { uint64_t x, y, m = -(uint64_t)(c != 0); memcpy(&x, &a, 8); memcpy(&y, &b, 8); x = (x & m) | (y & ~m); memcpy(&a, &x, 8); return a; }
+static inline int64_t bz_seli(int c, int64_t a, int64_t b) { int64_t m = -(int64_t)(c != 0); return (a & m) | (b & ~m); }
 static inline float bz_h2f(uint16_t h) { _Float16 f; memcpy(&f, &h, 2); return (float)f; }
 static inline uint16_t bz_f2h(float x) { _Float16 f = (_Float16)x; uint16_t h; memcpy(&h, &f, 2); return h; }
 static inline float bz_round_h(float x) { return (float)(_Float16)x; }

@@ -10,7 +10,15 @@ use std::sync::OnceLock;
 
 type KernelFn = unsafe extern "C" fn(*const *mut c_void, *const i64);
 
-pub const CFLAGS: &[&str] = &["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno", "-fno-trapping-math", "-std=gnu11", "-w"];
+/// `-fno-builtin-sin/cos*` keeps GCC from merging sin and cos into `sincos`, which has no
+/// vector variant and so stops vectorization of the whole loop.
+pub const CFLAGS: &[&str] = &[
+    "-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno", "-fno-trapping-math",
+    "-fno-builtin-sin", "-fno-builtin-cos", "-fno-builtin-sinf", "-fno-builtin-cosf", "-std=gnu11", "-w",
+];
+
+/// Libraries linked after the source: libm, and libmvec (glibc's vector math) on x86-64.
+pub const LIBS: &[&str] = if cfg!(all(target_arch = "x86_64", target_os = "linux")) { &["-lmvec", "-lm"] } else { &["-lm"] };
 
 pub struct CpuModule {
     _lib: libloading::Library,
@@ -42,7 +50,7 @@ impl CpuModule {
     /// Compiles (or finds in the cache) `source` and resolves the kernels `names`.
     pub fn load(source: &str, names: &[String], version: &str) -> Result<CpuModule, RuntimeError> {
         let cc = compiler();
-        let flags = CFLAGS.join(" ");
+        let flags = format!("{} {}", CFLAGS.join(" "), LIBS.join(" "));
         let k = key(&[source, compiler_id()?, &cc, &flags, version]);
         let dir = cache_dir().join("cpu");
         std::fs::create_dir_all(&dir).map_err(|e| RuntimeError::Environment(format!("cache dir {}: {e}", dir.display())))?;
@@ -57,7 +65,7 @@ impl CpuModule {
                 .arg(&src)
                 .arg("-o")
                 .arg(&tmp)
-                .arg("-lm")
+                .args(LIBS)
                 .output()
                 .map_err(|e| RuntimeError::Environment(format!("cannot run `{cc}`: {e}")))?;
             if !out.status.success() {

@@ -1,0 +1,316 @@
+//! `braze._core`: the Python face of the Rust compiler. The Python package walks an FX graph
+//! into a [`GraphBuilder`], calls `compile`, and runs the returned [`Compiled`] plan. Errors
+//! map to three exceptions: `Unsupported` (the graph falls back to eager), `InternalError`
+//! (a braze bug; also falls back, loudly) and `EnvironmentError_` (no C compiler, ...).
+
+use braze_ir::{parse, DType, Expr, Graph, NodeId, Op, TensorTy};
+use braze_runtime::cpu::CpuModule;
+use braze_sched::{Access, BufKind, Step};
+use pyo3::create_exception;
+use pyo3::exceptions::PyException;
+use pyo3::prelude::*;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::time::Instant;
+
+create_exception!(_core, Unsupported, PyException, "braze cannot compile this graph; it runs eagerly.");
+create_exception!(_core, InternalError, PyException, "A braze bug: an invariant was broken.");
+create_exception!(_core, EnvironmentError_, PyException, "The machine lacks something braze needs (C compiler, cache dir).");
+
+fn unsupported(e: impl ToString) -> PyErr {
+    Unsupported::new_err(e.to_string())
+}
+
+fn parse_exprs(v: &[String]) -> PyResult<Vec<Expr>> {
+    v.iter().map(|s| braze_ir::sym::parse_expr(s).map_err(unsupported)).collect()
+}
+
+fn dtype(s: &str) -> PyResult<DType> {
+    DType::from_name(s).ok_or_else(|| unsupported(format!("dtype {s}")))
+}
+
+/// Builds a braze graph node by node.
+#[pyclass(module = "braze._core")]
+pub struct GraphBuilder {
+    g: Graph,
+}
+
+#[pymethods]
+impl GraphBuilder {
+    #[new]
+    fn new(name: &str) -> Self {
+        GraphBuilder { g: Graph::new(name) }
+    }
+
+    /// Adds graph input `index` with dtype, sizes and strides (expression strings).
+    fn input(&mut self, index: u32, dt: &str, shape: Vec<String>, strides: Vec<String>) -> PyResult<u32> {
+        let ty = TensorTy::new(dtype(dt)?, parse_exprs(&shape)?);
+        Ok(self.g.add_typed(Op::Input { index, strides: parse_exprs(&strides)? }, vec![], Some(ty)).0)
+    }
+
+    /// Adds an op written in the IR's text form (`"sum dims=[1] keepdim=true"`).
+    fn op(&mut self, text: &str, inputs: Vec<u32>) -> PyResult<u32> {
+        let (op, _) = parse::parse_op(text).map_err(unsupported)?;
+        if matches!(op, Op::Input { .. } | Op::Extern { .. } | Op::ExternOut { .. }) {
+            return Err(unsupported("use input() / extern_call()"));
+        }
+        let id = self.g.add(op, inputs.into_iter().map(NodeId).collect()).map_err(unsupported)?;
+        Ok(id.0)
+    }
+
+    /// Adds a call of ATen op `target`; `outs` are (dtype, sizes, strides) of its results.
+    fn extern_call(&mut self, target: &str, inputs: Vec<u32>, outs: Vec<(String, Vec<String>, Vec<String>)>) -> PyResult<Vec<u32>> {
+        for &i in &inputs {
+            if self.g.nodes.get(i as usize).and_then(|n| n.ty.as_ref()).is_none() {
+                return Err(unsupported(format!("extern operand %{i} is not a tensor")));
+            }
+        }
+        let e = self.g.add_typed(Op::Extern { target: target.to_string(), outputs: outs.len() as u32 }, inputs.into_iter().map(NodeId).collect(), None);
+        let mut ids = Vec::new();
+        for (k, (dt, shape, strides)) in outs.iter().enumerate() {
+            let ty = TensorTy::new(dtype(dt)?, parse_exprs(shape)?);
+            ids.push(self.g.add_typed(Op::ExternOut { index: k as u32, strides: parse_exprs(strides)? }, vec![e], Some(ty)).0);
+        }
+        Ok(ids)
+    }
+
+    fn set_outputs(&mut self, outs: Vec<u32>) {
+        self.g.outputs = outs.into_iter().map(NodeId).collect();
+    }
+
+    /// (dtype, sizes) of a node.
+    fn node_type(&self, id: u32) -> PyResult<(String, Vec<String>)> {
+        let n = self.g.nodes.get(id as usize).ok_or_else(|| unsupported("no such node"))?;
+        let t = n.ty.as_ref().ok_or_else(|| unsupported("extern node has no type"))?;
+        Ok((t.dtype.name().to_string(), t.shape.iter().map(|e| e.to_string()).collect()))
+    }
+
+    fn text(&self) -> String {
+        self.g.to_string()
+    }
+
+    /// Runs passes, scheduling, code generation and the C compiler.
+    fn compile(&self, py: Python<'_>) -> PyResult<Compiled> {
+        let g = self.g.clone();
+        let res = py.detach(move || catch_unwind(AssertUnwindSafe(|| compile(g))));
+        match res {
+            Ok(r) => r,
+            Err(p) => {
+                let msg = p.downcast_ref::<String>().cloned().or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string())).unwrap_or_default();
+                Err(InternalError::new_err(format!("panic in the compiler: {msg}")))
+            }
+        }
+    }
+}
+
+/// A compiled graph: the plan the Python runtime follows, and the loaded kernels.
+#[pyclass(module = "braze._core")]
+pub struct Compiled {
+    module: Option<CpuModule>,
+    exprs: Vec<Expr>,
+    #[pyo3(get)]
+    graph_before: String,
+    #[pyo3(get)]
+    graph_after: String,
+    #[pyo3(get)]
+    schedule: String,
+    #[pyo3(get)]
+    source: String,
+    #[pyo3(get)]
+    fusion_log: Vec<String>,
+    /// (name, roots) per kernel.
+    #[pyo3(get)]
+    kernels: Vec<(String, Vec<String>)>,
+    /// (kind, input index or -1, dtype, shape expr ids, stride expr ids) per buffer.
+    #[pyo3(get)]
+    buffers: Vec<(String, i64, String, Vec<usize>, Vec<usize>)>,
+    /// ("kernels", lo, hi, [], []) or ("extern", node, target, args, outs) per step.
+    #[pyo3(get)]
+    steps: Vec<(String, u32, u32, String, Vec<AccessT>, Vec<u32>)>,
+    #[pyo3(get)]
+    frees: Vec<Vec<u32>>,
+    /// Temp buffers first written by each step (allocated just before it).
+    #[pyo3(get)]
+    allocs: Vec<Vec<u32>>,
+    #[pyo3(get)]
+    outputs: Vec<AccessT>,
+    /// Size symbols every kernel call needs, in `S[]` order (0..n).
+    #[pyo3(get)]
+    num_syms: usize,
+    /// (stage, seconds).
+    #[pyo3(get)]
+    times: Vec<(String, f64)>,
+    #[pyo3(get)]
+    cached: bool,
+}
+
+/// (buffer, None) or (buffer, (size ids, stride ids, offset id)).
+type AccessT = (u32, Option<(Vec<usize>, Vec<usize>, usize)>);
+
+struct ExprTable(Vec<Expr>);
+
+impl ExprTable {
+    fn id(&mut self, e: &Expr) -> usize {
+        if let Some(i) = self.0.iter().position(|x| x == e) {
+            return i;
+        }
+        self.0.push(e.clone());
+        self.0.len() - 1
+    }
+    fn ids(&mut self, v: &[Expr]) -> Vec<usize> {
+        v.iter().map(|e| self.id(e)).collect()
+    }
+    fn access(&mut self, a: &Access) -> AccessT {
+        (a.buf, a.view.as_ref().map(|v| (self.ids(&v.sizes), self.ids(&v.strides), self.id(&v.offset))))
+    }
+}
+
+fn compile(g: Graph) -> PyResult<Compiled> {
+    let mut times = Vec::new();
+    let mut t = Instant::now();
+    let mut lap = |name: &str, times: &mut Vec<(String, f64)>| {
+        times.push((name.to_string(), t.elapsed().as_secs_f64()));
+        t = Instant::now();
+    };
+    let errs = braze_ir::verify::verify(&g);
+    if !errs.is_empty() {
+        return Err(unsupported(format!("imported graph is invalid: {}", errs.iter().map(|e| e.to_string()).collect::<Vec<_>>().join("; "))));
+    }
+    let graph_before = g.to_string();
+    let opt = braze_passes::optimize(&g);
+    let errs = braze_ir::verify::verify(&opt);
+    if !errs.is_empty() {
+        return Err(InternalError::new_err(format!("verifier after passes: {errs:?}")));
+    }
+    lap("passes", &mut times);
+    let sched = braze_sched::schedule(&opt).map_err(unsupported)?;
+    lap("schedule", &mut times);
+    let source = braze_codegen::openmp::emit_module(&sched.kernels).map_err(unsupported)?;
+    lap("codegen", &mut times);
+    let names: Vec<String> = sched.kernels.iter().map(|k| k.name.clone()).collect();
+    let module = if names.is_empty() {
+        None
+    } else {
+        Some(CpuModule::load(&source, &names, env!("CARGO_PKG_VERSION")).map_err(|e| match e {
+            braze_runtime::RuntimeError::Compile(m) => InternalError::new_err(m),
+            braze_runtime::RuntimeError::Environment(m) => EnvironmentError_::new_err(m),
+        })?)
+    };
+    lap("cc", &mut times);
+    let cached = module.as_ref().map(|m| m.cached).unwrap_or(false);
+    let mut tab = ExprTable(Vec::new());
+    let mut syms = Vec::new();
+    for n in &opt.nodes {
+        if let Some(t) = &n.ty {
+            for e in &t.shape {
+                e.syms(&mut syms);
+            }
+        }
+    }
+    for k in &sched.kernels {
+        syms.extend(k.syms());
+    }
+    let num_syms = syms.iter().max().map(|m| *m as usize + 1).unwrap_or(0);
+    let buffers = sched
+        .buffers
+        .iter()
+        .map(|b| {
+            let (kind, idx) = match b.kind {
+                BufKind::Input(i) => ("input", i as i64),
+                BufKind::ExternOut => ("extern", -1),
+                BufKind::Temp => ("temp", -1),
+            };
+            (kind.to_string(), idx, b.dtype.name().to_string(), tab.ids(&b.shape), tab.ids(&b.strides))
+        })
+        .collect();
+    // Consecutive kernels become one step: one call into Rust runs them all.
+    let mut steps = Vec::new();
+    let mut frees: Vec<Vec<u32>> = Vec::new();
+    for (s, st) in sched.steps.iter().enumerate() {
+        match st {
+            Step::Kernel(k) => {
+                let k = *k as u32;
+                match steps.last_mut() {
+                    Some((kind, _, hi, _, _, _)) if kind == "kernels" && *hi == k => {
+                        *hi = k + 1;
+                        frees.last_mut().unwrap().extend(sched.frees[s].iter().copied());
+                    }
+                    _ => {
+                        steps.push(("kernels".to_string(), k, k + 1, String::new(), vec![], vec![]));
+                        frees.push(sched.frees[s].clone());
+                    }
+                }
+            }
+            Step::Extern { node, target, args, outs } => {
+                let a = args.iter().map(|x| tab.access(x)).collect();
+                steps.push(("extern".to_string(), node.0, 0, target.clone(), a, outs.clone()));
+                frees.push(sched.frees[s].clone());
+            }
+        }
+    }
+    let outputs = sched.outputs.iter().map(|a| tab.access(a)).collect();
+    let mut allocs: Vec<Vec<u32>> = vec![Vec::new(); steps.len()];
+    let mut seen = vec![false; sched.buffers.len()];
+    for (s, st) in steps.iter().enumerate() {
+        if st.0 == "kernels" {
+            for k in st.1..st.2 {
+                for b in &sched.kernels[k as usize].bufs {
+                    if b.written && !seen[b.id as usize] && sched.buffers[b.id as usize].kind == BufKind::Temp {
+                        seen[b.id as usize] = true;
+                        allocs[s].push(b.id);
+                    }
+                }
+            }
+        }
+    }
+    Ok(Compiled {
+        allocs,
+        module,
+        graph_before,
+        graph_after: opt.to_string(),
+        schedule: sched.to_string(),
+        source,
+        fusion_log: sched.log.clone(),
+        kernels: sched.kernels.iter().map(|k| (k.name.clone(), k.roots.clone())).collect(),
+        buffers,
+        steps,
+        frees,
+        outputs,
+        num_syms,
+        times,
+        cached,
+        exprs: tab.0,
+    })
+}
+
+#[pymethods]
+impl Compiled {
+    /// Every size expression of the plan evaluated for these symbol values.
+    fn eval(&self, syms: Vec<i64>) -> PyResult<Vec<i64>> {
+        self.exprs.iter().map(|e| e.eval_syms(&syms).ok_or_else(|| unsupported(format!("cannot evaluate {e}")))).collect()
+    }
+
+    /// Runs kernels `lo..hi` on buffers `ptrs` (data pointers by buffer id) with sizes `syms`.
+    fn run(&self, py: Python<'_>, lo: usize, hi: usize, ptrs: Vec<usize>, syms: Vec<i64>) -> PyResult<()> {
+        let m = self.module.as_ref().ok_or_else(|| InternalError::new_err("no kernels"))?;
+        if hi > m.len() || lo > hi {
+            return Err(InternalError::new_err("kernel range out of bounds"));
+        }
+        let mut s = syms;
+        s.resize(self.num_syms.max(1), 0);
+        // SAFETY: the Python runtime allocates every buffer as the plan describes before
+        // calling, and passes a pointer for each buffer id.
+        py.detach(|| unsafe { m.run(lo, hi, &ptrs, &s) });
+        Ok(())
+    }
+}
+
+#[pymodule]
+fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<GraphBuilder>()?;
+    m.add_class::<Compiled>()?;
+    m.add("Unsupported", m.py().get_type::<Unsupported>())?;
+    m.add("InternalError", m.py().get_type::<InternalError>())?;
+    m.add("EnvironmentError_", m.py().get_type::<EnvironmentError_>())?;
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    Ok(())
+}

@@ -1,0 +1,129 @@
+"""The Dynamo backend: ``torch.compile(model, backend="braze")`` lands here.
+
+AOTAutograd (PyTorch) functionalizes the graph, applies braze's decomposition table and
+splits forward from backward; each resulting ATen graph is lowered to braze IR and
+compiled by the Rust core. A graph braze cannot compile runs eagerly with a warning that
+names the reason; single ops braze does not lower run through their ATen kernels.
+"""
+from __future__ import annotations
+
+import functools
+import sys
+import time
+import warnings
+
+import torch
+
+from . import _core
+from .config import Config
+from .decomp import decomposition_table
+from .lowering import Unsupported, lower_graph
+from .runtime import CompiledGraph
+
+
+class Stats:
+    """Counters over the life of the process (``braze.stats``)."""
+
+    def __init__(self):
+        self.reset()
+
+    def reset(self):
+        self.graphs_compiled = 0
+        self.graphs_eager = 0
+        self.eager_reasons = []
+        self.kernels = 0
+        self.extern_ops = {}
+        self.lowered_ops = {}
+        self.records = []  # one dict per compiled or fallen-back graph (used by explain)
+
+    def __repr__(self):
+        return (f"braze.Stats(graphs_compiled={self.graphs_compiled}, graphs_eager={self.graphs_eager}, "
+                f"kernels={self.kernels}, extern_ops={self.extern_ops})")
+
+
+stats = Stats()
+_graph_counter = [0]
+
+
+def _log(cfg: Config, name: str, title: str, text: str):
+    if name in cfg.logs:
+        print(f"[braze:{name}] {title}\n{text}", file=sys.stderr)
+
+
+def compile_fx_graph(gm: torch.fx.GraphModule, example_inputs, *, cfg: Config, kind: str):
+    """Compiles one ATen FX graph; returns a boxed callable (or the graph itself on fallback)."""
+    _graph_counter[0] += 1
+    name = f"{kind}_{_graph_counter[0]}"
+    t0 = time.perf_counter()
+    record = {"name": name, "kind": kind, "fx_nodes": len(gm.graph.nodes)}
+    try:
+        lowered = lower_graph(gm, name)
+        t1 = time.perf_counter()
+        compiled = lowered.builder.compile()
+        t2 = time.perf_counter()
+        fn = CompiledGraph(compiled, lowered, name)
+    except (Unsupported, _core.Unsupported, _core.InternalError, _core.EnvironmentError_) as e:
+        reason = f"{type(e).__name__}: {e}"
+        stats.graphs_eager += 1
+        stats.eager_reasons.append((name, reason))
+        record.update(status="eager", reason=reason, compile_s=time.perf_counter() - t0)
+        stats.records.append(record)
+        if cfg.on_unsupported == "error":
+            raise
+        if cfg.on_unsupported == "warn":
+            warnings.warn(f"braze: graph {name} runs eagerly: {reason}", stacklevel=2)
+        return _eager(gm)
+    stats.graphs_compiled += 1
+    stats.kernels += len(compiled.kernels)
+    for op, n in lowered.fallbacks.items():
+        stats.extern_ops[op] = stats.extern_ops.get(op, 0) + n
+    for op, n in lowered.lowered_ops.items():
+        stats.lowered_ops[op] = stats.lowered_ops.get(op, 0) + n
+    times = {"lower": t1 - t0, **dict(compiled.times), "total": time.perf_counter() - t0}
+    record.update(status="compiled", kernels=compiled.kernels, externs=dict(lowered.fallbacks), times=times,
+                  cached=compiled.cached, source=compiled.source, schedule=compiled.schedule)
+    stats.records.append(record)
+    _log(cfg, "graph", f"{name}: IR before passes", compiled.graph_before)
+    _log(cfg, "graph", f"{name}: IR after passes", compiled.graph_after)
+    if "fusion" in cfg.logs:
+        groups = "\n".join(f"  {k}: stores {', '.join(r)}" for k, r in compiled.kernels)
+        why = "\n".join("  " + m for m in compiled.fusion_log) or "  (every root fused where its shape allowed)"
+        _log(cfg, "fusion", f"{name}: {len(compiled.kernels)} kernel(s)", groups + "\n not fused:\n" + why)
+    _log(cfg, "schedule", f"{name}: schedule", compiled.schedule)
+    _log(cfg, "output_code", f"{name}: generated C", compiled.source)
+    if lowered.fallbacks:
+        _log(cfg, "fallbacks", f"{name}: ops run through ATen", "\n".join(f"  {k} x{v}" for k, v in lowered.fallbacks.items()))
+    return fn
+
+
+def _eager(gm):
+    def run(args):
+        return gm(*args)
+    run._boxed_call = True
+    return run
+
+
+def braze_backend(gm: torch.fx.GraphModule, example_inputs, mode=None, options=None, **kwargs):
+    """The ``torch_dynamo_backends`` entry point."""
+    if kwargs:
+        raise TypeError(f"braze backend: unexpected arguments {sorted(kwargs)}")
+    cfg = Config.make(mode, options)
+    return _aot_backend(cfg)(gm, example_inputs)
+
+
+@functools.lru_cache(None)
+def _aot_backend(cfg: Config):
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+    fw = functools.partial(compile_fx_graph, cfg=cfg, kind="forward")
+    bw = functools.partial(compile_fx_graph, cfg=cfg, kind="backward")
+    inf = functools.partial(compile_fx_graph, cfg=cfg, kind="inference")
+    return aot_autograd(
+        fw_compiler=fw,
+        bw_compiler=bw,
+        inference_compiler=inf,
+        decompositions=decomposition_table() if cfg.decompose else {},
+        partition_fn=min_cut_rematerialization_partition,
+        keep_inference_input_mutations=False,
+    )

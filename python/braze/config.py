@@ -1,0 +1,60 @@
+"""Modes and options of braze, validated up front.
+
+``torch.compile(model, backend="braze", mode=..., options={...})`` and
+``braze.compile(model, mode=..., options=...)`` accept the modes and options listed here;
+anything else is a :class:`BrazeConfigError` naming the valid values.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+
+#: Modes torch.compile knows. On CPU they all compile the same way today; the names are
+#: accepted so scripts written for Inductor run unchanged.
+MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+
+#: Log names for ``BRAZE_LOGS`` and ``options={"logs": ...}``.
+LOGS = ("graph", "fusion", "output_code", "schedule", "fallbacks")
+
+#: Options and what each does.
+OPTIONS = {
+    "logs": "list (or comma-separated string) of logs to print: " + ", ".join(LOGS),
+    "on_unsupported": "what to do with a graph braze cannot compile: 'warn' (run eagerly, warn), 'silent', or 'error'",
+    "decompose": "bool: apply braze's decomposition table in AOTAutograd (default True)",
+}
+
+
+class BrazeConfigError(ValueError):
+    """An unknown mode or option, or an invalid option value."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    mode: str = "default"
+    logs: frozenset = frozenset()
+    on_unsupported: str = "warn"
+    decompose: bool = True
+
+    @staticmethod
+    def make(mode=None, options=None) -> "Config":
+        mode = mode or "default"
+        if mode not in MODES:
+            raise BrazeConfigError(f"braze: unknown mode {mode!r}; valid modes are {', '.join(MODES)}")
+        options = dict(options or {})
+        unknown = sorted(set(options) - set(OPTIONS))
+        if unknown:
+            valid = "\n".join(f"  {k}: {v}" for k, v in OPTIONS.items())
+            raise BrazeConfigError(f"braze: unknown option(s) {', '.join(map(repr, unknown))}; valid options are:\n{valid}")
+        logs = options.get("logs", os.environ.get("BRAZE_LOGS", ""))
+        if isinstance(logs, str):
+            logs = [x.strip() for x in logs.split(",") if x.strip()]
+        bad = sorted(set(logs) - set(LOGS))
+        if bad:
+            raise BrazeConfigError(f"braze: unknown log(s) {bad}; valid logs are {', '.join(LOGS)}")
+        on_unsupported = options.get("on_unsupported", "warn")
+        if on_unsupported not in ("warn", "silent", "error"):
+            raise BrazeConfigError("braze: option 'on_unsupported' must be 'warn', 'silent' or 'error'")
+        decompose = options.get("decompose", True)
+        if not isinstance(decompose, bool):
+            raise BrazeConfigError("braze: option 'decompose' must be a bool")
+        return Config(mode=mode, logs=frozenset(logs), on_unsupported=on_unsupported, decompose=decompose)

@@ -1,0 +1,957 @@
+"""From an ATen FX graph to a braze graph (``_core.GraphBuilder``).
+
+Each FX node is lowered by the function registered for its ATen op in ``LOWERINGS``; the
+function emits braze IR ops through :class:`Lowerer`. A node without a lowering, or whose
+lowering raises :class:`Unsupported`, becomes an ``extern`` node: a call of its own ATen
+kernel at run time (a fallback, counted and reported). After every lowering the IR type is
+checked against the FX node's FakeTensor; a mismatch is a braze bug and the node falls back.
+"""
+from __future__ import annotations
+
+import math
+import operator
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx
+
+from . import _core
+
+aten = torch.ops.aten
+
+DTYPES = {
+    torch.float64: "f64", torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16",
+    torch.int64: "i64", torch.int32: "i32", torch.int16: "i16", torch.int8: "i8",
+    torch.uint8: "u8", torch.bool: "bool",
+}
+
+
+class Unsupported(Exception):
+    """braze does not lower this (op, arguments, dtype, device); fall back."""
+
+
+def dt(d: torch.dtype) -> str:
+    try:
+        return DTYPES[d]
+    except KeyError:
+        raise Unsupported(f"dtype {d}") from None
+
+
+def sym_str(v) -> str:
+    """A size (int or SymInt) as a braze size expression."""
+    if isinstance(v, bool):
+        raise Unsupported("bool used as a size")
+    if isinstance(v, int):
+        return str(v)
+    if isinstance(v, torch.SymInt):
+        node = v.node
+        if hasattr(node, "maybe_as_int") and node.maybe_as_int() is not None:
+            return str(node.maybe_as_int())
+        return str(node.expr).replace(" ", "")
+    raise Unsupported(f"size {v!r}")
+
+
+def is_tensor_meta(v) -> bool:
+    return isinstance(v, torch.Tensor)
+
+
+@dataclass
+class ExternCall:
+    """How to call a fallback op at run time: the ATen target, args/kwargs with tensor
+    operands replaced by ``Ref(k)``, and where each tensor result goes."""
+    target: object
+    args: tuple
+    kwargs: dict
+    out_paths: list  # per extern output: index path into the result (() for a bare tensor)
+    name: str = ""
+
+
+@dataclass(frozen=True)
+class Ref:
+    k: int
+
+
+@dataclass(frozen=True)
+class SymRef:
+    """A SymInt argument of an extern call, evaluated at run time."""
+    expr: str
+
+
+@dataclass
+class Lowered:
+    builder: object
+    externs: dict  # extern node id -> ExternCall
+    outputs: list  # ("t", ir output position) | ("sym", expr) | ("const", value)
+    input_nodes: list  # placeholder index -> ("tensor", (dtype, shape, strides)) | ("sym", expr) | ("other", value)
+    fallbacks: dict = field(default_factory=dict)  # op name -> count
+    lowered_ops: dict = field(default_factory=dict)
+
+
+class Lowerer:
+    """Walks one FX graph into a GraphBuilder."""
+
+    def __init__(self, gm: torch.fx.GraphModule, name: str):
+        self.gm = gm
+        self.b = _core.GraphBuilder(name)
+        self.env = {}
+        self.types = {}  # ir id -> (torch dtype, tuple of size strings)
+        self.externs = {}
+        self.fallbacks = {}
+        self.lowered_ops = {}
+
+    # ---- emitting IR -------------------------------------------------------------------
+    def op(self, text: str, *ins: int) -> int:
+        try:
+            return self.b.op(text, list(ins))
+        except _core.Unsupported as e:
+            raise Unsupported(str(e)) from None
+
+    def dtype_of(self, i: int) -> torch.dtype:
+        d, _ = self.b.node_type(i)
+        return {v: k for k, v in DTYPES.items()}[d]
+
+    def shape_of(self, i: int) -> list:
+        return self.b.node_type(i)[1]
+
+    def rank(self, i: int) -> int:
+        return len(self.shape_of(i))
+
+    def scalar(self, value, dtype: torch.dtype) -> int:
+        if dtype.is_floating_point:
+            v = float(value)
+            lit = "nan" if math.isnan(v) else ("inf" if v == math.inf else ("-inf" if v == -math.inf else repr(v)))
+            if "e" not in lit and "." not in lit and lit not in ("nan", "inf", "-inf"):
+                lit += ".0"
+        elif dtype == torch.bool:
+            lit = "true" if bool(value) else "false"
+        else:
+            if isinstance(value, float) and not value.is_integer():
+                raise Unsupported("fractional scalar for an integer op")
+            lit = str(int(value))
+        return self.op(f"scalar value={lit} dtype={dt(dtype)}")
+
+    def cast(self, i: int, dtype: torch.dtype) -> int:
+        if self.dtype_of(i) == dtype:
+            return i
+        return self.op(f"cast dtype={dt(dtype)}", i)
+
+    def tensor(self, x, dtype: torch.dtype | None = None) -> int:
+        """An FX argument (node or Python number) as an IR value, cast to ``dtype``."""
+        if isinstance(x, torch.fx.Node):
+            v = self.env[x]
+            if not isinstance(v, int):
+                if isinstance(v, SymRef):
+                    raise Unsupported("SymInt used as a tensor")
+                raise Unsupported(f"{x} is not a tensor")
+            return self.cast(v, dtype) if dtype is not None else v
+        if isinstance(x, (bool, int, float)):
+            if dtype is None:
+                dtype = torch.bool if isinstance(x, bool) else (torch.int64 if isinstance(x, int) else torch.float32)
+            return self.scalar(x, dtype)
+        raise Unsupported(f"argument {type(x).__name__}")
+
+    def size(self, v) -> str:
+        if isinstance(v, torch.fx.Node):
+            r = self.env.get(v)
+            if isinstance(r, SymRef):
+                return r.expr
+            raise Unsupported("size from a tensor")
+        return sym_str(v)
+
+    def sizes(self, vs) -> str:
+        return "[" + ", ".join(self.size(v) for v in vs) + "]"
+
+    # ---- the walk ------------------------------------------------------------------------
+    def run(self) -> Lowered:
+        inputs = []
+        n_in = 0
+        outputs = []
+        for node in self.gm.graph.nodes:
+            val = node.meta.get("val")
+            if node.op == "placeholder":
+                if is_tensor_meta(val):
+                    check_tensor(val)
+                    shape = [sym_str(s) for s in val.shape]
+                    strides = [sym_str(s) for s in val.stride()]
+                    self.env[node] = self.b.input(n_in, dt(val.dtype), shape, strides)
+                    inputs.append(("tensor", (val.dtype, shape, strides)))
+                    n_in += 1
+                elif isinstance(val, torch.SymInt):
+                    self.env[node] = SymRef(sym_str(val))
+                    inputs.append(("sym", sym_str(val)))
+                else:
+                    self.env[node] = val
+                    inputs.append(("other", val))
+            elif node.op == "call_function":
+                self.env[node] = self.lower_node(node)
+            elif node.op == "output":
+                outs = []
+                for a in torch.fx.node.map_arg(node.args[0], lambda n: n) if isinstance(node.args[0], (list, tuple)) else [node.args[0]]:
+                    v = self.env.get(a) if isinstance(a, torch.fx.Node) else a
+                    if isinstance(v, int) and isinstance(a, torch.fx.Node):
+                        outputs.append(("t", len(outs)))
+                        outs.append(v)
+                    elif isinstance(v, SymRef):
+                        outputs.append(("sym", v.expr))
+                    elif isinstance(a, torch.fx.Node) and isinstance(v, (tuple, list)):
+                        raise Unsupported("tuple output")
+                    else:
+                        outputs.append(("const", v))
+                self.b.set_outputs(outs)
+            elif node.op == "get_attr":
+                raise Unsupported("get_attr in an aten graph")
+        return Lowered(self.b, self.externs, outputs, inputs, self.fallbacks, self.lowered_ops)
+
+    def lower_node(self, node: torch.fx.Node):
+        target = node.target
+        val = node.meta.get("val")
+        if target is operator.getitem:
+            src, k = node.args
+            return self.env[src][k]
+        if isinstance(val, torch.SymInt) or isinstance(val, (int, float)) and not isinstance(val, bool) and not is_tensor_meta(val):
+            if isinstance(val, torch.SymInt):
+                return SymRef(sym_str(val))
+            return val
+        fn = LOWERINGS.get(target) or LOWERINGS.get(getattr(target, "overloadpacket", None))
+        if fn is not None:
+            try:
+                out = fn(self, node, *node.args, **node.kwargs)
+                self.check(node, out)
+                name = op_name(target)
+                self.lowered_ops[name] = self.lowered_ops.get(name, 0) + 1
+                return out
+            except (Unsupported, KeyError, IndexError, TypeError, ValueError, AttributeError):
+                pass
+        return self.extern(node)
+
+    def check(self, node, out):
+        vals = node.meta.get("val")
+        if isinstance(out, tuple):
+            for o, v in zip(out, vals):
+                self.check_one(o, v)
+        else:
+            self.check_one(out, vals)
+
+    def check_one(self, i, v):
+        if v is None or i is None:
+            return
+        d, shape = self.b.node_type(i)
+        want = [sym_str(s) for s in v.shape]
+        if d != dt(v.dtype) or [s.replace(" ", "") for s in shape] != want:
+            raise Unsupported(f"lowering produced {d}{shape}, expected {dt(v.dtype)}{want}")
+
+    def extern(self, node: torch.fx.Node):
+        """The node as a call of its own ATen kernel."""
+        val = node.meta.get("val")
+        name = op_name(node.target)
+        if not callable(node.target):
+            raise Unsupported(f"cannot call {node.target}")
+        operands = []
+
+        def sub(a):
+            if isinstance(a, torch.fx.Node):
+                v = self.env[a]
+                if isinstance(v, SymRef):
+                    return v
+                if isinstance(v, int):
+                    operands.append(v)
+                    return Ref(len(operands) - 1)
+                if isinstance(v, (list, tuple)):
+                    raise Unsupported("tuple-valued operand")
+                return v
+            return a
+
+        args = torch.fx.node.map_aggregate(node.args, sub)
+        kwargs = torch.fx.node.map_aggregate(node.kwargs, sub)
+        outs, paths = [], []
+
+        def walk(v, path):
+            if is_tensor_meta(v):
+                check_tensor(v)
+                outs.append((dt(v.dtype), [sym_str(s) for s in v.shape], [sym_str(s) for s in v.stride()]))
+                paths.append(path)
+            elif isinstance(v, (list, tuple)):
+                for k, x in enumerate(v):
+                    walk(x, path + (k,))
+
+        walk(val, ())
+        ids = self.b.extern_call(name, operands, outs)
+        if ids:
+            self.externs[self.b_extern_id(ids[0])] = ExternCall(node.target, args, kwargs, paths, name)
+        else:
+            raise Unsupported(f"{name} returns no tensor")
+        self.fallbacks[name] = self.fallbacks.get(name, 0) + 1
+        if is_tensor_meta(val):
+            return ids[0]
+        result = []
+
+        def rebuild(v, path):
+            if is_tensor_meta(v):
+                return ids[paths.index(path)]
+            if isinstance(v, (list, tuple)):
+                return tuple(rebuild(x, path + (k,)) for k, x in enumerate(v))
+            if isinstance(v, torch.SymInt):
+                return SymRef(sym_str(v))
+            return v
+
+        result = rebuild(val, ())
+        return result
+
+    @staticmethod
+    def b_extern_id(first_out: int) -> int:
+        # The extern node is added right before its first result.
+        return first_out - 1
+
+
+def check_tensor(v):
+    if v.layout != torch.strided:
+        raise Unsupported(f"layout {v.layout}")
+    if v.device.type != "cpu":
+        raise Unsupported(f"device {v.device}")
+    dt(v.dtype)
+
+
+def op_name(target) -> str:
+    if isinstance(target, torch._ops.OpOverload):
+        return f"aten.{target.overloadpacket.__name__}.{target._overloadname}"
+    return getattr(target, "__name__", str(target))
+
+
+# ---- the lowering table -----------------------------------------------------------------
+
+LOWERINGS = {}
+
+
+def register(*ops):
+    def deco(fn):
+        for o in ops:
+            if o is not None:
+                LOWERINGS[o] = fn
+        return fn
+    return deco
+
+
+def A(name):
+    return getattr(aten, name, None)
+
+
+def out_dtype(node):
+    return node.meta["val"].dtype
+
+
+UNARY = {
+    "neg": "neg", "abs": "abs", "exp": "exp", "exp2": "exp2", "expm1": "expm1", "log": "log",
+    "log2": "log2", "log10": "log10", "log1p": "log1p", "sqrt": "sqrt", "rsqrt": "rsqrt",
+    "sin": "sin", "cos": "cos", "tan": "tan", "asin": "asin", "acos": "acos", "atan": "atan",
+    "sinh": "sinh", "cosh": "cosh", "tanh": "tanh", "asinh": "asinh", "acosh": "acosh",
+    "atanh": "atanh", "sigmoid": "sigmoid", "relu": "relu", "erf": "erf", "erfc": "erfc",
+    "reciprocal": "reciprocal", "floor": "floor", "ceil": "ceil", "trunc": "trunc",
+    "sign": "sign", "lgamma": "lgamma", "logical_not": "not", "bitwise_not": "bitwise_not",
+    "isnan": "isnan", "isinf": "isinf",
+}
+
+
+def _unary(ir):
+    def f(L, node, x, *rest, **kw):
+        if rest or kw:
+            raise Unsupported("extra arguments")
+        od = out_dtype(node)
+        if ir in ("not", "isnan", "isinf"):
+            return L.op(ir, L.tensor(x))
+        if ir in ("floor", "ceil", "trunc", "sign", "abs", "neg", "relu") and not od.is_floating_point:
+            return L.op(ir, L.tensor(x, od)) if ir not in ("floor", "ceil", "trunc") else L.tensor(x, od)
+        return L.op(ir, L.tensor(x, od))
+    return f
+
+
+for _n, _ir in UNARY.items():
+    register(A(_n))(_unary(_ir))
+
+
+@register(A("round"))
+def _round(L, node, x, **kw):
+    if kw.get("decimals", 0):
+        raise Unsupported("round with decimals")
+    od = out_dtype(node)
+    return L.op("round", L.tensor(x, od)) if od.is_floating_point else L.tensor(x, od)
+
+
+ARITH = {"add": "add", "sub": "sub", "mul": "mul", "maximum": "max", "minimum": "min",
+         "atan2": "atan2", "hypot": "hypot", "copysign": "copysign", "pow": "pow", "fmod": "fmod",
+         "remainder": "rem", "floor_divide": "floordiv", "bitwise_and": "bitwise_and",
+         "bitwise_or": "bitwise_or", "bitwise_xor": "bitwise_xor",
+         "bitwise_left_shift": "shl", "bitwise_right_shift": "shr"}
+CMP = {"eq": "eq", "ne": "ne", "lt": "lt", "le": "le", "gt": "gt", "ge": "ge"}
+LOGICAL = {"logical_and": "and", "logical_or": "or", "logical_xor": "xor"}
+
+
+def _arith(ir):
+    def f(L, node, a, b, alpha=None):
+        od = out_dtype(node)
+        ia, ib = L.tensor(a, od), L.tensor(b, od)
+        if alpha is not None and alpha != 1:
+            ib = L.op("mul", ib, L.scalar(alpha, od))
+        return L.op(ir, ia, ib)
+    return f
+
+
+def _result_type(a, b):
+    va = a.meta["val"] if isinstance(a, torch.fx.Node) else a
+    vb = b.meta["val"] if isinstance(b, torch.fx.Node) else b
+    return torch.result_type(va, vb)
+
+
+def _cmp(ir):
+    def f(L, node, a, b):
+        ct = _result_type(a, b)
+        return L.op(ir, L.tensor(a, ct), L.tensor(b, ct))
+    return f
+
+
+def _logical(ir):
+    def f(L, node, a, b):
+        return L.op(ir, L.tensor(a, torch.bool), L.tensor(b, torch.bool))
+    return f
+
+
+for _n, _ir in ARITH.items():
+    register(A(_n))(_arith(_ir))
+for _n, _ir in CMP.items():
+    register(A(_n))(_cmp(_ir))
+for _n, _ir in LOGICAL.items():
+    register(A(_n))(_logical(_ir))
+
+
+@register(A("rsub"))
+def _rsub(L, node, a, b, alpha=1):
+    od = out_dtype(node)
+    ia, ib = L.tensor(a, od), L.tensor(b, od)
+    if alpha != 1:
+        ia = L.op("mul", ia, L.scalar(alpha, od))
+    return L.op("sub", ib, ia)
+
+
+@register(A("div"))
+def _div(L, node, a, b, rounding_mode=None):
+    od = out_dtype(node)
+    if rounding_mode is None:
+        return L.op("div", L.tensor(a, od), L.tensor(b, od))
+    if rounding_mode == "floor":
+        return L.op("floordiv", L.tensor(a, od), L.tensor(b, od))
+    if rounding_mode == "trunc" and od.is_floating_point:
+        return L.op("trunc", L.op("div", L.tensor(a, od), L.tensor(b, od)))
+    raise Unsupported("div rounding mode")
+
+
+@register(A("where"))
+def _where(L, node, c, a=None, b=None):
+    if a is None:
+        raise Unsupported("where with one argument")
+    od = out_dtype(node)
+    return L.op("where", L.tensor(c, torch.bool), L.tensor(a, od), L.tensor(b, od))
+
+
+@register(A("masked_fill"))
+def _masked_fill(L, node, x, mask, value):
+    od = out_dtype(node)
+    return L.op("where", L.tensor(mask, torch.bool), L.tensor(value, od), L.tensor(x, od))
+
+
+@register(A("clamp"))
+def _clamp(L, node, x, min=None, max=None):
+    od = out_dtype(node)
+    r = L.tensor(x, od)
+    if min is not None:
+        r = L.op("max", r, L.tensor(min, od))
+    if max is not None:
+        r = L.op("min", r, L.tensor(max, od))
+    return r
+
+
+@register(A("clamp_min"))
+def _clamp_min(L, node, x, lo):
+    od = out_dtype(node)
+    return L.op("max", L.tensor(x, od), L.tensor(lo, od))
+
+
+@register(A("clamp_max"))
+def _clamp_max(L, node, x, hi):
+    od = out_dtype(node)
+    return L.op("min", L.tensor(x, od), L.tensor(hi, od))
+
+
+@register(A("hardtanh"))
+def _hardtanh(L, node, x, lo=-1.0, hi=1.0):
+    od = out_dtype(node)
+    return L.op("min", L.op("max", L.tensor(x, od), L.scalar(lo, od)), L.scalar(hi, od))
+
+
+@register(A("leaky_relu"))
+def _leaky_relu(L, node, x, slope=0.01):
+    od = out_dtype(node)
+    t = L.tensor(x, od)
+    return L.op("where", L.op("gt", t, L.scalar(0, od)), t, L.op("mul", t, L.scalar(slope, od)))
+
+
+@register(A("gelu"))
+def _gelu(L, node, x, approximate="none"):
+    od = out_dtype(node)
+    ct = torch.float32 if od in (torch.float16, torch.bfloat16) else od
+    t = L.tensor(x, ct)
+    half = L.op("mul", t, L.scalar(0.5, ct))
+    if approximate == "tanh":
+        cube = L.op("mul", L.op("mul", t, t), t)
+        inner = L.op("mul", L.op("add", t, L.op("mul", cube, L.scalar(0.044715, ct))), L.scalar(math.sqrt(2 / math.pi), ct))
+        r = L.op("mul", half, L.op("add", L.op("tanh", inner), L.scalar(1.0, ct)))
+    else:
+        r = L.op("mul", half, L.op("add", L.op("erf", L.op("mul", t, L.scalar(1 / math.sqrt(2), ct))), L.scalar(1.0, ct)))
+    return L.cast(r, od)
+
+
+@register(A("sigmoid_backward"))
+def _sigmoid_bw(L, node, g, y):
+    od = out_dtype(node)
+    gy, yy = L.tensor(g, od), L.tensor(y, od)
+    return L.op("mul", gy, L.op("mul", yy, L.op("sub", L.scalar(1.0, od), yy)))
+
+
+@register(A("tanh_backward"))
+def _tanh_bw(L, node, g, y):
+    od = out_dtype(node)
+    gy, yy = L.tensor(g, od), L.tensor(y, od)
+    return L.op("mul", gy, L.op("sub", L.scalar(1.0, od), L.op("mul", yy, yy)))
+
+
+@register(A("threshold_backward"))
+def _threshold_bw(L, node, g, x, threshold):
+    od = out_dtype(node)
+    xx = L.tensor(x)
+    return L.op("where", L.op("le", xx, L.tensor(threshold, L.dtype_of(xx))), L.scalar(0, od), L.tensor(g, od))
+
+
+@register(A("_to_copy"))
+def _to_copy(L, node, x, **kw):
+    v = node.meta["val"]
+    src = x.meta["val"]
+    if src.device != v.device:
+        raise Unsupported("device copy")
+    return L.tensor(x, v.dtype)
+
+
+@register(A("clone"), A("alias"), A("lift_fresh_copy"), A("detach"))
+def _identity(L, node, x, **kw):
+    return L.tensor(x)
+
+
+@register(A("copy"))
+def _copy(L, node, dst, src, non_blocking=False):
+    v = node.meta["val"]
+    return L.op(f"expand shape={L.sizes(v.shape)}", L.tensor(src, v.dtype)) if list(src.meta["val"].shape) != list(v.shape) else L.tensor(src, v.dtype)
+
+
+# ---- views ---------------------------------------------------------------------------
+
+def _norm_dim(d, rank):
+    return d + rank if d < 0 else d
+
+
+@register(A("view"), A("_unsafe_view"), A("reshape"))
+def _view(L, node, x, shape):
+    v = node.meta["val"]
+    return L.op(f"reshape shape={L.sizes(v.shape)}", L.tensor(x))
+
+
+@register(A("permute"))
+def _permute(L, node, x, dims):
+    r = L.rank(L.tensor(x))
+    return L.op(f"permute dims=[{', '.join(str(_norm_dim(d, r)) for d in dims)}]", L.tensor(x))
+
+
+@register(A("t"), A("transpose"), A("numpy_T"))
+def _transpose(L, node, x, d0=0, d1=1):
+    t = L.tensor(x)
+    r = L.rank(t)
+    if r < 2:
+        return t
+    d0, d1 = _norm_dim(d0, r), _norm_dim(d1, r)
+    p = list(range(r))
+    p[d0], p[d1] = p[d1], p[d0]
+    return L.op(f"permute dims=[{', '.join(map(str, p))}]", t)
+
+
+@register(A("expand"))
+def _expand(L, node, x, shape, implicit=False):
+    v = node.meta["val"]
+    return L.op(f"expand shape={L.sizes(v.shape)}", L.tensor(x))
+
+
+@register(A("unsqueeze"), A("squeeze"), A("flatten"), A("unflatten"), A("view_as"), A("expand_as"))
+def _reshape_like(L, node, x, *a, **kw):
+    v = node.meta["val"]
+    t = L.tensor(x)
+    if L.shape_of(t) == [sym_str(s) for s in v.shape]:
+        return t
+    if node.target.overloadpacket is aten.expand_as:
+        return L.op(f"expand shape={L.sizes(v.shape)}", t)
+    return L.op(f"reshape shape={L.sizes(v.shape)}", t)
+
+
+@register(A("slice"))
+def _slice(L, node, x, dim=0, start=None, end=None, step=1):
+    src = x.meta["val"]
+    v = node.meta["val"]
+    dim = _norm_dim(dim, src.dim())
+    size = src.shape[dim]
+    start = 0 if start is None else start
+    if isinstance(start, int) and isinstance(size, int):
+        if start < 0:
+            start += size
+        start = min(max(start, 0), size)
+    elif not isinstance(start, int) or start < 0:
+        if not isinstance(start, (int, torch.fx.Node)) or isinstance(start, int) and start < 0:
+            raise Unsupported("symbolic negative slice start")
+    t = L.tensor(x)
+    if step == 1 and start == 0 and sym_str(v.shape[dim]) == sym_str(size):
+        return t
+    return L.op(f"slice dim={dim} start={L.size(start)} len={sym_str(v.shape[dim])} step={int(step)}", t)
+
+
+@register(A("select"))
+def _select(L, node, x, dim, index):
+    src = x.meta["val"]
+    dim = _norm_dim(dim, src.dim())
+    if isinstance(index, int) and index < 0:
+        if not isinstance(src.shape[dim], int):
+            raise Unsupported("negative select on a symbolic dim")
+        index += src.shape[dim]
+    return L.op(f"select dim={dim} index={L.size(index)}", L.tensor(x))
+
+
+# ---- reductions ----------------------------------------------------------------------
+
+def _dims(dims, rank):
+    if dims is None or (isinstance(dims, (list, tuple)) and len(dims) == 0):
+        return list(range(rank))
+    if isinstance(dims, int):
+        dims = [dims]
+    out = sorted({_norm_dim(d, rank) for d in dims})
+    return out
+
+
+def _reduce(L, kind, t, dims, keepdim, correction=None):
+    if L.rank(t) == 0:
+        t = L.op("reshape shape=[1]", t)
+        dims = [0]
+        if not keepdim:
+            r = L.op(_red_text(kind, dims, True, correction), t)
+            return L.op("reshape shape=[]", r)
+    return L.op(_red_text(kind, dims, keepdim, correction), t)
+
+
+def _red_text(kind, dims, keepdim, correction):
+    s = f"{kind} dims=[{', '.join(map(str, dims))}] keepdim={'true' if keepdim else 'false'}"
+    if kind == "var":
+        s += f" correction={int(correction)}"
+    return s
+
+
+@register(A("sum"))
+def _sum(L, node, x, dims=None, keepdim=False, dtype=None):
+    od = out_dtype(node)
+    t = L.tensor(x)
+    if od.is_floating_point:
+        t = L.cast(t, od)
+    r = _reduce(L, "sum", t, _dims(dims, L.rank(t)), keepdim)
+    return L.cast(r, od)
+
+
+@register(A("prod"))
+def _prod(L, node, x, dims=None, keepdim=False, dtype=None):
+    od = out_dtype(node)
+    t = L.tensor(x)
+    if od.is_floating_point:
+        t = L.cast(t, od)
+    if isinstance(dims, int):
+        dims = [dims]
+    r = _reduce(L, "prod", t, _dims(dims, L.rank(t)), keepdim)
+    return L.cast(r, od)
+
+
+@register(A("mean"))
+def _mean(L, node, x, dims=None, keepdim=False, dtype=None):
+    od = out_dtype(node)
+    t = L.tensor(x, od)
+    ds = _dims(dims, L.rank(t))
+    src = x.meta["val"]
+    n = 1
+    for d in ds:
+        n = n * src.shape[d] if src.dim() else 1
+    r = _reduce(L, "sum", t, ds, keepdim)
+    return L.op("div", r, _size_scalar(L, n, od))
+
+
+def _size_scalar(L, n, dtype):
+    if isinstance(n, int):
+        return L.scalar(n, dtype)
+    raise Unsupported("symbolic element count")
+
+
+@register(A("amax"), A("amin"))
+def _amax(L, node, x, dims=(), keepdim=False):
+    kind = "amax" if node.target.overloadpacket is aten.amax else "amin"
+    t = L.tensor(x)
+    return _reduce(L, kind, t, _dims(dims, L.rank(t)), keepdim)
+
+
+@register(A("max"), A("min"))
+def _max(L, node, x, dim=None, keepdim=False):
+    is_max = node.target.overloadpacket is aten.max
+    t = L.tensor(x)
+    if isinstance(dim, torch.fx.Node) or (not isinstance(dim, int) and dim is not None):
+        raise Unsupported("max of two tensors")  # aten.max.other is maximum
+    if dim is None:
+        return _reduce(L, "amax" if is_max else "amin", t, _dims(None, L.rank(t)), False)
+    ds = _dims(dim, L.rank(t))
+    vals = _reduce(L, "amax" if is_max else "amin", t, ds, keepdim)
+    idx = _reduce(L, "argmax" if is_max else "argmin", t, ds, keepdim)
+    return (vals, idx)
+
+
+@register(A("argmax"), A("argmin"))
+def _argmax(L, node, x, dim=None, keepdim=False):
+    kind = "argmax" if node.target.overloadpacket is aten.argmax else "argmin"
+    t = L.tensor(x)
+    if dim is None:
+        shape = L.shape_of(t)
+        flat = L.op("reshape shape=[" + "*".join(f"({s})" for s in shape or ["1"]) + "]", t)
+        r = L.op(_red_text(kind, [0], False, None), flat)
+        if keepdim:
+            r = L.op("reshape shape=[" + ", ".join("1" for _ in shape) + "]", r)
+        return r
+    return _reduce(L, kind, t, _dims(dim, L.rank(t)), keepdim)
+
+
+@register(A("any"), A("all"))
+def _any(L, node, x, dim=None, keepdim=False):
+    kind = "any" if node.target.overloadpacket is aten.any else "all"
+    t = L.tensor(x)
+    return _reduce(L, kind, t, _dims(dim, L.rank(t)), keepdim)
+
+
+def _correction(correction, unbiased):
+    if correction is not None:
+        return correction
+    return 1 if unbiased is None or unbiased else 0
+
+
+@register(A("var"))
+def _var(L, node, x, dims=None, unbiased=None, keepdim=False, correction=None):
+    if isinstance(dims, bool):
+        unbiased, dims = dims, None
+    od = out_dtype(node)
+    t = L.tensor(x, od)
+    return _reduce(L, "var", t, _dims(dims, L.rank(t)), keepdim, _correction(correction, unbiased))
+
+
+@register(A("var_mean"))
+def _var_mean(L, node, x, dims=None, unbiased=None, keepdim=False, correction=None):
+    if isinstance(dims, bool):
+        unbiased, dims = dims, None
+    od = out_dtype(node)[0] if isinstance(out_dtype, tuple) else node.meta["val"][0].dtype
+    t = L.tensor(x, od)
+    ds = _dims(dims, L.rank(t))
+    var = _reduce(L, "var", t, ds, keepdim, _correction(correction, unbiased))
+    src = x.meta["val"]
+    n = math.prod(src.shape[d] for d in ds) if src.dim() else 1
+    mean = L.op("div", _reduce(L, "sum", t, ds, keepdim), _size_scalar(L, n, od))
+    return (var, mean)
+
+
+# ---- normalizations ------------------------------------------------------------------
+
+def _acc_dtype(d):
+    return torch.float32 if d in (torch.float16, torch.bfloat16) else d
+
+
+@register(A("_softmax"))
+def _softmax(L, node, x, dim, half_to_float):
+    od = out_dtype(node)
+    ct = _acc_dtype(od)
+    t = L.tensor(x, ct)
+    d = _norm_dim(dim, max(L.rank(t), 1))
+    if L.rank(t) == 0:
+        return L.cast(L.op("div", t, t), od)
+    m = _reduce(L, "amax", t, [d], True)
+    e = L.op("exp", L.op("sub", t, m))
+    s = _reduce(L, "sum", e, [d], True)
+    return L.cast(L.op("div", e, s), od)
+
+
+@register(A("_log_softmax"))
+def _log_softmax(L, node, x, dim, half_to_float):
+    od = out_dtype(node)
+    ct = _acc_dtype(od)
+    t = L.tensor(x, ct)
+    if L.rank(t) == 0:
+        return L.cast(L.op("sub", t, t), od)
+    d = _norm_dim(dim, L.rank(t))
+    m = _reduce(L, "amax", t, [d], True)
+    sh = L.op("sub", t, m)
+    s = _reduce(L, "sum", L.op("exp", sh), [d], True)
+    return L.cast(L.op("sub", sh, L.op("log", s)), od)
+
+
+@register(A("_softmax_backward_data"))
+def _softmax_bw(L, node, g, y, dim, input_dtype):
+    od = out_dtype(node)
+    ct = _acc_dtype(od)
+    gg, yy = L.tensor(g, ct), L.tensor(y, ct)
+    if L.rank(gg) == 0:
+        raise Unsupported("0-dim softmax backward")
+    d = _norm_dim(dim, L.rank(gg))
+    gy = L.op("mul", gg, yy)
+    s = _reduce(L, "sum", gy, [d], True)
+    return L.cast(L.op("sub", gy, L.op("mul", yy, s)), od)
+
+
+@register(A("_log_softmax_backward_data"))
+def _log_softmax_bw(L, node, g, y, dim, input_dtype):
+    od = out_dtype(node)
+    ct = _acc_dtype(od)
+    gg, yy = L.tensor(g, ct), L.tensor(y, ct)
+    if L.rank(gg) == 0:
+        raise Unsupported("0-dim log_softmax backward")
+    d = _norm_dim(dim, L.rank(gg))
+    s = _reduce(L, "sum", gg, [d], True)
+    return L.cast(L.op("sub", gg, L.op("mul", L.op("exp", yy), s)), od)
+
+
+@register(A("native_layer_norm"))
+def _layer_norm(L, node, x, normalized_shape, w, b, eps):
+    vals = node.meta["val"]
+    od = vals[0].dtype
+    ct = _acc_dtype(od)
+    t = L.tensor(x, ct)
+    r = L.rank(t)
+    k = len(normalized_shape)
+    ds = list(range(r - k, r))
+    src = x.meta["val"]
+    n = math.prod(src.shape[d] for d in ds)
+    var = _reduce(L, "var", t, ds, True, 0)
+    mean = L.op("div", _reduce(L, "sum", t, ds, True), _size_scalar(L, n, ct))
+    rstd = L.op("rsqrt", L.op("add", var, L.scalar(eps, ct)))
+    out = L.op("mul", L.op("sub", t, mean), rstd)
+    if w is not None:
+        out = L.op("mul", out, L.tensor(w, ct))
+    if b is not None:
+        out = L.op("add", out, L.tensor(b, ct))
+    return (L.cast(out, od), L.cast(mean, vals[1].dtype), L.cast(rstd, vals[2].dtype))
+
+
+# ---- creation ------------------------------------------------------------------------
+
+@register(A("full"))
+def _full(L, node, size, value, **kw):
+    v = node.meta["val"]
+    s = L.scalar(value, v.dtype)
+    if v.dim() == 0:
+        return s
+    return L.op(f"expand shape={L.sizes(v.shape)}", s)
+
+
+@register(A("zeros"), A("ones"))
+def _zeros(L, node, size, **kw):
+    v = node.meta["val"]
+    s = L.scalar(0 if node.target.overloadpacket is aten.zeros else 1, v.dtype)
+    return s if v.dim() == 0 else L.op(f"expand shape={L.sizes(v.shape)}", s)
+
+
+@register(A("scalar_tensor"))
+def _scalar_tensor(L, node, value, **kw):
+    return L.scalar(value, node.meta["val"].dtype)
+
+
+@register(A("arange"))
+def _arange(L, node, *args, **kw):
+    v = node.meta["val"]
+    nums = [a for a in args if not isinstance(a, torch.fx.Node)]
+    if len(nums) != len(args) or not all(isinstance(a, int) for a in nums):
+        raise Unsupported("arange with non-integer bounds")
+    start, step = (0, 1) if len(nums) == 1 else (nums[0], nums[2] if len(nums) > 2 else 1)
+    return L.op(f"iota len={sym_str(v.shape[0])} start={start} step={step} dtype={dt(v.dtype)}")
+
+
+# ---- indexing ------------------------------------------------------------------------
+
+@register(A("index_select"))
+def _index_select(L, node, x, dim, index):
+    t = L.tensor(x)
+    i = L.tensor(index)
+    if L.rank(t) == 0:
+        raise Unsupported("index_select on a 0-dim tensor")
+    if L.rank(i) == 0:
+        i = L.op("reshape shape=[1]", i)
+    return L.op(f"index_select dim={_norm_dim(dim, L.rank(t))}", t, i)
+
+
+@register(A("embedding"))
+def _embedding(L, node, w, idx, padding_idx=-1, scale_grad_by_freq=False, sparse=False):
+    v = node.meta["val"]
+    i = L.tensor(idx)
+    n = idx.meta["val"].numel()
+    flat = L.op(f"reshape shape=[{sym_str(n)}]", i)
+    rows = L.op("index_select dim=0", L.tensor(w), flat)
+    return L.op(f"reshape shape={L.sizes(v.shape)}", rows)
+
+
+@register(A("gather"))
+def _gather(L, node, x, dim, index, sparse_grad=False):
+    t = L.tensor(x)
+    if L.rank(t) == 0:
+        raise Unsupported("gather on a 0-dim tensor")
+    return L.op(f"gather dim={_norm_dim(dim, L.rank(t))}", t, L.tensor(index))
+
+
+@register(A("cat"))
+def _cat(L, node, tensors, dim=0):
+    v = node.meta["val"]
+    parts = [t for t in tensors if not (t.meta["val"].dim() == 1 and t.meta["val"].shape[0] == 0)]
+    if not parts:
+        raise Unsupported("cat of empty tensors")
+    ids = [L.tensor(t, v.dtype) for t in parts]
+    if len(ids) == 1:
+        return ids[0]
+    return L.op(f"cat dim={_norm_dim(dim, v.dim())}", *ids)
+
+
+@register(A("constant_pad_nd"))
+def _pad(L, node, x, pad, value=0):
+    t = L.tensor(x)
+    r = L.rank(t)
+    pairs = [[0, 0] for _ in range(r)]
+    for k in range(len(pad) // 2):
+        d = r - 1 - k
+        pairs[d] = [pad[2 * k], pad[2 * k + 1]]
+    flat = [p for pr in pairs for p in pr]
+    if any((not isinstance(p, int)) or p < 0 for p in flat):
+        raise Unsupported("negative or symbolic padding")
+    lit = _lit(value, L.dtype_of(t))
+    return L.op(f"pad pads=[{', '.join(map(str, flat))}] value={lit}", t)
+
+
+def _lit(value, dtype):
+    if dtype.is_floating_point:
+        v = float(value)
+        if math.isnan(v):
+            return "nan"
+        if math.isinf(v):
+            return "inf" if v > 0 else "-inf"
+        s = repr(v)
+        return s if ("." in s or "e" in s) else s + ".0"
+    if dtype == torch.bool:
+        return "true" if value else "false"
+    return str(int(value))
+
+
+def lower_graph(gm: torch.fx.GraphModule, name: str) -> Lowered:
+    return Lowerer(gm, name).run()

@@ -1,0 +1,173 @@
+"""Running a compiled graph: the plan from ``_core.Compiled``, followed step by step.
+
+Python allocates buffers through PyTorch's allocator, calls extern (ATen) ops, and hands
+data pointers to Rust, which runs consecutive kernels in one call.
+"""
+from __future__ import annotations
+
+import torch
+
+from .lowering import DTYPES, ExternCall, Ref, SymRef
+
+_TORCH_DTYPES = {v: k for k, v in DTYPES.items()}
+
+
+class SymResolver:
+    """Finds the value of every size symbol from the call's inputs."""
+
+    def __init__(self, input_nodes, num_syms):
+        self.num_syms = num_syms
+        self.sources = {}
+        for i, (kind, info) in enumerate(input_nodes):
+            if kind == "sym":
+                self._add(info, ("int", i, 0))
+            elif kind == "tensor":
+                _, shape, strides = info
+                for d, s in enumerate(shape):
+                    self._add(s, ("size", i, d))
+                for d, s in enumerate(strides):
+                    self._add(s, ("stride", i, d))
+        missing = [n for n in range(num_syms) if n not in self.sources and self._needed(n)]
+        self.missing = missing
+
+    def _add(self, expr, src):
+        if expr.startswith("s") and expr[1:].isdigit():
+            self.sources.setdefault(int(expr[1:]), src)
+
+    def _needed(self, n):
+        return False
+
+    def resolve(self, args):
+        out = [0] * self.num_syms
+        for n, (kind, i, d) in self.sources.items():
+            if n >= self.num_syms:
+                continue
+            a = args[i]
+            out[n] = int(a) if kind == "int" else (a.shape[d] if kind == "size" else a.stride(d))
+        return out
+
+
+class CompiledGraph:
+    """A callable running one FX graph through braze's kernels (boxed calling convention)."""
+
+    _boxed_call = True
+
+    def __init__(self, compiled, lowered, name):
+        self.c = compiled
+        self.name = name
+        self.externs = lowered.externs
+        self.input_nodes = lowered.input_nodes
+        self.out_spec = lowered.outputs
+        self.dynamic = compiled.num_syms > 0
+        self.syms = SymResolver(self.input_nodes, compiled.num_syms)
+        self.tensor_inputs = [i for i, (k, _) in enumerate(self.input_nodes) if k == "tensor"]
+        self.bufs = compiled.buffers
+        self.steps = compiled.steps
+        self.frees = compiled.frees
+        self.allocs = compiled.allocs
+        self.outputs = compiled.outputs
+        self.copy_out = [self.bufs[b][0] == "input" for b, _ in self.outputs]
+        self.ext_calls = {}
+        for s in self.steps:
+            if s[0] == "extern":
+                self.ext_calls[s[1]] = self.externs[s[1]]
+        if not self.dynamic:
+            self.static = self._layouts(compiled.eval([]))
+
+    def _layouts(self, vals):
+        shapes = [tuple(vals[i] for i in b[3]) for b in self.bufs]
+        strides = [tuple(vals[i] for i in b[4]) for b in self.bufs]
+        return vals, shapes, strides
+
+    def _view(self, t, view, vals):
+        sizes, strides, off = view
+        return t.as_strided(tuple(vals[i] for i in sizes), tuple(vals[i] for i in strides), t.storage_offset() + vals[off])
+
+    def __call__(self, args):
+        if self.dynamic:
+            syms = self.syms.resolve(args)
+            vals, shapes, strides = self._layouts(self.c.eval(syms))
+        else:
+            syms = []
+            vals, shapes, strides = self.static
+        bufs = [None] * len(self.bufs)
+        # Graph inputs, in the layout the kernels were compiled for.
+        tensor_args = [args[i] for i in self.tensor_inputs]
+        for b, (kind, idx, dtype, _, _) in enumerate(self.bufs):
+            if kind == "input":
+                t = tensor_args[idx]
+                if t.stride() != strides[b] and not _same_layout(t, shapes[b], strides[b]):
+                    t = torch.empty_strided(shapes[b], strides[b], dtype=t.dtype, device=t.device).copy_(t)
+                bufs[b] = t
+        device = tensor_args[0].device if tensor_args else torch.device("cpu")
+        for s, step in enumerate(self.steps):
+            for b in self.allocs[s]:
+                bufs[b] = torch.empty_strided(shapes[b], strides[b], dtype=_TORCH_DTYPES[self.bufs[b][2]], device=device)
+            if step[0] == "kernels":
+                ptrs = [0 if t is None else t.data_ptr() for t in bufs]
+                self.c.run(step[1], step[2], ptrs, syms)
+            else:
+                self._extern(step, bufs, vals, shapes, strides, syms)
+            for b in self.frees[s]:
+                bufs[b] = None
+        outs = []
+        for (b, view), copy in zip(self.outputs, self.copy_out):
+            t = bufs[b]
+            if view is not None:
+                t = self._view(t, view, vals)
+            outs.append(t.clone() if copy else t)
+        if len(self.out_spec) == len(outs) and all(k == "t" for k, _ in self.out_spec):
+            return outs
+        res = []
+        for kind, v in self.out_spec:
+            if kind == "t":
+                res.append(outs[v])
+            elif kind == "sym":
+                res.append(_eval_sym(v, self.syms, syms))
+            else:
+                res.append(v)
+        return res
+
+    def _extern(self, step, bufs, vals, shapes, strides, syms):
+        _, node, _, target, args, outs = step
+        call: ExternCall = self.ext_calls[node]
+        tensors = []
+        for b, view in args:
+            t = bufs[b]
+            tensors.append(self._view(t, view, vals) if view is not None else t)
+
+        def sub(a):
+            if isinstance(a, Ref):
+                return tensors[a.k]
+            if isinstance(a, SymRef):
+                return _eval_sym(a.expr, self.syms, syms)
+            if isinstance(a, (list, tuple)):
+                return type(a)(sub(x) for x in a)
+            if isinstance(a, dict):
+                return {k: sub(v) for k, v in a.items()}
+            return a
+
+        r = call.target(*sub(call.args), **sub(call.kwargs))
+        for o, path in zip(outs, call.out_paths):
+            t = r
+            for k in path:
+                t = t[k]
+            if t.stride() != strides[o] and not _same_layout(t, shapes[o], strides[o]):
+                t = torch.empty_strided(shapes[o], strides[o], dtype=t.dtype, device=t.device).copy_(t)
+            bufs[o] = t
+
+
+def _same_layout(t, shape, strides):
+    """Strides only matter on dims of size > 1."""
+    if tuple(t.shape) != tuple(shape):
+        return False
+    return all(a == b for a, b, n in zip(t.stride(), strides, shape) if n > 1)
+
+
+def _eval_sym(expr, resolver, syms):
+    import re
+
+    names = {f"s{n}": v for n, v in enumerate(syms)}
+    py = re.sub(r"\bs(\d+)\b", lambda m: str(names.get(m.group(0), 0)), expr)
+    py = py.replace("FloorDiv", "_fd").replace("PythonMod", "_md").replace("Mod", "_md")
+    return int(eval(py, {"_fd": lambda a, b: a // b, "_md": lambda a, b: a % b}))
