@@ -80,7 +80,7 @@ def compile_fx_graph(gm: torch.fx.GraphModule, example_inputs, *, cfg: Config, k
     for op, n in lowered.lowered_ops.items():
         stats.lowered_ops[op] = stats.lowered_ops.get(op, 0) + n
     times = {"lower": t1 - t0, **dict(compiled.times), "total": time.perf_counter() - t0}
-    record.update(status="compiled", kernels=compiled.kernels, externs=dict(lowered.fallbacks), times=times,
+    record.update(status="compiled", kernels=compiled.kernels, externs=dict(lowered.fallbacks), extern_reasons=dict(lowered.reasons), times=times,
                   cached=compiled.cached, source=compiled.source, schedule=compiled.schedule)
     stats.records.append(record)
     _log(cfg, "graph", f"{name}: IR before passes", compiled.graph_before)
@@ -92,7 +92,7 @@ def compile_fx_graph(gm: torch.fx.GraphModule, example_inputs, *, cfg: Config, k
     _log(cfg, "schedule", f"{name}: schedule", compiled.schedule)
     _log(cfg, "output_code", f"{name}: generated C", compiled.source)
     if lowered.fallbacks:
-        _log(cfg, "fallbacks", f"{name}: ops run through ATen", "\n".join(f"  {k} x{v}" for k, v in lowered.fallbacks.items()))
+        _log(cfg, "fallbacks", f"{name}: ops run through ATen", "\n".join(f"  {k} x{v}: {lowered.reasons.get(k, '')}" for k, v in lowered.fallbacks.items()))
     return fn
 
 

@@ -28,7 +28,7 @@ _NAMES = [
     "rad2deg", "square", "hardshrink", "softshrink", "celu", "selu", "relu6", "tril", "triu",
     "linspace", "logspace", "diag_embed", "trace", "prelu", "_prelu_kernel", "_prelu_kernel_backward",
     "_to_copy", "rms_norm", "_fused_rms_norm", "_fused_rms_norm_backward", "slice_backward",
-    "select_backward", "nan_to_num", "cumsum", "aminmax", "threshold",
+    "select_backward", "nan_to_num", "aminmax", "threshold",
 ]
 
 

@@ -85,6 +85,7 @@ class Lowered:
     input_nodes: list  # placeholder index -> ("tensor", (dtype, shape, strides)) | ("sym", expr) | ("other", value)
     fallbacks: dict = field(default_factory=dict)  # op name -> count
     lowered_ops: dict = field(default_factory=dict)
+    reasons: dict = field(default_factory=dict)  # op name -> why it was not lowered
 
 
 class Lowerer:
@@ -98,6 +99,7 @@ class Lowerer:
         self.externs = {}
         self.fallbacks = {}
         self.lowered_ops = {}
+        self.reasons = {}
 
     # ---- emitting IR -------------------------------------------------------------------
     def op(self, text: str, *ins: int) -> int:
@@ -200,7 +202,7 @@ class Lowerer:
                 self.b.set_outputs(outs)
             elif node.op == "get_attr":
                 raise Unsupported("get_attr in an aten graph")
-        return Lowered(self.b, self.externs, outputs, inputs, self.fallbacks, self.lowered_ops)
+        return Lowered(self.b, self.externs, outputs, inputs, self.fallbacks, self.lowered_ops, self.reasons)
 
     def lower_node(self, node: torch.fx.Node):
         target = node.target
@@ -220,8 +222,10 @@ class Lowerer:
                 name = op_name(target)
                 self.lowered_ops[name] = self.lowered_ops.get(name, 0) + 1
                 return out
-            except (Unsupported, KeyError, IndexError, TypeError, ValueError, AttributeError):
-                pass
+            except (Unsupported, KeyError, IndexError, TypeError, ValueError, AttributeError) as e:
+                self.reasons[op_name(target)] = f"{type(e).__name__}: {e}"
+        else:
+            self.reasons.setdefault(op_name(target), "no lowering")
         return self.extern(node)
 
     def check(self, node, out):
@@ -275,11 +279,12 @@ class Lowerer:
                     walk(x, path + (k,))
 
         walk(val, ())
-        ids = self.b.extern_call(name, operands, outs)
-        if ids:
-            self.externs[self.b_extern_id(ids[0])] = ExternCall(node.target, args, kwargs, paths, name)
-        else:
+        if not outs:
             raise Unsupported(f"{name} returns no tensor")
+        # The key travels through the Rust passes as the extern's target name.
+        key = f"{name}#{len(self.externs)}"
+        ids = self.b.extern_call(key, operands, outs)
+        self.externs[key] = ExternCall(node.target, args, kwargs, paths, name)
         self.fallbacks[name] = self.fallbacks.get(name, 0) + 1
         if is_tensor_meta(val):
             return ids[0]
@@ -296,11 +301,6 @@ class Lowerer:
 
         result = rebuild(val, ())
         return result
-
-    @staticmethod
-    def b_extern_id(first_out: int) -> int:
-        # The extern node is added right before its first result.
-        return first_out - 1
 
 
 def check_tensor(v):

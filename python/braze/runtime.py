@@ -53,6 +53,9 @@ class CompiledGraph:
     _boxed_call = True
 
     def __init__(self, compiled, lowered, name):
+        # An instance attribute, so wrappers made with functools.wraps (torch._dynamo.disable
+        # wraps backward graphs) keep the boxed calling convention.
+        self._boxed_call = True
         self.c = compiled
         self.name = name
         self.externs = lowered.externs
@@ -70,7 +73,7 @@ class CompiledGraph:
         self.ext_calls = {}
         for s in self.steps:
             if s[0] == "extern":
-                self.ext_calls[s[1]] = self.externs[s[1]]
+                self.ext_calls[s[3]] = self.externs[s[3]]
         if not self.dynamic:
             self.static = self._layouts(compiled.eval([]))
 
@@ -130,7 +133,7 @@ class CompiledGraph:
 
     def _extern(self, step, bufs, vals, shapes, strides, syms):
         _, node, _, target, args, outs = step
-        call: ExternCall = self.ext_calls[node]
+        call: ExternCall = self.ext_calls[target]
         tensors = []
         for b, view in args:
             t = bufs[b]

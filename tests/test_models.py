@@ -1,0 +1,245 @@
+"""End-to-end: the seed workloads, training, graph breaks, dynamic shapes, mutation and
+the user-facing surface (entry point, modes, options, explain, logs). Every check compares
+against eager PyTorch on fresh random inputs."""
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+
+import braze
+from braze.workloads import MatmulHeavy, PointwiseHeavy, TinyBlock
+
+
+def compiled(fn, **kw):
+    return torch.compile(fn, backend="braze", **kw)
+
+
+def randomize(m):
+    with torch.no_grad():
+        for p in m.parameters():
+            p.copy_(torch.randn_like(p) * 0.1 + (1.0 if p.dim() == 1 and "weight" in "" else 0.0))
+    return m
+
+
+def test_entry_point_registered():
+    from torch._dynamo.backends.registry import list_backends
+
+    assert "braze" in list_backends(exclude_tags=())
+
+
+def test_pointwise_heavy_is_one_kernel(device):
+    m = randomize(PointwiseHeavy(256)).to(device)
+    x = torch.randn(64, 256, device=device)
+    before = braze.stats.kernels
+    c = compiled(m)
+    with torch.no_grad():
+        torch.testing.assert_close(c(x), m(x))
+    rec = braze.stats.records[-1]
+    assert rec["status"] == "compiled"
+    assert len(rec["kernels"]) == 1, rec["kernels"]
+    assert braze.stats.kernels - before == 1
+
+
+def test_matmul_heavy(device):
+    m = MatmulHeavy(128, 3).to(device)
+    x = torch.randn(32, 128, device=device)
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(m)(x), m(x))
+    rec = braze.stats.records[-1]
+    assert rec["status"] == "compiled"
+    # The relu after each matmul is fused with the bias add; the matmuls are extern calls.
+    assert sum(n for op, n in rec["externs"].items() if "mm" in op) == 3
+
+
+def test_tinyblock_inference(device):
+    m = TinyBlock(64, 4).to(device).eval()
+    randomize(m)
+    x = torch.randn(4, 16, 64, device=device)
+    with torch.inference_mode():
+        torch.testing.assert_close(compiled(m)(x), m(x), rtol=1e-4, atol=1e-4)
+
+
+def test_tinyblock_training_step(device):
+    torch.manual_seed(0)
+    m = TinyBlock(64, 4).to(device)
+    m2 = TinyBlock(64, 4).to(device)
+    m2.load_state_dict(m.state_dict())
+    x = torch.randn(4, 16, 64, device=device, requires_grad=True)
+    x2 = x.detach().clone().requires_grad_(True)
+    c = compiled(m2)
+    for _ in range(2):
+        out, out2 = m(x), c(x2)
+        torch.testing.assert_close(out2, out, rtol=1e-4, atol=1e-4)
+        g = torch.randn_like(out)
+        out.backward(g)
+        out2.backward(g)
+    torch.testing.assert_close(x2.grad, x.grad, rtol=1e-4, atol=1e-4)
+    for (n, p), (_, p2) in zip(m.named_parameters(), m2.named_parameters()):
+        torch.testing.assert_close(p2.grad, p.grad, rtol=1e-4, atol=1e-4, msg=n)
+    kinds = {r["kind"] for r in braze.stats.records[-2:]}
+    assert kinds == {"forward", "backward"}
+    assert all(r["status"] == "compiled" for r in braze.stats.records[-2:])
+
+
+def test_softmax_and_layernorm_fuse():
+    def f(x, w, b):
+        return torch.softmax(torch.nn.functional.layer_norm(x, (x.shape[-1],), w, b), dim=-1)
+
+    x, w, b = torch.randn(8, 33), torch.randn(33), torch.randn(33)
+    torch.testing.assert_close(compiled(f)(x, w, b), f(x, w, b))
+    rec = braze.stats.records[-1]
+    assert len(rec["kernels"]) <= 2, rec["kernels"]
+
+
+def test_graph_breaks_give_eager_results():
+    def f(x):
+        y = x.sin()
+        if y.sum().item() > 0:  # data-dependent branch: a graph break
+            y = y * 2
+        print("side effect", file=sys.stderr)
+        return y.cos() + x.max().item()
+
+    for _ in range(3):
+        x = torch.randn(16, 8)
+        torch.testing.assert_close(compiled(f)(x), f(x))
+
+
+def test_dynamic_shapes_recompile_symbolically():
+    def f(x, y):
+        return (x * y.sum(dim=-1, keepdim=True)).relu() + x.mean()
+
+    c = compiled(f)
+    for n in (8, 11, 17, 3):
+        x, y = torch.randn(n, 7), torch.randn(n, 5)
+        torch.testing.assert_close(c(x, y), f(x, y))
+    assert braze.stats.graphs_eager == 0 or all("sym" not in r for _, r in braze.stats.eager_reasons)
+
+
+def test_dynamic_true():
+    def f(x):
+        return torch.softmax(x * 2, dim=-1) + x.sum(0)
+
+    c = compiled(f, dynamic=True)
+    for n, k in ((4, 6), (9, 6), (5, 13)):
+        x = torch.randn(n, k)
+        torch.testing.assert_close(c(x), f(x))
+
+
+def test_input_mutation_and_inplace():
+    def f(x, y):
+        x.add_(1)
+        y.mul_(2).sin_()
+        return x * y
+
+    a, b = torch.randn(5, 4), torch.randn(5, 4)
+    a2, b2 = a.clone(), b.clone()
+    out = compiled(f)(a2, b2)
+    ref = f(a, b)
+    torch.testing.assert_close(out, ref)
+    torch.testing.assert_close(a2, a)
+    torch.testing.assert_close(b2, b)
+
+
+@pytest.mark.parametrize("case", ["zero_size", "noncontiguous", "broadcast", "scalar", "expanded"])
+def test_odd_inputs(case):
+    def f(x, y):
+        return torch.tanh(x) * y + 1
+
+    if case == "zero_size":
+        x, y = torch.randn(0, 4), torch.randn(4)
+    elif case == "noncontiguous":
+        x, y = torch.randn(6, 10).t(), torch.randn(12, 10)[::2].t()
+    elif case == "broadcast":
+        x, y = torch.randn(3, 1, 5), torch.randn(4, 1)
+    elif case == "scalar":
+        x, y = torch.randn(()), torch.randn(())
+    else:
+        x, y = torch.randn(1, 5).expand(4, 5), torch.randn(4, 5)
+    torch.testing.assert_close(compiled(f)(x, y), f(x, y))
+
+
+def test_outputs_are_views_and_fresh():
+    def f(x):
+        y = x + 1
+        return y.t(), y[1:], x.clone()
+
+    x = torch.randn(4, 6)
+    outs, refs = compiled(f)(x), f(x)
+    for o, r in zip(outs, refs):
+        torch.testing.assert_close(o, r)
+        assert o.stride() == r.stride()
+    outs[2].add_(1)  # must not write into x
+    torch.testing.assert_close(x + 0, refs[2])
+
+
+def test_unsupported_dtype_falls_back():
+    def f(x):
+        return (x * 2).abs()
+
+    x = torch.randn(4, dtype=torch.complex64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.testing.assert_close(compiled(f)(x), f(x))
+    assert braze.stats.graphs_eager >= 1
+
+
+def test_unlowered_op_runs_through_aten():
+    def f(x):
+        return torch.cumsum(x.sin(), 0) * 2  # cumsum: an extern call between fused kernels
+
+    x = torch.randn(7, 3)
+    torch.testing.assert_close(compiled(f)(x), f(x))
+    rec = braze.stats.records[-1]
+    assert rec["status"] == "compiled" and any("cumsum" in k for k in rec["externs"])
+
+
+def test_dtypes_half_and_int():
+    def f(x, i):
+        return (x.float().exp() * 0.5).to(x.dtype), (i * 3 + 1) // 2, i > 2
+
+    for dt in (torch.float16, torch.bfloat16, torch.float64):
+        x, i = torch.randn(9, 5, dtype=dt), torch.randint(-5, 5, (9, 5))
+        for o, r in zip(compiled(f)(x, i), f(x, i)):
+            torch.testing.assert_close(o, r)
+
+
+def test_mode_and_option_errors():
+    with pytest.raises(braze.BrazeConfigError, match="valid modes"):
+        braze.compile(lambda x: x, mode="ultra")
+    with pytest.raises(braze.BrazeConfigError, match="valid options"):
+        braze.compile(lambda x: x, options={"nope": 1})
+    for mode in braze.MODES:
+        f = braze.compile(lambda x: x * 2 + 1, mode=mode)
+        x = torch.randn(3)
+        torch.testing.assert_close(f(x), x * 2 + 1)
+        torch._dynamo.reset()
+
+
+def test_explain_reports_kernels_and_breaks():
+    def f(x):
+        y = x.sin() + 1
+        print("break")
+        return y.softmax(-1)
+
+    out = braze.explain(f)(torch.randn(4, 8))
+    text = str(out)
+    assert out.graph_break_count >= 1
+    assert "braze_poi_fused" in text and "braze_red_fused" in text
+    assert "compile:" in text
+
+
+def test_logs_print_generated_code():
+    code = (
+        "import torch, braze\n"
+        "f = torch.compile(lambda x: torch.sin(x) + torch.cos(x), backend='braze')\n"
+        "f(torch.randn(8))\n"
+    )
+    env = {"BRAZE_LOGS": "output_code,fusion,graph"}
+    import os
+
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env={**os.environ, **env})
+    assert r.returncode == 0, r.stderr
+    assert "braze_poi_fused_add_cos_sin_0" in r.stderr
+    assert "[braze:fusion]" in r.stderr and "[braze:graph]" in r.stderr
