@@ -16,7 +16,7 @@ aten = torch.ops.aten
 _NAMES = [
     "native_layer_norm_backward", "gelu_backward", "silu", "silu_backward", "mish", "mish_backward",
     "hardswish", "hardswish_backward", "hardsigmoid", "hardsigmoid_backward", "hardtanh_backward",
-    "leaky_relu_backward", "elu", "elu_backward", "softplus", "softplus_backward", "logit",
+    "leaky_relu_backward", "elu", "elu_backward", "softplus", "softplus_backward", "logit", "logit_backward",
     "mse_loss", "mse_loss_backward", "smooth_l1_loss", "huber_loss", "binary_cross_entropy",
     "binary_cross_entropy_backward", "binary_cross_entropy_with_logits", "nll_loss_forward",
     "addcmul", "addcdiv", "lerp", "logsumexp", "std", "std_mean", "rsub", "masked_fill",

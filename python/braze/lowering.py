@@ -368,6 +368,16 @@ for _n, _ir in UNARY.items():
     register(A(_n))(_unary(_ir))
 
 
+@register(A("isposinf"), A("isneginf"))
+def _isposinf(L, node, x):
+    t = L.tensor(x)
+    d = L.dtype_of(t)
+    if not d.is_floating_point:
+        return L.op("ne", t, t)  # integers are never infinite: all false
+    inf = math.inf if node.target.overloadpacket is aten.isposinf else -math.inf
+    return L.op("eq", t, L.scalar(inf, d))
+
+
 @register(A("round"))
 def _round(L, node, x, **kw):
     if kw.get("decimals", 0):
@@ -640,11 +650,9 @@ def _dims(dims, rank):
 
 def _reduce(L, kind, t, dims, keepdim, correction=None):
     if L.rank(t) == 0:
-        t = L.op("reshape shape=[1]", t)
-        dims = [0]
-        if not keepdim:
-            r = L.op(_red_text(kind, dims, True, correction), t)
-            return L.op("reshape shape=[]", r)
+        # A 0-dim tensor reduces over its one element and stays 0-dim.
+        r = L.op(_red_text(kind, [0], True, correction), L.op("reshape shape=[1]", t))
+        return L.op("reshape shape=[]", r)
     return L.op(_red_text(kind, dims, keepdim, correction), t)
 
 
@@ -866,6 +874,30 @@ def _zeros(L, node, size, **kw):
     return s if v.dim() == 0 else L.op(f"expand shape={L.sizes(v.shape)}", s)
 
 
+@register(A("full_like"))
+def _full_like(L, node, x, value, **kw):
+    v = node.meta["val"]
+    s = L.scalar(value, v.dtype)
+    return s if v.dim() == 0 else L.op(f"expand shape={L.sizes(v.shape)}", s)
+
+
+@register(A("empty_like"), A("new_empty"), A("empty"))
+def _empty(L, node, *a, **kw):
+    # Uninitialized memory may hold anything; zeros are one valid choice and need no buffer.
+    v = node.meta["val"]
+    s = L.scalar(0, v.dtype)
+    return s if v.dim() == 0 else L.op(f"expand shape={L.sizes(v.shape)}", s)
+
+
+@register(A("fill"))
+def _fill(L, node, x, value):
+    v = node.meta["val"]
+    s = L.tensor(value, v.dtype)
+    if L.rank(s) != 0:
+        raise Unsupported("fill with a non-scalar tensor")
+    return s if v.dim() == 0 else L.op(f"expand shape={L.sizes(v.shape)}", s)
+
+
 @register(A("scalar_tensor"))
 def _scalar_tensor(L, node, value, **kw):
     return L.scalar(value, node.meta["val"].dtype)
@@ -933,8 +965,20 @@ def _pad(L, node, x, pad, value=0):
         d = r - 1 - k
         pairs[d] = [pad[2 * k], pad[2 * k + 1]]
     flat = [p for pr in pairs for p in pr]
-    if any((not isinstance(p, int)) or p < 0 for p in flat):
-        raise Unsupported("negative or symbolic padding")
+    if any(not isinstance(p, int) for p in flat):
+        raise Unsupported("symbolic padding")
+    shape = x.meta["val"].shape
+    for d, (lo, hi) in enumerate(pairs):
+        if lo < 0 or hi < 0:
+            # Negative padding crops: a slice of the input.
+            start, stop = max(-lo, 0), shape[d] - max(-hi, 0)
+            if not isinstance(shape[d], int):
+                raise Unsupported("negative padding on a symbolic dim")
+            t = L.op(f"slice dim={d} start={start} len={max(stop - start, 0)} step=1", t)
+            pairs[d] = [max(lo, 0), max(hi, 0)]
+    flat = [p for pr in pairs for p in pr]
+    if not any(flat):
+        return t
     lit = _lit(value, L.dtype_of(t))
     return L.op(f"pad pads=[{', '.join(map(str, flat))}] value={lit}", t)
 

@@ -10,6 +10,7 @@ import torch
 from .lowering import DTYPES, ExternCall, Ref, SymRef
 
 _TORCH_DTYPES = {v: k for k, v in DTYPES.items()}
+_UNUSED = 0xFFFFFFFF  # an extern result nothing reads
 
 
 class SymResolver:
@@ -152,6 +153,8 @@ class CompiledGraph:
 
         r = call.target(*sub(call.args), **sub(call.kwargs))
         for o, path in zip(outs, call.out_paths):
+            if o == _UNUSED:
+                continue
             t = r
             for k in path:
                 t = t[k]

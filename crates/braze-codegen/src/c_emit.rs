@@ -182,7 +182,10 @@ impl Emitter<'_> {
             });
         }
         Ok(match op {
-            Add | Sub | Mul if dt == DType::Bool => return Err(CodegenError::Unsupported(format!("{} on bool", op.name()))),
+            // bool + bool is logical or, bool * bool logical and (torch semantics).
+            Add if dt == DType::Bool => format!("{a} | {b}"),
+            Mul if dt == DType::Bool => format!("{a} & {b}"),
+            Sub if dt == DType::Bool => return Err(CodegenError::Unsupported("sub on bool".into())),
             Add => format!("({ct})({a} + {b})"),
             Sub => format!("({ct})({a} - {b})"),
             Mul => format!("({ct})({a} * {b})"),

@@ -10,11 +10,12 @@ use std::sync::OnceLock;
 
 type KernelFn = unsafe extern "C" fn(*const *mut c_void, *const i64);
 
+/// `-ffp-contract=off`: no fused multiply-add, so results round like eager ATen.
 /// `-fno-builtin-sin/cos*` keeps GCC from merging sin and cos into `sincos`, which has no
 /// vector variant and so stops vectorization of the whole loop.
 pub const CFLAGS: &[&str] = &[
     "-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno", "-fno-trapping-math",
-    "-fno-builtin-sin", "-fno-builtin-cos", "-fno-builtin-sinf", "-fno-builtin-cosf", "-std=gnu11", "-w",
+    "-ffp-contract=off", "-fno-builtin-sin", "-fno-builtin-cos", "-fno-builtin-sinf", "-fno-builtin-cosf", "-std=gnu11", "-w",
 ];
 
 /// Libraries linked after the source: libm, and libmvec (glibc's vector math) on x86-64.

@@ -24,6 +24,9 @@ use std::collections::HashSet;
 
 const RECOMPUTE_LIMIT: usize = 4;
 
+/// An extern result nothing reads (its `extern_out` was removed as dead code).
+pub const UNUSED: BufId = u32::MAX;
+
 #[derive(Clone, Debug, PartialEq)]
 pub enum BufKind {
     /// Graph input `n`.
@@ -54,7 +57,8 @@ pub struct Access {
 pub enum Step {
     /// Run kernel `n`.
     Kernel(usize),
-    /// Call ATen op `target` (extern node `node`) on `args`; its results fill `outs`.
+    /// Call ATen op `target` (extern node `node`) on `args`; its results fill `outs`
+    /// (`UNUSED` for results nothing reads).
     Extern { node: NodeId, target: String, args: Vec<Access>, outs: Vec<BufId> },
 }
 
@@ -228,7 +232,7 @@ pub fn schedule(g: &Graph) -> Result<Schedule, SchedError> {
             kernels.push(kern);
         } else if let Some(e) = e {
             let Op::Extern { target, outputs } = &g.node(e).op else { unreachable!() };
-            let mut outs = vec![u32::MAX; *outputs as usize];
+            let mut outs = vec![UNUSED; *outputs as usize];
             for id in g.ids() {
                 if let Op::ExternOut { index, .. } = g.node(id).op {
                     if g.node(id).inputs[0] == e {
@@ -359,7 +363,7 @@ fn plan_frees(buffers: &[Buffer], kernels: &[Kernel], steps: &[Step], outputs: &
                 for a in args {
                     last[a.buf as usize] = Some(s);
                 }
-                for &o in outs {
+                for &o in outs.iter().filter(|&&o| o != UNUSED) {
                     if last[o as usize].is_none() {
                         last[o as usize] = Some(s);
                     }

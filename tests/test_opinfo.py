@@ -1,0 +1,181 @@
+"""Op-level tests driven by PyTorch's own OpInfo samples (op_db).
+
+For every OpInfo whose ops braze lowers, each sample is run through
+``torch.compile(backend="braze")`` and compared with eager under PyTorch's default
+tolerances for the dtype, forward and (for differentiable float ops) backward. At the end a
+summary says how many op_db entries ran entirely through braze's own kernels and how many
+needed an ATen fallback. ``BRAZE_FULL_SWEEP=1`` runs every sample and more dtypes.
+"""
+import os
+import warnings
+
+import pytest
+import torch
+from torch.testing._internal.common_methods_invocations import op_db
+
+import braze
+
+FULL = os.environ.get("BRAZE_FULL_SWEEP") == "1"
+MAX_SAMPLES = 1000 if FULL else 3
+
+# op_db names (OpInfo.name or name.variant) whose ATen ops braze lowers to its own kernels.
+LOWERED = {
+    # unary
+    "neg", "abs", "exp", "exp2", "expm1", "log", "log2", "log10", "log1p", "sqrt", "rsqrt", "sin", "cos",
+    "tan", "asin", "acos", "atan", "sinh", "cosh", "tanh", "asinh", "acosh", "atanh", "sigmoid",
+    "nn.functional.relu", "erf", "erfc", "reciprocal", "floor", "ceil", "round", "trunc", "sign",
+    "logical_not", "bitwise_not", "isnan", "isinf", "square", "positive", "frac", "deg2rad", "rad2deg",
+    "nn.functional.silu", "nn.functional.gelu", "nn.functional.elu", "nn.functional.softplus",
+    "nn.functional.mish", "nn.functional.hardswish", "nn.functional.hardsigmoid", "nn.functional.hardtanh",
+    "nn.functional.leaky_relu", "nn.functional.relu6", "nn.functional.selu", "nn.functional.celu",
+    "nn.functional.logsigmoid", "nn.functional.tanhshrink", "logit", "sgn", "nan_to_num",
+    # binary and ternary
+    "add", "sub", "mul", "div.no_rounding_mode", "div.floor", "div.trunc", "true_divide", "maximum", "minimum",
+    "atan2", "hypot", "copysign", "pow", "fmod", "remainder", "floor_divide", "bitwise_and", "bitwise_or",
+    "bitwise_xor", "eq", "ne", "lt", "le", "gt", "ge", "logical_and", "logical_or", "logical_xor", "rsub",
+    "where", "masked_fill", "clamp", "clamp_min", "clamp_max", "lerp", "addcmul", "addcdiv", "xlogy",
+    # reductions and normalizations
+    "sum", "mean", "prod", "amax", "amin", "max.reduction_with_dim", "min.reduction_with_dim",
+    "max.reduction_no_dim", "min.reduction_no_dim", "argmax", "argmin", "any", "all", "var", "std",
+    "var_mean", "std_mean", "logsumexp", "softmax", "log_softmax", "nn.functional.softmax",
+    "nn.functional.log_softmax", "nn.functional.layer_norm", "nn.functional.rms_norm",
+    "nn.functional.mse_loss", "nn.functional.cross_entropy", "nn.functional.nll_loss",
+    # views and data movement
+    "view", "reshape", "permute", "transpose", "t", "expand", "unsqueeze", "squeeze", "flatten", "unflatten",
+    "narrow", "select", "clone", "contiguous", "index_select", "gather", "cat", "nn.functional.embedding",
+    "take_along_dim", "constant_pad_nd", "full_like", "zeros_like", "ones_like", "movedim", "expand_as",
+    "view_as", "reshape_as", "tril", "triu",
+    # extern kernels with fused pointwise work around them
+    "mm", "addmm", "bmm", "nn.functional.linear", "matmul",
+}
+
+OPS = [op for op in op_db if (op.name if not op.variant_test_name else f"{op.name}.{op.variant_test_name}") in LOWERED]
+
+SUMMARY = {"braze": set(), "fallback": {}, "failed": set()}
+
+# ATen ops braze calls by design (vendor libraries do them best), not counted as fallbacks.
+BY_DESIGN = ("aten.mm.", "aten.addmm.", "aten.bmm.", "aten.baddbmm.", "aten.dot.", "aten.mv.", "aten.convolution",
+             "aten._scaled_dot_product", "aten.addmv.")
+
+
+def full_name(op):
+    return op.name if not op.variant_test_name else f"{op.name}.{op.variant_test_name}"
+
+
+def _flatten(x):
+    if isinstance(x, torch.Tensor):
+        return [x]
+    if isinstance(x, (list, tuple)):
+        return [t for y in x for t in _flatten(y)]
+    return []
+
+
+def _run(op, sample, dtype, grad):
+    """Compiles ``op`` on one sample; returns the ATen ops that fell back."""
+    args = [sample.input, *sample.args]
+    kwargs = sample.kwargs
+    tensor_pos = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+    consts = list(args)
+
+    def fn(*ts):
+        a = list(consts)
+        for i, t in zip(tensor_pos, ts):
+            a[i] = t
+        return op(*a, **kwargs)
+
+    ts = [args[i] for i in tensor_pos]
+    if grad:
+        ts = [t.detach().clone().requires_grad_(t.requires_grad) for t in ts]
+        ts2 = [t.detach().clone().requires_grad_(t.requires_grad) for t in ts]
+    else:
+        ts2 = [t.clone() for t in ts]
+    torch._dynamo.reset()
+    start = len(braze.stats.records)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        expected = fn(*ts)
+        actual = torch.compile(fn, backend="braze", dynamic=False)(*ts2)
+    exp_t, act_t = _flatten(expected), _flatten(actual)
+    assert len(exp_t) == len(act_t)
+    for e, a in zip(exp_t, act_t):
+        torch.testing.assert_close(a, e, equal_nan=True)
+    if grad:
+        outs = [(e, a) for e, a in zip(exp_t, act_t) if e.requires_grad and e.dtype.is_floating_point]
+        if outs:
+            gs = [torch.randn_like(e) for e, _ in outs]
+            torch.autograd.backward([e for e, _ in outs], gs)
+            torch.autograd.backward([a for _, a in outs], gs)
+            for t, t2 in zip(ts, ts2):
+                if t.requires_grad:
+                    torch.testing.assert_close(t2.grad, t.grad, equal_nan=True)
+    recs = braze.stats.records[start:]
+    fell = {}
+    for r in recs:
+        if r["status"] == "eager":
+            fell["<graph>"] = r["reason"]
+        for k in r.get("externs", {}):
+            if not k.startswith(BY_DESIGN):
+                fell[k] = r.get("extern_reasons", {}).get(k, "")
+    return fell
+
+
+def _samples(op, dtype, grad):
+    try:
+        return list(op.sample_inputs("cpu", dtype, requires_grad=grad))[:MAX_SAMPLES]
+    except Exception as e:  # some OpInfos cannot build samples for a dtype
+        pytest.skip(f"no samples: {e}")
+
+
+def _dtypes(op):
+    out = [torch.float32]
+    supported = op.supported_dtypes("cpu")
+    if torch.float32 not in supported:
+        out = [d for d in (torch.int64, torch.bool) if d in supported][:1]
+    if FULL:
+        out += [d for d in (torch.float64, torch.bfloat16, torch.float16, torch.int64, torch.int32, torch.bool) if d in supported and d not in out]
+    elif torch.int64 in supported and torch.int64 not in out:
+        out.append(torch.int64)
+    return out
+
+
+@pytest.mark.parametrize("op", OPS, ids=full_name)
+def test_forward(op):
+    for dtype in _dtypes(op):
+        for sample in _samples(op, dtype, False):
+            fell = _run(op, sample, dtype, False)
+            _record(op, fell)
+
+
+@pytest.mark.parametrize("op", [o for o in OPS if o.supports_autograd], ids=full_name)
+def test_backward(op):
+    if torch.float32 not in op.supported_dtypes("cpu"):
+        pytest.skip("no float32")
+    for sample in _samples(op, torch.float32, True)[:2]:
+        fell = _run(op, sample, torch.float32, True)
+        _record(op, fell)
+
+
+def _record(op, fell):
+    name = full_name(op)
+    if fell:
+        SUMMARY["fallback"].setdefault(name, {}).update(fell)
+    else:
+        SUMMARY["braze"].add(name)
+
+
+def test_zz_summary(capsys):
+    """Prints how many op_db entries ran through braze's kernels and which fell back."""
+    names = {full_name(o) for o in OPS}
+    only_braze = SUMMARY["braze"] - set(SUMMARY["fallback"])
+    lines = [f"op_db entries tested: {len(names)} (of {len(op_db)} in op_db)",
+             f"  entirely through braze kernels: {len(only_braze)}",
+             f"  with an ATen fallback somewhere: {len(SUMMARY['fallback'])}"]
+    for name, fell in sorted(SUMMARY["fallback"].items()):
+        lines.append(f"    {name}: " + "; ".join(f"{k} ({v})" if v else k for k, v in fell.items()))
+    report = "\n".join(lines)
+    path = os.environ.get("BRAZE_OPINFO_REPORT")
+    if path:
+        with open(path, "w") as f:
+            f.write(report + "\n")
+    with capsys.disabled():
+        print("\n" + report)
