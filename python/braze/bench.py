@@ -1,0 +1,176 @@
+"""The main job: ``python -m braze.bench`` runs the seed workloads on eager, Inductor and braze.
+
+For each workload it prints median time per call, speedup over eager, kernels per call,
+first-call (trace + compile) time and max error against eager, all measured in one run:
+eager and compiled calls are interleaved, GPU work is timed with CUDA events, the first call
+is timed separately with cold caches (a fresh braze cache directory, Inductor's caches off).
+Uses the GPU when there is one, otherwise the CPU (with smaller sizes, named in the table).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+os.environ.setdefault("TORCHINDUCTOR_FORCE_DISABLE_CACHES", "1")
+os.environ["BRAZE_CACHE_DIR"] = tempfile.mkdtemp(prefix="braze-bench-cache-")
+
+import torch  # noqa: E402
+
+import braze  # noqa: E402
+from braze.workloads import MatmulHeavy, PointwiseHeavy, TinyBlock  # noqa: E402
+
+
+def workloads(device):
+    gpu = device.type == "cuda"
+    out = []
+
+    def pw():
+        m = PointwiseHeavy(4096).to(device)
+        return m, (torch.randn(1024, 4096, device=device),), "fp32 1024x4096", False
+
+    def mm():
+        dim, rows = (4096, 1024) if gpu else (1024, 512)
+        m = MatmulHeavy(dim, 4).to(device)
+        return m, (torch.randn(rows, dim, device=device),), f"fp32 {rows}x{dim}, 4 layers", False
+
+    def tiny_inf():
+        dtype = torch.float16 if gpu else torch.float32
+        b, s = (32, 128) if gpu else (8, 64)
+        m = TinyBlock(768, 4).to(device=device, dtype=dtype).eval()
+        return m, (torch.randn(b, s, 768, device=device, dtype=dtype),), f"{str(dtype)[6:]} {b}x{s}x768", False
+
+    def tiny_train():
+        b, s = (32, 128) if gpu else (8, 64)
+        m = TinyBlock(768, 4).to(device)
+        return m, (torch.randn(b, s, 768, device=device),), f"fp32 {b}x{s}x768 fwd+bwd", True
+
+    out = [("pointwise-heavy", pw), ("matmul-heavy", mm), ("TinyBlock inference", tiny_inf), ("TinyBlock train step", tiny_train)]
+    return out
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def timer(fn, device, reps):
+    """Median ms of `reps` calls of fn."""
+    ts = []
+    for _ in range(reps):
+        if device.type == "cuda":
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            fn()
+            e.record()
+            torch.cuda.synchronize()
+            ts.append(s.elapsed_time(e))
+        else:
+            t = time.perf_counter()
+            fn()
+            ts.append((time.perf_counter() - t) * 1e3)
+    return ts
+
+
+def make_step(model, inputs, train, fn):
+    if train:
+        params = [p for p in model.parameters()]
+
+        def step():
+            for p in params:
+                p.grad = None
+            out = fn(*inputs)
+            out.float().sum().backward()
+            return out
+        return step
+
+    def infer():
+        with torch.inference_mode():
+            return fn(*inputs)
+    return infer
+
+
+def run_workload(name, build, device, reps, backends):
+    torch.manual_seed(0)
+    model, inputs, shape, train = build()
+    eager_step = make_step(model, inputs, train, model)
+    ref = eager_step().detach().float()
+    steps = {"eager": eager_step}
+    first = {"eager": 0.0}
+    err = {"eager": 0.0}
+    kernels = {}
+    for be in backends:
+        torch._dynamo.reset()
+        compiled = torch.compile(model, backend=be)
+        step = make_step(model, inputs, train, compiled)
+        n0 = len(braze.stats.records)
+        sync(device)
+        t = time.perf_counter()
+        out = step()
+        sync(device)
+        first[be] = time.perf_counter() - t
+        err[be] = (out.detach().float() - ref).abs().max().item()
+        if be == "braze":
+            recs = braze.stats.records[n0:]
+            kernels[be] = sum(len(r.get("kernels", [])) + sum(r.get("externs", {}).values()) for r in recs)
+            kernels["braze_eager_graphs"] = sum(r["status"] == "eager" for r in recs)
+        steps[be] = step
+    for s in steps.values():  # warm up
+        for _ in range(3):
+            s()
+    sync(device)
+    times = {k: [] for k in steps}
+    rounds = 5
+    for _ in range(rounds):  # interleave
+        for k, s in steps.items():
+            times[k] += timer(s, device, max(1, reps // rounds))
+    med = {k: statistics.median(v) for k, v in times.items()}
+    rows = []
+    for k in steps:
+        rows.append({
+            "workload": name, "shape": shape, "backend": k, "median_ms": med[k],
+            "speedup": med["eager"] / med[k], "first_call_s": first[k], "max_err": err[k],
+            "kernels": kernels.get(k), "eager_graphs": kernels.get("braze_eager_graphs") if k == "braze" else None,
+        })
+    return rows
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(prog="python -m braze.bench", description=__doc__.split("\n")[0])
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--reps", type=int, default=None, help="timed calls per backend (default 50 GPU, 15 CPU)")
+    p.add_argument("--json", help="write the rows as JSON to this file")
+    p.add_argument("--only", help="comma-separated workload names to run")
+    p.add_argument("--no-inductor", action="store_true", help="skip TorchInductor")
+    args = p.parse_args(argv)
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        torch.set_float32_matmul_precision("high")
+    reps = args.reps or (50 if device.type == "cuda" else 15)
+    backends = ["braze"] if args.no_inductor else ["inductor", "braze"]
+    rows = []
+    card = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU ({os.cpu_count()} cores)"
+    print(f"braze {braze.__version__} | torch {torch.__version__} | {card} | {time.strftime('%Y-%m-%d')}", flush=True)
+    for name, build in workloads(device):
+        if args.only and name not in args.only.split(","):
+            continue
+        rows += run_workload(name, build, device, reps, backends)
+        print(f"  done: {name}", file=sys.stderr, flush=True)
+    hdr = f"{'workload':22} {'shape':28} {'backend':9} {'median ms':>10} {'vs eager':>9} {'kernels':>8} {'first call s':>13} {'max err':>9}"
+    print(hdr)
+    print("-" * len(hdr))
+    for r in rows:
+        k = "" if r["kernels"] is None else str(r["kernels"])
+        print(f"{r['workload']:22} {r['shape']:28} {r['backend']:9} {r['median_ms']:10.3f} {r['speedup']:8.2f}x {k:>8} {r['first_call_s']:13.3f} {r['max_err']:9.2e}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"torch": torch.__version__, "device": card, "braze": braze.__version__, "rows": rows}, f, indent=1)
+    return rows
+
+
+if __name__ == "__main__":
+    main()
