@@ -10,18 +10,19 @@ if "BRAZE_CACHE_DIR" not in os.environ:
 
     os.environ["BRAZE_CACHE_DIR"] = tempfile.mkdtemp(prefix="braze-test-cache-")
 
+# Every graph compiled for the CPU is also compiled for the GPU with NVRTC (which needs no
+# GPU), so a CUDA codegen error fails the suite on any machine.
+os.environ.setdefault("BRAZE_CHECK_CUDA", "1")
+
 torch._dynamo.config.cache_size_limit = 64
 if hasattr(torch._dynamo.config, "recompile_limit"):
     torch._dynamo.config.recompile_limit = 64
 
 
-def pytest_addoption(parser):
-    parser.addoption("--device", default=os.environ.get("BRAZE_TEST_DEVICE", "cpu"), help="cpu or cuda")
-
-
 @pytest.fixture
-def device(request):
-    d = request.config.getoption("--device")
+def device():
+    """The device under test: BRAZE_TEST_DEVICE (cpu, the default, or cuda)."""
+    d = os.environ.get("BRAZE_TEST_DEVICE", "cpu")
     if d == "cuda" and not torch.cuda.is_available():
         pytest.skip("no CUDA device")
     return d

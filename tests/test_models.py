@@ -83,14 +83,59 @@ def test_tinyblock_training_step(device):
     assert all(r["status"] == "compiled" for r in braze.stats.records[-2:])
 
 
-def test_softmax_and_layernorm_fuse():
+def test_softmax_and_layernorm_fuse(device):
     def f(x, w, b):
         return torch.softmax(torch.nn.functional.layer_norm(x, (x.shape[-1],), w, b), dim=-1)
 
-    x, w, b = torch.randn(8, 33), torch.randn(33), torch.randn(33)
+    x, w, b = (torch.randn(8, 33, device=device), torch.randn(33, device=device), torch.randn(33, device=device))
     torch.testing.assert_close(compiled(f)(x, w, b), f(x, w, b))
     rec = braze.stats.records[-1]
     assert len(rec["kernels"]) <= 2, rec["kernels"]
+
+
+class GPTBlock(torch.nn.Module):
+    """Embedding, causal self-attention through scaled_dot_product_attention, MLP, layer norms
+    and a cross-entropy loss: the small GPT-style block of issue 3."""
+
+    def __init__(self, vocab=97, d=64, heads=4):
+        super().__init__()
+        self.emb = torch.nn.Embedding(vocab, d)
+        self.ln1, self.ln2, self.lnf = torch.nn.LayerNorm(d), torch.nn.LayerNorm(d), torch.nn.LayerNorm(d)
+        self.qkv = torch.nn.Linear(d, 3 * d)
+        self.proj = torch.nn.Linear(d, d)
+        self.fc1, self.fc2 = torch.nn.Linear(d, 4 * d), torch.nn.Linear(4 * d, d)
+        self.head = torch.nn.Linear(d, vocab)
+        self.heads = heads
+
+    def forward(self, idx, targets):
+        b, t = idx.shape
+        x = self.emb(idx)
+        q, k, v = self.qkv(self.ln1(x)).split(x.shape[-1], dim=-1)
+        shape = (b, t, self.heads, -1)
+        q, k, v = (z.view(shape).transpose(1, 2) for z in (q, k, v))
+        a = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(a.transpose(1, 2).reshape(b, t, -1))
+        x = x + self.fc2(torch.nn.functional.gelu(self.fc1(self.ln2(x))))
+        logits = self.head(self.lnf(x))
+        return torch.nn.functional.cross_entropy(logits.view(b * t, -1), targets.view(-1))
+
+
+def test_gpt_block_training(device):
+    torch.manual_seed(0)
+    m = GPTBlock().to(device)
+    m2 = GPTBlock().to(device)
+    m2.load_state_dict(m.state_dict())
+    idx = torch.randint(0, 97, (3, 16), device=device)
+    tgt = torch.randint(0, 97, (3, 16), device=device)
+    c = compiled(m2)
+    for _ in range(2):
+        loss, loss2 = m(idx, tgt), c(idx, tgt)
+        torch.testing.assert_close(loss2, loss, rtol=1e-4, atol=1e-4)
+        loss.backward()
+        loss2.backward()
+    for (n, p), (_, p2) in zip(m.named_parameters(), m2.named_parameters()):
+        torch.testing.assert_close(p2.grad, p.grad, rtol=1e-4, atol=1e-4, msg=n)
+    assert all(r["status"] == "compiled" for r in braze.stats.records[-2:])
 
 
 def test_graph_breaks_give_eager_results():
@@ -106,24 +151,24 @@ def test_graph_breaks_give_eager_results():
         torch.testing.assert_close(compiled(f)(x), f(x))
 
 
-def test_dynamic_shapes_recompile_symbolically():
+def test_dynamic_shapes_recompile_symbolically(device):
     def f(x, y):
         return (x * y.sum(dim=-1, keepdim=True)).relu() + x.mean()
 
     c = compiled(f)
     for n in (8, 11, 17, 3):
-        x, y = torch.randn(n, 7), torch.randn(n, 5)
+        x, y = torch.randn(n, 7, device=device), torch.randn(n, 5, device=device)
         torch.testing.assert_close(c(x, y), f(x, y))
     assert braze.stats.graphs_eager == 0 or all("sym" not in r for _, r in braze.stats.eager_reasons)
 
 
-def test_dynamic_true():
+def test_dynamic_true(device):
     def f(x):
         return torch.softmax(x * 2, dim=-1) + x.sum(0)
 
     c = compiled(f, dynamic=True)
     for n, k in ((4, 6), (9, 6), (5, 13)):
-        x = torch.randn(n, k)
+        x = torch.randn(n, k, device=device)
         torch.testing.assert_close(c(x), f(x))
 
 
@@ -143,7 +188,7 @@ def test_input_mutation_and_inplace():
 
 
 @pytest.mark.parametrize("case", ["zero_size", "noncontiguous", "broadcast", "scalar", "expanded"])
-def test_odd_inputs(case):
+def test_odd_inputs(case, device):
     def f(x, y):
         return torch.tanh(x) * y + 1
 
@@ -157,6 +202,7 @@ def test_odd_inputs(case):
         x, y = torch.randn(()), torch.randn(())
     else:
         x, y = torch.randn(1, 5).expand(4, 5), torch.randn(4, 5)
+    x, y = x.to(device), y.to(device)
     torch.testing.assert_close(compiled(f)(x, y), f(x, y))
 
 
@@ -195,12 +241,12 @@ def test_unlowered_op_runs_through_aten():
     assert rec["status"] == "compiled" and any("cumsum" in k for k in rec["externs"])
 
 
-def test_dtypes_half_and_int():
+def test_dtypes_half_and_int(device):
     def f(x, i):
-        return (x.float().exp() * 0.5).to(x.dtype), (i * 3 + 1) // 2, i > 2
+        return (x.float().exp() * 0.5).to(x.dtype), (i * 3 + 1) // 2, i > 2, x.sum(-1), x.amax(0)
 
     for dt in (torch.float16, torch.bfloat16, torch.float64):
-        x, i = torch.randn(9, 5, dtype=dt), torch.randint(-5, 5, (9, 5))
+        x, i = torch.randn(9, 5, dtype=dt, device=device), torch.randint(-5, 5, (9, 5), device=device)
         for o, r in zip(compiled(f)(x, i), f(x, i)):
             torch.testing.assert_close(o, r)
 

@@ -16,6 +16,7 @@ from torch.testing._internal.common_methods_invocations import op_db
 import braze
 
 FULL = os.environ.get("BRAZE_FULL_SWEEP") == "1"
+DEVICE = os.environ.get("BRAZE_TEST_DEVICE", "cpu")
 MAX_SAMPLES = 1000 if FULL else 3
 
 # op_db names (OpInfo.name or name.variant) whose ATen ops braze lowers to its own kernels.
@@ -71,6 +72,8 @@ def _flatten(x):
 
 
 def _run(op, sample, dtype, grad):
+    if not sample.input.is_cuda and DEVICE == "cuda":
+        raise AssertionError("sample not on the GPU")
     """Compiles ``op`` on one sample; returns the ATen ops that fell back."""
     args = [sample.input, *sample.args]
     kwargs = sample.kwargs
@@ -121,14 +124,14 @@ def _run(op, sample, dtype, grad):
 
 def _samples(op, dtype, grad):
     try:
-        return list(op.sample_inputs("cpu", dtype, requires_grad=grad))[:MAX_SAMPLES]
+        return list(op.sample_inputs(DEVICE, dtype, requires_grad=grad))[:MAX_SAMPLES]
     except Exception as e:  # some OpInfos cannot build samples for a dtype
         pytest.skip(f"no samples: {e}")
 
 
 def _dtypes(op):
     out = [torch.float32]
-    supported = op.supported_dtypes("cpu")
+    supported = op.supported_dtypes(DEVICE)
     if torch.float32 not in supported:
         out = [d for d in (torch.int64, torch.bool) if d in supported][:1]
     if FULL:
@@ -148,7 +151,7 @@ def test_forward(op):
 
 @pytest.mark.parametrize("op", [o for o in OPS if o.supports_autograd], ids=full_name)
 def test_backward(op):
-    if torch.float32 not in op.supported_dtypes("cpu"):
+    if torch.float32 not in op.supported_dtypes(DEVICE):
         pytest.skip("no float32")
     for sample in _samples(op, torch.float32, True)[:2]:
         fell = _run(op, sample, torch.float32, True)
@@ -167,7 +170,7 @@ def test_zz_summary(capsys):
     """Prints how many op_db entries ran through braze's kernels and which fell back."""
     names = {full_name(o) for o in OPS}
     only_braze = SUMMARY["braze"] - set(SUMMARY["fallback"])
-    lines = [f"op_db entries tested: {len(names)} (of {len(op_db)} in op_db)",
+    lines = [f"op_db entries tested on {DEVICE}: {len(names)} (of {len(op_db)} in op_db)",
              f"  entirely through braze kernels: {len(only_braze)}",
              f"  with an ATen fallback somewhere: {len(SUMMARY['fallback'])}"]
     for name, fell in sorted(SUMMARY["fallback"].items()):

@@ -8,13 +8,14 @@ names the reason; single ops braze does not lower run through their ATen kernels
 from __future__ import annotations
 
 import functools
+import os
 import sys
 import time
 import warnings
 
 import torch
 
-from . import _core
+from . import _core, cuda
 from .config import Config
 from .decomp import decomposition_table
 from .lowering import Unsupported, lower_graph
@@ -59,7 +60,16 @@ def compile_fx_graph(gm: torch.fx.GraphModule, example_inputs, *, cfg: Config, k
     try:
         lowered = lower_graph(gm, name)
         t1 = time.perf_counter()
-        compiled = lowered.builder.compile()
+        device = lowered.device
+        if device.type == "cuda":
+            why = cuda.cuda_ready()
+            if why is not None:
+                raise Unsupported(why)
+            target = f"cuda:{device.index if device.index is not None else torch.cuda.current_device()}"
+            compiled = lowered.builder.compile(device=target)
+        else:
+            check = os.environ.get("BRAZE_CHECK_CUDA") == "1" and cuda.nvrtc_available()
+            compiled = lowered.builder.compile(device="cpu", check_cuda=check)
         t2 = time.perf_counter()
         fn = CompiledGraph(compiled, lowered, name)
     except (Unsupported, _core.Unsupported, _core.InternalError, _core.EnvironmentError_) as e:

@@ -86,6 +86,7 @@ class Lowered:
     fallbacks: dict = field(default_factory=dict)  # op name -> count
     lowered_ops: dict = field(default_factory=dict)
     reasons: dict = field(default_factory=dict)  # op name -> why it was not lowered
+    device: torch.device = torch.device("cpu")
 
 
 class Lowerer:
@@ -100,6 +101,7 @@ class Lowerer:
         self.fallbacks = {}
         self.lowered_ops = {}
         self.reasons = {}
+        self.device = None
 
     # ---- emitting IR -------------------------------------------------------------------
     def op(self, text: str, *ins: int) -> int:
@@ -172,7 +174,7 @@ class Lowerer:
             val = node.meta.get("val")
             if node.op == "placeholder":
                 if is_tensor_meta(val):
-                    check_tensor(val)
+                    check_tensor(val, self)
                     shape = [sym_str(s) for s in val.shape]
                     strides = [sym_str(s) for s in val.stride()]
                     self.env[node] = self.b.input(n_in, dt(val.dtype), shape, strides)
@@ -202,7 +204,12 @@ class Lowerer:
                 self.b.set_outputs(outs)
             elif node.op == "get_attr":
                 raise Unsupported("get_attr in an aten graph")
-        return Lowered(self.b, self.externs, outputs, inputs, self.fallbacks, self.lowered_ops, self.reasons)
+        for node in self.gm.graph.nodes:
+            v = node.meta.get("val")
+            if node.op == "call_function" and is_tensor_meta(v):
+                check_tensor(v, self)
+        return Lowered(self.b, self.externs, outputs, inputs, self.fallbacks, self.lowered_ops, self.reasons,
+                       self.device or torch.device("cpu"))
 
     def lower_node(self, node: torch.fx.Node):
         target = node.target
@@ -271,7 +278,7 @@ class Lowerer:
 
         def walk(v, path):
             if is_tensor_meta(v):
-                check_tensor(v)
+                check_tensor(v, self)
                 outs.append((dt(v.dtype), [sym_str(s) for s in v.shape], [sym_str(s) for s in v.stride()]))
                 paths.append(path)
             elif isinstance(v, (list, tuple)):
@@ -303,11 +310,16 @@ class Lowerer:
         return result
 
 
-def check_tensor(v):
+def check_tensor(v, lowerer=None):
     if v.layout != torch.strided:
         raise Unsupported(f"layout {v.layout}")
-    if v.device.type != "cpu":
+    if v.device.type not in ("cpu", "cuda"):
         raise Unsupported(f"device {v.device}")
+    if lowerer is not None:
+        if lowerer.device is None:
+            lowerer.device = v.device
+        elif v.device != lowerer.device:
+            raise Unsupported(f"mixed devices in one graph: {lowerer.device} and {v.device}")
     dt(v.dtype)
 
 

@@ -71,6 +71,8 @@ class CompiledGraph:
         self.allocs = compiled.allocs
         self.outputs = compiled.outputs
         self.copy_out = [self.bufs[b][0] == "input" for b, _ in self.outputs]
+        self.device = lowered.device
+        self.cuda = self.device.type == "cuda"
         self.ext_calls = {}
         for s in self.steps:
             if s[0] == "extern":
@@ -103,13 +105,14 @@ class CompiledGraph:
                 if t.stride() != strides[b] and not _same_layout(t, shapes[b], strides[b]):
                     t = torch.empty_strided(shapes[b], strides[b], dtype=t.dtype, device=t.device).copy_(t)
                 bufs[b] = t
-        device = tensor_args[0].device if tensor_args else torch.device("cpu")
+        device = self.device
+        stream = torch.cuda.current_stream(device).cuda_stream if self.cuda else 0
         for s, step in enumerate(self.steps):
             for b in self.allocs[s]:
                 bufs[b] = torch.empty_strided(shapes[b], strides[b], dtype=_TORCH_DTYPES[self.bufs[b][2]], device=device)
             if step[0] == "kernels":
                 ptrs = [0 if t is None else t.data_ptr() for t in bufs]
-                self.c.run(step[1], step[2], ptrs, syms)
+                self.c.run(step[1], step[2], ptrs, syms, stream)
             else:
                 self._extern(step, bufs, vals, shapes, strides, syms)
             for b in self.frees[s]:

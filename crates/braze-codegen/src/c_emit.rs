@@ -126,7 +126,7 @@ impl Emitter<'_> {
                 Sign => sel(&format!("{a} != {a}"), &a, &format!("({ct})(({a} > 0) - ({a} < 0))"), dt),
                 Not => format!("{a} == 0"),
                 IsNan => format!("{a} != {a}"),
-                IsInf => format!("isinf({a})"),
+                IsInf => format!("bz_isinf({a})"),
                 BitwiseNot => return Err(CodegenError::Unsupported(format!("{} on {dt}", op.name()))),
             });
         }

@@ -5,6 +5,7 @@
 //! system C compiler.
 
 pub mod c_emit;
+pub mod cuda;
 pub mod dialect;
 pub mod openmp;
 

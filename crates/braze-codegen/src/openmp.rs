@@ -115,6 +115,7 @@ float powf(float, float);
 #pragma omp declare simd notinbranch
 double pow(double, double);
 #endif
+#define bz_isinf(x) isinf(x)
 #define bz_min_int64_t INT64_MIN
 #define bz_max_int64_t INT64_MAX
 #define bz_min_int32_t INT32_MIN

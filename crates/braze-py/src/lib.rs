@@ -5,6 +5,7 @@
 
 use braze_ir::{parse, DType, Expr, Graph, NodeId, Op, TensorTy};
 use braze_runtime::cpu::CpuModule;
+use braze_runtime::cuda::{CudaModule, LaunchSpec};
 use braze_sched::{Access, BufKind, Step};
 use pyo3::create_exception;
 use pyo3::exceptions::PyException;
@@ -88,10 +89,15 @@ impl GraphBuilder {
         self.g.to_string()
     }
 
-    /// Runs passes, scheduling, code generation and the C compiler.
-    fn compile(&self, py: Python<'_>) -> PyResult<Compiled> {
+    /// Runs passes, scheduling, code generation and the compiler: the C compiler for
+    /// `device="cpu"`, NVRTC for `device="cuda:N"`. `check_cuda` (CPU graphs) also compiles
+    /// the graph's CUDA kernels with NVRTC for `arch`, so codegen errors surface without a GPU.
+    #[pyo3(signature = (device="cpu", check_cuda=false, arch="sm_90"))]
+    fn compile(&self, py: Python<'_>, device: &str, check_cuda: bool, arch: &str) -> PyResult<Compiled> {
         let g = self.g.clone();
-        let res = py.detach(move || catch_unwind(AssertUnwindSafe(|| compile(g))));
+        let target = Target::parse(device)?;
+        let arch = arch.to_string();
+        let res = py.detach(move || catch_unwind(AssertUnwindSafe(|| compile(g, target, check_cuda, &arch))));
         match res {
             Ok(r) => r,
             Err(p) => {
@@ -102,10 +108,60 @@ impl GraphBuilder {
     }
 }
 
+#[derive(Clone, Copy)]
+enum Target {
+    Cpu,
+    Cuda(i32),
+}
+
+impl Target {
+    fn parse(s: &str) -> PyResult<Target> {
+        match s {
+            "cpu" => Ok(Target::Cpu),
+            "cuda" => Ok(Target::Cuda(0)),
+            _ => s
+                .strip_prefix("cuda:")
+                .and_then(|n| n.parse().ok())
+                .map(Target::Cuda)
+                .ok_or_else(|| unsupported(format!("device {s}"))),
+        }
+    }
+}
+
+enum Module {
+    Cpu(CpuModule),
+    Cuda(CudaModule),
+}
+
+fn runtime_err(e: braze_runtime::RuntimeError) -> PyErr {
+    match e {
+        braze_runtime::RuntimeError::Compile(m) => InternalError::new_err(m),
+        braze_runtime::RuntimeError::Environment(m) => EnvironmentError_::new_err(m),
+        braze_runtime::RuntimeError::Launch(m) => pyo3::exceptions::PyRuntimeError::new_err(m),
+    }
+}
+
+/// Loads NVRTC (and its builtins library) and, when given, the CUDA driver.
+#[pyfunction]
+#[pyo3(signature = (nvrtc, builtins=None, driver=None))]
+fn cuda_init(nvrtc: &str, builtins: Option<&str>, driver: Option<&str>) -> PyResult<(i32, i32)> {
+    braze_runtime::cuda::init_nvrtc(nvrtc, builtins).map_err(runtime_err)?;
+    if let Some(d) = driver {
+        braze_runtime::cuda::init_driver(d).map_err(runtime_err)?;
+    }
+    braze_runtime::cuda::nvrtc_version().map_err(runtime_err)
+}
+
+/// Compiles CUDA source with NVRTC for `arch` (a check; returns the cubin's size).
+#[pyfunction]
+fn nvrtc_compile(source: &str, arch: &str) -> PyResult<usize> {
+    braze_runtime::cuda::compile_cubin(source, arch, env!("CARGO_PKG_VERSION")).map(|(c, _)| c.len()).map_err(runtime_err)
+}
+
 /// A compiled graph: the plan the Python runtime follows, and the loaded kernels.
 #[pyclass(module = "braze._core")]
 pub struct Compiled {
-    module: Option<CpuModule>,
+    module: Option<Module>,
     exprs: Vec<Expr>,
     #[pyo3(get)]
     graph_before: String,
@@ -164,7 +220,7 @@ impl ExprTable {
     }
 }
 
-fn compile(g: Graph) -> PyResult<Compiled> {
+fn compile(g: Graph, target: Target, check_cuda: bool, check_arch: &str) -> PyResult<Compiled> {
     let mut times = Vec::new();
     let mut t = Instant::now();
     let mut lap = |name: &str, times: &mut Vec<(String, f64)>| {
@@ -184,19 +240,43 @@ fn compile(g: Graph) -> PyResult<Compiled> {
     lap("passes", &mut times);
     let sched = braze_sched::schedule(&opt).map_err(unsupported)?;
     lap("schedule", &mut times);
-    let source = braze_codegen::openmp::emit_module(&sched.kernels).map_err(unsupported)?;
-    lap("codegen", &mut times);
     let names: Vec<String> = sched.kernels.iter().map(|k| k.name.clone()).collect();
-    let module = if names.is_empty() {
-        None
-    } else {
-        Some(CpuModule::load(&source, &names, env!("CARGO_PKG_VERSION")).map_err(|e| match e {
-            braze_runtime::RuntimeError::Compile(m) => InternalError::new_err(m),
-            braze_runtime::RuntimeError::Environment(m) => EnvironmentError_::new_err(m),
-        })?)
+    let version = env!("CARGO_PKG_VERSION");
+    let (source, module) = match target {
+        Target::Cpu => {
+            let source = braze_codegen::openmp::emit_module(&sched.kernels).map_err(unsupported)?;
+            if check_cuda && !names.is_empty() {
+                let (cu, _) = braze_codegen::cuda::emit_module(&sched.kernels, 132).map_err(unsupported)?;
+                braze_runtime::cuda::compile_cubin(&cu, check_arch, version).map_err(runtime_err)?;
+            }
+            lap("codegen", &mut times);
+            let m = if names.is_empty() { None } else { Some(Module::Cpu(CpuModule::load(&source, &names, version).map_err(runtime_err)?)) };
+            lap("cc", &mut times);
+            (source, m)
+        }
+        Target::Cuda(ordinal) => {
+            let (arch, sms) = braze_runtime::cuda::device_info(ordinal).map_err(runtime_err)?;
+            let (source, launches) = braze_codegen::cuda::emit_module(&sched.kernels, sms as u32).map_err(unsupported)?;
+            lap("codegen", &mut times);
+            let m = if names.is_empty() {
+                None
+            } else {
+                let (cubin, cached) = braze_runtime::cuda::compile_cubin(&source, &arch, version).map_err(runtime_err)?;
+                let specs = launches
+                    .into_iter()
+                    .map(|l| LaunchSpec { name: l.name, bufs: l.bufs, syms: l.syms, block: l.block, work: l.work, per_block: l.per_block, cap: l.cap })
+                    .collect();
+                Some(Module::Cuda(CudaModule::load(&cubin, ordinal, specs, cached).map_err(runtime_err)?))
+            };
+            lap("nvrtc", &mut times);
+            (source, m)
+        }
     };
-    lap("cc", &mut times);
-    let cached = module.as_ref().map(|m| m.cached).unwrap_or(false);
+    let cached = match &module {
+        Some(Module::Cpu(m)) => m.cached,
+        Some(Module::Cuda(m)) => m.cached,
+        None => false,
+    };
     let mut tab = ExprTable(Vec::new());
     let mut syms = Vec::new();
     for n in &opt.nodes {
@@ -289,18 +369,30 @@ impl Compiled {
         self.exprs.iter().map(|e| e.eval_syms(&syms).ok_or_else(|| unsupported(format!("cannot evaluate {e}")))).collect()
     }
 
-    /// Runs kernels `lo..hi` on buffers `ptrs` (data pointers by buffer id) with sizes `syms`.
-    fn run(&self, py: Python<'_>, lo: usize, hi: usize, ptrs: Vec<usize>, syms: Vec<i64>) -> PyResult<()> {
-        let m = self.module.as_ref().ok_or_else(|| InternalError::new_err("no kernels"))?;
-        if hi > m.len() || lo > hi {
-            return Err(InternalError::new_err("kernel range out of bounds"));
-        }
+    /// Runs kernels `lo..hi` on buffers `ptrs` (data pointers by buffer id) with sizes
+    /// `syms`; CUDA kernels are launched on `stream` (PyTorch's current stream).
+    #[pyo3(signature = (lo, hi, ptrs, syms, stream=0))]
+    fn run(&self, py: Python<'_>, lo: usize, hi: usize, ptrs: Vec<usize>, syms: Vec<i64>, stream: usize) -> PyResult<()> {
         let mut s = syms;
         s.resize(self.num_syms.max(1), 0);
-        // SAFETY: the Python runtime allocates every buffer as the plan describes before
-        // calling, and passes a pointer for each buffer id.
-        py.detach(|| unsafe { m.run(lo, hi, &ptrs, &s) });
-        Ok(())
+        match self.module.as_ref() {
+            Some(Module::Cpu(m)) => {
+                if hi > m.len() || lo > hi {
+                    return Err(InternalError::new_err("kernel range out of bounds"));
+                }
+                // SAFETY: the Python runtime allocates every buffer as the plan describes
+                // before calling, and passes a pointer for each buffer id.
+                py.detach(|| unsafe { m.run(lo, hi, &ptrs, &s) });
+                Ok(())
+            }
+            Some(Module::Cuda(m)) => {
+                if hi > m.specs.len() || lo > hi {
+                    return Err(InternalError::new_err("kernel range out of bounds"));
+                }
+                m.run(lo, hi, &ptrs, &s, stream).map_err(runtime_err)
+            }
+            None => Err(InternalError::new_err("no kernels")),
+        }
     }
 }
 
@@ -308,6 +400,8 @@ impl Compiled {
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<GraphBuilder>()?;
     m.add_class::<Compiled>()?;
+    m.add_function(wrap_pyfunction!(cuda_init, m)?)?;
+    m.add_function(wrap_pyfunction!(nvrtc_compile, m)?)?;
     m.add("Unsupported", m.py().get_type::<Unsupported>())?;
     m.add("InternalError", m.py().get_type::<InternalError>())?;
     m.add("EnvironmentError_", m.py().get_type::<EnvironmentError_>())?;

@@ -5,12 +5,16 @@
 
 pub mod cache;
 pub mod cpu;
+pub mod cuda;
 
 #[derive(Debug, thiserror::Error)]
 pub enum RuntimeError {
     /// The generated source did not compile: a braze bug.
     #[error("kernel compilation failed: {0}")]
     Compile(String),
+    /// A kernel launch failed; the message names the kernel.
+    #[error("{0}")]
+    Launch(String),
     /// Something missing from the machine (no C compiler, unwritable cache).
     #[error("environment: {0}")]
     Environment(String),

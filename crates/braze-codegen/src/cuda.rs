@@ -1,0 +1,292 @@
+//! The CUDA dialect: one CUDA C++ module per graph, compiled by NVRTC. Each kernel takes its
+//! buffers as pointers (in buffer-id order) and then its size symbols as `long long`.
+//!
+//! - Pointwise kernels: a grid-stride loop over the flattened domain, one element per
+//!   thread per step, the last dim fastest (coalesced).
+//! - Reduction kernels: one block per outer point (grid-stride over outer points); threads
+//!   stride over the reduced elements, then combine through warp shuffles and shared memory
+//!   (Welford's combination for variance); every thread gets the result, so later passes and
+//!   the outer-point math run in all threads and only thread 0 stores outer-point values.
+//!
+//! Half types are computed in f32 registers. Statements are written by `c_emit.rs`.
+
+use crate::c_emit::{index, Emitter};
+use crate::dialect::{compute_type, storage_type, Dialect};
+use crate::CodegenError;
+use braze_ir::{Expr, ReduceKind};
+use braze_sched::loop_ir::{Kernel, Stmt};
+use std::fmt::Write;
+
+pub struct Cuda;
+
+const PRELUDE: &str = r#"typedef long long int64_t;
+typedef int int32_t;
+typedef short int16_t;
+typedef signed char int8_t;
+typedef unsigned long long uint64_t;
+typedef unsigned int uint32_t;
+typedef unsigned short uint16_t;
+typedef unsigned char uint8_t;
+#define INFINITY __int_as_float(0x7f800000)
+#define NAN __int_as_float(0x7fffffff)
+#define INT64_MIN (-9223372036854775807LL - 1)
+#define INT64_MAX 9223372036854775807LL
+#define bz_min_int64_t INT64_MIN
+#define bz_max_int64_t INT64_MAX
+#define bz_min_int32_t (-2147483647 - 1)
+#define bz_max_int32_t 2147483647
+#define bz_min_int16_t ((int16_t)-32768)
+#define bz_max_int16_t ((int16_t)32767)
+#define bz_min_int8_t ((int8_t)-128)
+#define bz_max_int8_t ((int8_t)127)
+#define bz_min_uint8_t ((uint8_t)0)
+#define bz_max_uint8_t ((uint8_t)255)
+#define BZ __device__ __forceinline__
+BZ float bz_self(int c, float a, float b) { return c ? a : b; }
+BZ double bz_seld(int c, double a, double b) { return c ? a : b; }
+BZ int64_t bz_seli(int c, int64_t a, int64_t b) { return c ? a : b; }
+template <class T> BZ bool bz_isinf(T x) { return x == (T)INFINITY || x == -(T)INFINITY; }
+BZ float bz_h2f(uint16_t h) { float f; asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h)); return f; }
+BZ uint16_t bz_f2h(float f) { uint16_t h; asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f)); return h; }
+BZ float bz_round_h(float x) { return bz_h2f(bz_f2h(x)); }
+BZ float bz_bf2f(uint16_t h) { return __uint_as_float(((uint32_t)h) << 16); }
+BZ uint16_t bz_f2bf(float x) {
+  uint32_t u = __float_as_uint(x);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return (uint16_t)(u >> 16);
+}
+BZ float bz_round_bf(float x) { return bz_bf2f(bz_f2bf(x)); }
+BZ float bz_rem_float(float a, float b) { float r = fmodf(a, b); if (r != 0 && ((r < 0) != (b < 0))) r += b; return r; }
+BZ double bz_rem_double(double a, double b) { double r = fmod(a, b); if (r != 0 && ((r < 0) != (b < 0))) r += b; return r; }
+BZ int64_t bz_floordiv_i64(int64_t a, int64_t b) { if (b == 0) return 0; int64_t q = a / b; if ((a % b != 0) && ((a < 0) != (b < 0))) q -= 1; return q; }
+BZ int64_t bz_rem_i64(int64_t a, int64_t b) { if (b == 0) return 0; int64_t r = a % b; if (r != 0 && ((r < 0) != (b < 0))) r += b; return r; }
+BZ int64_t bz_pow_i64(int64_t a, int64_t b) { int64_t r = 1; if (b < 0) return a == 1 ? 1 : (a == -1 ? ((b & 1) ? -1 : 1) : 0); while (b) { if (b & 1) r *= a; a *= a; b >>= 1; } return r; }
+
+/* Warp shuffles for every accumulator type (narrow integers travel as int). */
+BZ float bz_shfl(float v, int o) { return __shfl_xor_sync(0xffffffffu, v, o); }
+BZ double bz_shfl(double v, int o) { return __shfl_xor_sync(0xffffffffu, v, o); }
+BZ long long bz_shfl(long long v, int o) { return __shfl_xor_sync(0xffffffffu, v, o); }
+BZ int bz_shfl(int v, int o) { return __shfl_xor_sync(0xffffffffu, v, o); }
+BZ bool bz_shfl(bool v, int o) { return __shfl_xor_sync(0xffffffffu, (int)v, o) != 0; }
+BZ short bz_shfl(short v, int o) { return (short)__shfl_xor_sync(0xffffffffu, (int)v, o); }
+BZ signed char bz_shfl(signed char v, int o) { return (signed char)__shfl_xor_sync(0xffffffffu, (int)v, o); }
+BZ unsigned char bz_shfl(unsigned char v, int o) { return (unsigned char)__shfl_xor_sync(0xffffffffu, (int)v, o); }
+
+/* Block-wide reduction: every thread returns the combination of all threads' values. */
+template <class T, class F> __device__ T bz_block_reduce(T v, F f) {
+  __shared__ T sh[32];
+  for (int o = 16; o > 0; o >>= 1) v = f(v, bz_shfl(v, o));
+  int nw = (blockDim.x + 31) >> 5;
+  if (nw == 1) return v;
+  __syncthreads();
+  if ((threadIdx.x & 31) == 0) sh[threadIdx.x >> 5] = v;
+  __syncthreads();
+  v = sh[0];
+  for (int i = 1; i < nw; i++) v = f(v, sh[i]);
+  return v;
+}
+
+/* Welford partial results (count, mean, M2) combined across the block (Chan et al.). */
+template <class T> __device__ void bz_block_welford(T& mean, T& m2, T& n) {
+  __shared__ T sh[3][32];
+  for (int o = 16; o > 0; o >>= 1) {
+    T nb = bz_shfl(n, o), mb = bz_shfl(mean, o), qb = bz_shfl(m2, o);
+    T nn = n + nb;
+    if (nn > 0) { T d = mb - mean; mean += d * nb / nn; m2 += qb + d * d * n * nb / nn; }
+    n = nn;
+  }
+  int nw = (blockDim.x + 31) >> 5;
+  if (nw == 1) return;
+  __syncthreads();
+  if ((threadIdx.x & 31) == 0) { sh[0][threadIdx.x >> 5] = mean; sh[1][threadIdx.x >> 5] = m2; sh[2][threadIdx.x >> 5] = n; }
+  __syncthreads();
+  mean = sh[0][0]; m2 = sh[1][0]; n = sh[2][0];
+  for (int i = 1; i < nw; i++) {
+    T nb = sh[2][i], nn = n + nb;
+    if (nn > 0) { T d = sh[0][i] - mean; mean += d * nb / nn; m2 += sh[1][i] + d * d * n * nb / nn; }
+    n = nn;
+  }
+}
+
+/* Arg-reductions: the first index of the max (min); NaN counts as the max (min). */
+template <class T> BZ bool bz_arg_better(T a, long long ia, T b, long long ib, bool is_max) {
+  bool an = a != a, bn = b != b;
+  if (an || bn) return an && (!bn || ia < ib);
+  if (a == b) return ia < ib;
+  return is_max ? a > b : a < b;
+}
+template <class T> __device__ void bz_block_arg(T& v, long long& idx, bool is_max) {
+  __shared__ T shv[32];
+  __shared__ long long shi[32];
+  for (int o = 16; o > 0; o >>= 1) {
+    T ov = bz_shfl(v, o); long long oi = bz_shfl(idx, o);
+    if (bz_arg_better(ov, oi, v, idx, is_max)) { v = ov; idx = oi; }
+  }
+  int nw = (blockDim.x + 31) >> 5;
+  if (nw == 1) return;
+  __syncthreads();
+  if ((threadIdx.x & 31) == 0) { shv[threadIdx.x >> 5] = v; shi[threadIdx.x >> 5] = idx; }
+  __syncthreads();
+  v = shv[0]; idx = shi[0];
+  for (int i = 1; i < nw; i++) if (bz_arg_better(shv[i], shi[i], v, idx, is_max)) { v = shv[i]; idx = shi[i]; }
+}
+"#;
+
+impl Dialect for Cuda {
+    fn prelude(&self) -> &'static str {
+        PRELUDE
+    }
+    fn restrict(&self) -> &'static str {
+        "__restrict__"
+    }
+}
+
+/// Threads per block.
+pub const BLOCK: u32 = 256;
+
+fn product(v: &[Expr]) -> Expr {
+    v.iter().fold(Expr::one(), |a, b| a.mul(b))
+}
+
+/// Launch facts for the runtime: kernel name, buffer ids, symbols, block size, the work
+/// count one block per `per_block` of which is launched, and the block cap.
+pub struct Launch {
+    pub name: String,
+    pub bufs: Vec<u32>,
+    pub syms: Vec<u32>,
+    pub block: u32,
+    pub work: Expr,
+    pub per_block: u64,
+    pub cap: u32,
+}
+
+/// Writes `idx`'s decomposition of a flat index `flat` over `dims`, variables from `first`.
+fn decompose(out: &mut String, pad: &str, flat: &str, dims: &[Expr], first: usize) {
+    let n = dims.len();
+    if n == 0 {
+        return;
+    }
+    if n == 1 {
+        writeln!(out, "{pad}const long long i{first} = {flat};").unwrap();
+        return;
+    }
+    let mut rest = flat.to_string();
+    for d in (0..n).rev() {
+        if d == 0 {
+            writeln!(out, "{pad}const long long i{} = {rest};", first + d).unwrap();
+        } else {
+            let size = index(&dims[d]);
+            writeln!(out, "{pad}const long long i{} = ({rest}) % ({size});", first + d).unwrap();
+            rest = format!("({rest}) / ({size})");
+        }
+    }
+}
+
+fn emit_stmt(e: &Emitter, s: &Stmt, guard: bool) -> Result<String, CodegenError> {
+    let line = e.stmt(s)?;
+    Ok(if guard && matches!(s, Stmt::Store { .. }) { format!("if (threadIdx.x == 0) {line}") } else { line })
+}
+
+/// Emits one kernel; returns its launch facts.
+pub fn emit_kernel(k: &Kernel, sms: u32, out: &mut String) -> Result<Launch, CodegenError> {
+    let d = Cuda;
+    let e = Emitter { k, d: &d };
+    let mut bufs = k.bufs.clone();
+    bufs.sort_by_key(|b| b.id);
+    let syms = k.syms();
+    let mut params: Vec<String> = bufs
+        .iter()
+        .map(|b| format!("{}{}* __restrict__ b{}", if b.written { "" } else { "const " }, storage_type(b.dtype), b.id))
+        .collect();
+    params.extend(syms.iter().map(|s| format!("long long s{s}")));
+    writeln!(out, "/* {}: stores {} */", k.name, k.roots.join(", ")).unwrap();
+    let is_red = !k.inner.is_empty() || k.is_reduction() || !k.prelude.is_empty() || k.passes.len() != 1 || k.passes.iter().any(|p| !p.after.is_empty());
+    let n_outer = k.outer.len();
+    let outer_total = product(&k.outer);
+    let block = if is_red {
+        match product(&k.inner).as_const() {
+            Some(n) if n <= 32 => 32,
+            Some(n) if n <= 64 => 64,
+            Some(n) if n <= 128 => 128,
+            _ => BLOCK,
+        }
+    } else {
+        BLOCK
+    };
+    writeln!(out, "extern \"C\" __global__ void __launch_bounds__({block}) {}({}) {{", k.name, params.join(", ")).unwrap();
+    let launch = |work: Expr, per_block: u64, cap: u32| Launch {
+        name: k.name.clone(),
+        bufs: bufs.iter().map(|b| b.id).collect(),
+        syms: syms.clone(),
+        block,
+        work,
+        per_block,
+        cap,
+    };
+    if !is_red {
+        let total = index(&outer_total);
+        writeln!(out, "  for (long long x = (long long)blockIdx.x * blockDim.x + threadIdx.x; x < {total}; x += (long long)gridDim.x * blockDim.x) {{").unwrap();
+        decompose(out, "    ", "x", &k.outer, 0);
+        for s in &k.passes[0].body {
+            writeln!(out, "    {}", emit_stmt(&e, s, false)?).unwrap();
+        }
+        writeln!(out, "  }}\n}}\n").unwrap();
+        return Ok(launch(outer_total, block as u64, sms.max(1) * 32));
+    }
+    writeln!(out, "  for (long long o = blockIdx.x; o < {}; o += gridDim.x) {{", index(&outer_total)).unwrap();
+    decompose(out, "    ", "o", &k.outer, 0);
+    for s in &k.prelude {
+        writeln!(out, "    {}", emit_stmt(&e, s, true)?).unwrap();
+    }
+    let inner_total = index(&product(&k.inner));
+    for p in &k.passes {
+        for r in &p.reductions {
+            for l in e.red_init(r) {
+                writeln!(out, "    {l}").unwrap();
+            }
+        }
+        writeln!(out, "    for (long long r = threadIdx.x; r < {inner_total}; r += blockDim.x) {{").unwrap();
+        decompose(out, "      ", "r", &k.inner, n_outer);
+        for s in &p.body {
+            writeln!(out, "      {}", emit_stmt(&e, s, false)?).unwrap();
+        }
+        for r in &p.reductions {
+            writeln!(out, "      {}", e.red_update(r)).unwrap();
+        }
+        writeln!(out, "    }}").unwrap();
+        for r in &p.reductions {
+            let n = r.dst;
+            let st = compute_type(k.tmp_dtypes[r.src as usize]);
+            let line = match r.kind {
+                ReduceKind::Sum => format!("a{n} = bz_block_reduce(a{n}, [](decltype(a{n}) x, decltype(a{n}) y) {{ return x + y; }});"),
+                ReduceKind::Prod => format!("a{n} = bz_block_reduce(a{n}, [](decltype(a{n}) x, decltype(a{n}) y) {{ return x * y; }});"),
+                ReduceKind::Max => format!("a{n} = bz_block_reduce(a{n}, []({st} x, {st} y) {{ return (x != x || x > y) ? x : y; }});"),
+                ReduceKind::Min => format!("a{n} = bz_block_reduce(a{n}, []({st} x, {st} y) {{ return (x != x || x < y) ? x : y; }});"),
+                ReduceKind::Any => format!("a{n} = bz_block_reduce(a{n}, [](bool x, bool y) {{ return x || y; }});"),
+                ReduceKind::All => format!("a{n} = bz_block_reduce(a{n}, [](bool x, bool y) {{ return x && y; }});"),
+                ReduceKind::ArgMax => format!("bz_block_arg(a{n}, ai{n}, true);"),
+                ReduceKind::ArgMin => format!("bz_block_arg(a{n}, ai{n}, false);"),
+                ReduceKind::Var => format!("{{ {st} fn = ({st})wn{n}; bz_block_welford(wm{n}, wq{n}, fn); wn{n} = (long long)fn; }}"),
+            };
+            writeln!(out, "    {line}").unwrap();
+            writeln!(out, "    {}", e.red_final(r)).unwrap();
+        }
+        for s in &p.after {
+            writeln!(out, "    {}", emit_stmt(&e, s, true)?).unwrap();
+        }
+    }
+    writeln!(out, "    __syncthreads();\n  }}\n}}\n").unwrap();
+    Ok(launch(outer_total, 1, 1 << 30))
+}
+
+/// The whole CUDA module of a graph's kernels and their launch facts.
+pub fn emit_module(kernels: &[Kernel], sms: u32) -> Result<(String, Vec<Launch>), CodegenError> {
+    let mut out = String::from(Cuda.prelude());
+    out.push('\n');
+    let mut launches = Vec::new();
+    for k in kernels {
+        launches.push(emit_kernel(k, sms, &mut out)?);
+    }
+    Ok((out, launches))
+}

@@ -1,0 +1,293 @@
+//! CUDA modules: a graph's CUDA C source is compiled by NVRTC to a cubin for the device's
+//! architecture (one program per graph), cached on disk, loaded into the device's primary
+//! context (the one PyTorch uses) and launched on PyTorch's current stream.
+//!
+//! NVRTC and the driver are loaded at run time from paths the caller gives (PyTorch's own
+//! NVIDIA wheels, found by the Python side), so no CUDA toolkit is needed to build or run,
+//! and no second copy of a library PyTorch already mapped is loaded. Only the dozen entry
+//! points braze uses are resolved. NVRTC works without a GPU, which is how CI checks that
+//! every generated kernel compiles.
+
+use crate::cache::{cache_dir, key};
+use crate::RuntimeError;
+use braze_ir::Expr;
+use libloading::Library;
+use std::ffi::{c_char, c_int, c_uint, c_void, CStr, CString};
+use std::sync::OnceLock;
+
+type NvrtcProgram = *mut c_void;
+type CuResult = c_int;
+type CuDevice = c_int;
+type CuContext = *mut c_void;
+type CuModule = *mut c_void;
+type CuFunction = *mut c_void;
+type CuStream = *mut c_void;
+
+struct Nvrtc {
+    _lib: Library,
+    version: unsafe extern "C" fn(*mut c_int, *mut c_int) -> c_int,
+    create: unsafe extern "C" fn(*mut NvrtcProgram, *const c_char, *const c_char, c_int, *const *const c_char, *const *const c_char) -> c_int,
+    compile: unsafe extern "C" fn(NvrtcProgram, c_int, *const *const c_char) -> c_int,
+    log_size: unsafe extern "C" fn(NvrtcProgram, *mut usize) -> c_int,
+    log: unsafe extern "C" fn(NvrtcProgram, *mut c_char) -> c_int,
+    cubin_size: unsafe extern "C" fn(NvrtcProgram, *mut usize) -> c_int,
+    cubin: unsafe extern "C" fn(NvrtcProgram, *mut c_char) -> c_int,
+    destroy: unsafe extern "C" fn(*mut NvrtcProgram) -> c_int,
+}
+
+struct Driver {
+    _lib: Library,
+    init: unsafe extern "C" fn(c_uint) -> CuResult,
+    device_get: unsafe extern "C" fn(*mut CuDevice, c_int) -> CuResult,
+    attribute: unsafe extern "C" fn(*mut c_int, c_int, CuDevice) -> CuResult,
+    retain: unsafe extern "C" fn(*mut CuContext, CuDevice) -> CuResult,
+    ctx_get: unsafe extern "C" fn(*mut CuContext) -> CuResult,
+    ctx_set: unsafe extern "C" fn(CuContext) -> CuResult,
+    load: unsafe extern "C" fn(*mut CuModule, *const c_void) -> CuResult,
+    get_fn: unsafe extern "C" fn(*mut CuFunction, CuModule, *const c_char) -> CuResult,
+    launch: unsafe extern "C" fn(CuFunction, c_uint, c_uint, c_uint, c_uint, c_uint, c_uint, c_uint, CuStream, *mut *mut c_void, *mut *mut c_void) -> CuResult,
+    error_string: unsafe extern "C" fn(CuResult, *mut *const c_char) -> CuResult,
+}
+
+static NVRTC: OnceLock<Result<Nvrtc, String>> = OnceLock::new();
+static DRIVER: OnceLock<Result<Driver, String>> = OnceLock::new();
+
+macro_rules! sym {
+    ($lib:expr, $name:literal) => {
+        // SAFETY: the symbol has the C signature declared in the struct field it fills.
+        *unsafe { $lib.get($name) }.map_err(|e| format!("{}: {e}", String::from_utf8_lossy($name)))?
+    };
+}
+
+fn open(path: &str) -> Result<Library, String> {
+    // SAFETY: loading NVIDIA's libraries runs their initializers, which is what they are for.
+    unsafe { Library::new(path) }.map_err(|e| format!("cannot load {path}: {e}"))
+}
+
+/// Loads NVRTC from `path` (and its builtins library, which it finds by bare name, from
+/// `builtins` when given). Later calls return the first result.
+pub fn init_nvrtc(path: &str, builtins: Option<&str>) -> Result<(), RuntimeError> {
+    let r = NVRTC.get_or_init(|| {
+        let _b = builtins.map(open).transpose()?.map(std::mem::ManuallyDrop::new);
+        let lib = open(path)?;
+        Ok(Nvrtc {
+            version: sym!(lib, b"nvrtcVersion"),
+            create: sym!(lib, b"nvrtcCreateProgram"),
+            compile: sym!(lib, b"nvrtcCompileProgram"),
+            log_size: sym!(lib, b"nvrtcGetProgramLogSize"),
+            log: sym!(lib, b"nvrtcGetProgramLog"),
+            cubin_size: sym!(lib, b"nvrtcGetCUBINSize"),
+            cubin: sym!(lib, b"nvrtcGetCUBIN"),
+            destroy: sym!(lib, b"nvrtcDestroyProgram"),
+            _lib: lib,
+        })
+    });
+    r.as_ref().map(|_| ()).map_err(|e| RuntimeError::Environment(e.clone()))
+}
+
+/// Loads the CUDA driver (`libcuda.so.1`, already mapped by PyTorch) and initializes it.
+pub fn init_driver(path: &str) -> Result<(), RuntimeError> {
+    let r = DRIVER.get_or_init(|| {
+        let lib = open(path)?;
+        let d = Driver {
+            init: sym!(lib, b"cuInit"),
+            device_get: sym!(lib, b"cuDeviceGet"),
+            attribute: sym!(lib, b"cuDeviceGetAttribute"),
+            retain: sym!(lib, b"cuDevicePrimaryCtxRetain"),
+            ctx_get: sym!(lib, b"cuCtxGetCurrent"),
+            ctx_set: sym!(lib, b"cuCtxSetCurrent"),
+            load: sym!(lib, b"cuModuleLoadData"),
+            get_fn: sym!(lib, b"cuModuleGetFunction"),
+            launch: sym!(lib, b"cuLaunchKernel"),
+            error_string: sym!(lib, b"cuGetErrorString"),
+            _lib: lib,
+        };
+        // SAFETY: cuInit(0) is the documented first call.
+        let rc = unsafe { (d.init)(0) };
+        if rc != 0 {
+            return Err(format!("cuInit failed ({rc})"));
+        }
+        Ok(d)
+    });
+    r.as_ref().map(|_| ()).map_err(|e| RuntimeError::Environment(e.clone()))
+}
+
+fn nvrtc() -> Result<&'static Nvrtc, RuntimeError> {
+    match NVRTC.get() {
+        Some(Ok(n)) => Ok(n),
+        Some(Err(e)) => Err(RuntimeError::Environment(e.clone())),
+        None => Err(RuntimeError::Environment("NVRTC not loaded".into())),
+    }
+}
+
+fn driver() -> Result<&'static Driver, RuntimeError> {
+    match DRIVER.get() {
+        Some(Ok(d)) => Ok(d),
+        Some(Err(e)) => Err(RuntimeError::Environment(e.clone())),
+        None => Err(RuntimeError::Environment("CUDA driver not loaded".into())),
+    }
+}
+
+fn check(d: &Driver, rc: CuResult, what: &str) -> Result<(), RuntimeError> {
+    if rc == 0 {
+        return Ok(());
+    }
+    let mut s: *const c_char = std::ptr::null();
+    // SAFETY: cuGetErrorString writes a pointer to a static string.
+    unsafe { (d.error_string)(rc, &mut s) };
+    let msg = if s.is_null() { format!("error {rc}") } else { unsafe { CStr::from_ptr(s) }.to_string_lossy().to_string() };
+    Err(RuntimeError::Launch(format!("{what}: {msg}")))
+}
+
+/// NVRTC's version, e.g. (13, 0).
+pub fn nvrtc_version() -> Result<(i32, i32), RuntimeError> {
+    let n = nvrtc()?;
+    let (mut a, mut b) = (0, 0);
+    // SAFETY: writes two ints.
+    unsafe { (n.version)(&mut a, &mut b) };
+    Ok((a, b))
+}
+
+/// Compiles CUDA C `source` to a cubin for `arch` (e.g. `sm_90`), through the disk cache.
+pub fn compile_cubin(source: &str, arch: &str, version: &str) -> Result<(Vec<u8>, bool), RuntimeError> {
+    let n = nvrtc()?;
+    let (va, vb) = nvrtc_version()?;
+    let opts = [format!("--gpu-architecture={arch}"), "--std=c++17".into(), "-default-device".into(), "--use_fast_math=false".into()];
+    let k = key(&[source, arch, &format!("nvrtc{va}.{vb}"), &opts.join(" "), version]);
+    let dir = cache_dir().join("cuda");
+    let path = dir.join(format!("{k}.cubin"));
+    if let Ok(bytes) = std::fs::read(&path) {
+        return Ok((bytes, true));
+    }
+    let src = CString::new(source).map_err(|_| RuntimeError::Compile("NUL in source".into()))?;
+    let name = CString::new("braze.cu").unwrap();
+    let copts: Vec<CString> = opts.iter().filter(|o| !o.starts_with("--use_fast_math")).map(|o| CString::new(o.as_str()).unwrap()).collect();
+    let ptrs: Vec<*const c_char> = copts.iter().map(|c| c.as_ptr()).collect();
+    let mut prog: NvrtcProgram = std::ptr::null_mut();
+    // SAFETY: NVRTC API used as documented; every pointer outlives the calls.
+    unsafe {
+        if (n.create)(&mut prog, src.as_ptr(), name.as_ptr(), 0, std::ptr::null(), std::ptr::null()) != 0 {
+            return Err(RuntimeError::Compile("nvrtcCreateProgram failed".into()));
+        }
+        let rc = (n.compile)(prog, ptrs.len() as c_int, ptrs.as_ptr());
+        if rc != 0 {
+            let mut sz = 0usize;
+            (n.log_size)(prog, &mut sz);
+            let mut buf = vec![0u8; sz.max(1)];
+            (n.log)(prog, buf.as_mut_ptr() as *mut c_char);
+            (n.destroy)(&mut prog);
+            let log = String::from_utf8_lossy(&buf).trim_end_matches('\0').to_string();
+            return Err(RuntimeError::Compile(format!("NVRTC failed for {arch}:\n{log}")));
+        }
+        let mut sz = 0usize;
+        (n.cubin_size)(prog, &mut sz);
+        let mut cubin = vec![0u8; sz];
+        (n.cubin)(prog, cubin.as_mut_ptr() as *mut c_char);
+        (n.destroy)(&mut prog);
+        let _ = std::fs::create_dir_all(&dir);
+        let tmp = dir.join(format!("{k}.{}.tmp", std::process::id()));
+        if std::fs::write(&tmp, &cubin).is_ok() {
+            let _ = std::fs::rename(&tmp, &path);
+        }
+        Ok((cubin, false))
+    }
+}
+
+/// The `sm_XY` name of device `ordinal`, and its multiprocessor count.
+pub fn device_info(ordinal: i32) -> Result<(String, i32), RuntimeError> {
+    let d = driver()?;
+    let mut dev: CuDevice = 0;
+    // SAFETY: plain driver queries.
+    unsafe {
+        check(d, (d.device_get)(&mut dev, ordinal), "cuDeviceGet")?;
+        let (mut major, mut minor, mut sms) = (0, 0, 0);
+        check(d, (d.attribute)(&mut major, 75, dev), "compute capability")?;
+        check(d, (d.attribute)(&mut minor, 76, dev), "compute capability")?;
+        check(d, (d.attribute)(&mut sms, 16, dev), "multiprocessor count")?;
+        Ok((format!("sm_{major}{minor}"), sms))
+    }
+}
+
+/// What a kernel takes: buffer ids (as pointers) then size symbols (as i64), and its launch
+/// shape: `block` threads, and one block per `per_block` of `work` items, at most `cap`.
+#[derive(Clone, Debug)]
+pub struct LaunchSpec {
+    pub name: String,
+    pub bufs: Vec<u32>,
+    pub syms: Vec<u32>,
+    pub block: u32,
+    pub work: Expr,
+    pub per_block: u64,
+    pub cap: u32,
+}
+
+pub struct CudaModule {
+    _module: CuModule,
+    ctx: CuContext,
+    fns: Vec<CuFunction>,
+    pub specs: Vec<LaunchSpec>,
+    pub cached: bool,
+}
+
+// SAFETY: CUDA module and function handles may be used from any thread once the context is
+// current there (run() makes it current).
+unsafe impl Send for CudaModule {}
+unsafe impl Sync for CudaModule {}
+
+impl CudaModule {
+    /// Loads a cubin into device `ordinal`'s primary context and resolves the kernels.
+    pub fn load(cubin: &[u8], ordinal: i32, specs: Vec<LaunchSpec>, cached: bool) -> Result<CudaModule, RuntimeError> {
+        let d = driver()?;
+        let mut dev: CuDevice = 0;
+        let mut ctx: CuContext = std::ptr::null_mut();
+        let mut module: CuModule = std::ptr::null_mut();
+        // SAFETY: driver API used as documented; the cubin outlives cuModuleLoadData.
+        unsafe {
+            check(d, (d.device_get)(&mut dev, ordinal), "cuDeviceGet")?;
+            check(d, (d.retain)(&mut ctx, dev), "cuDevicePrimaryCtxRetain")?;
+            check(d, (d.ctx_set)(ctx), "cuCtxSetCurrent")?;
+            check(d, (d.load)(&mut module, cubin.as_ptr() as *const c_void), "cuModuleLoadData")?;
+            let mut fns = Vec::new();
+            for s in &specs {
+                let name = CString::new(s.name.as_str()).unwrap();
+                let mut f: CuFunction = std::ptr::null_mut();
+                check(d, (d.get_fn)(&mut f, module, name.as_ptr()), &format!("kernel {}", s.name))?;
+                fns.push(f);
+            }
+            Ok(CudaModule { _module: module, ctx, fns, specs, cached })
+        }
+    }
+
+    /// Launches kernels `lo..hi` on `stream` with buffer pointers by id and size symbols.
+    pub fn run(&self, lo: usize, hi: usize, ptrs: &[usize], syms: &[i64], stream: usize) -> Result<(), RuntimeError> {
+        let d = driver()?;
+        // SAFETY: launches with exactly the parameters each kernel was generated with; the
+        // caller passes valid device pointers for every buffer the kernels touch.
+        unsafe {
+            let mut cur: CuContext = std::ptr::null_mut();
+            (d.ctx_get)(&mut cur);
+            if cur.is_null() {
+                check(d, (d.ctx_set)(self.ctx), "cuCtxSetCurrent")?;
+            }
+            for k in lo..hi {
+                let s = &self.specs[k];
+                let mut vals: Vec<u64> = Vec::with_capacity(s.bufs.len() + s.syms.len());
+                for &b in &s.bufs {
+                    vals.push(ptrs[b as usize] as u64);
+                }
+                for &y in &s.syms {
+                    vals.push(syms[y as usize] as u64);
+                }
+                let mut params: Vec<*mut c_void> = vals.iter_mut().map(|v| v as *mut u64 as *mut c_void).collect();
+                let n = s.work.eval_syms(syms).unwrap_or(0).max(0) as u64;
+                let blocks = n.div_ceil(s.per_block).clamp(1, s.cap as u64) as c_uint;
+                if n == 0 {
+                    continue;
+                }
+                let rc = (d.launch)(self.fns[k], blocks, 1, 1, s.block, 1, 1, 0, stream as CuStream, params.as_mut_ptr(), std::ptr::null_mut());
+                check(d, rc, &format!("launch of {}", s.name))?;
+            }
+        }
+        Ok(())
+    }
+}

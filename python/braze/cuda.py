@@ -1,0 +1,77 @@
+"""Finding NVRTC and the CUDA driver inside a PyTorch installation (no toolkit needed).
+
+NVRTC comes from PyTorch's own NVIDIA wheels (``nvidia/cu13/lib`` for CUDA 13 wheels,
+``nvidia/cuda_nvrtc/lib`` for CUDA 12 ones) or, failing that, the system library path. The
+driver is ``libcuda.so.1``, which PyTorch has already mapped when it uses a GPU.
+"""
+from __future__ import annotations
+
+import functools
+import glob
+import os
+import site
+import sys
+
+from . import _core
+
+
+def _candidates():
+    roots = list(site.getsitepackages()) + [site.getusersitepackages()] + [p for p in sys.path if p.endswith("site-packages")]
+    try:
+        import torch
+
+        roots.insert(0, os.path.dirname(os.path.dirname(torch.__file__)))
+    except ImportError:
+        pass
+    seen = []
+    for r in roots:
+        for sub in ("nvidia/cu13/lib", "nvidia/cuda_nvrtc/lib", "nvidia/cu12/lib"):
+            d = os.path.join(r, sub)
+            if os.path.isdir(d) and d not in seen:
+                seen.append(d)
+    return seen
+
+
+def find_nvrtc():
+    """(libnvrtc path, libnvrtc-builtins path or None), or None if there is none."""
+    for d in _candidates():
+        libs = sorted(glob.glob(os.path.join(d, "libnvrtc.so.*")))
+        libs = [p for p in libs if "builtins" not in p and "alt" not in p]
+        if libs:
+            b = sorted(glob.glob(os.path.join(d, "libnvrtc-builtins.so.*")))
+            return libs[0], (b[-1] if b else None)
+    for name in ("libnvrtc.so.13", "libnvrtc.so.12", "libnvrtc.so"):
+        try:
+            import ctypes
+
+            ctypes.CDLL(name)
+            return name, None
+        except OSError:
+            continue
+    return None
+
+
+@functools.lru_cache(None)
+def nvrtc_available() -> bool:
+    """Loads NVRTC (without the driver); False when it cannot be found."""
+    found = find_nvrtc()
+    if found is None:
+        return False
+    try:
+        _core.cuda_init(found[0], found[1], None)
+        return True
+    except Exception:
+        return False
+
+
+@functools.lru_cache(None)
+def cuda_ready() -> str | None:
+    """Loads NVRTC and the driver for running kernels; returns None when ready, else why not."""
+    if not nvrtc_available():
+        return "NVRTC not found (install PyTorch's CUDA wheels or the CUDA runtime)"
+    found = find_nvrtc()
+    try:
+        _core.cuda_init(found[0], found[1], "libcuda.so.1")
+    except Exception as e:
+        return f"CUDA driver: {e}"
+    return None

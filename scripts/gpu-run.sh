@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Run on the GPU machine (the device tool), after scripts/gpu-prepare.sh here: installs the
+# carried wheels, runs the whole test suite with CUDA inputs, then the benchmark. Logs and
+# the benchmark's JSON go to $OUT.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/braze-out}
+mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl .braze-wheel/*.whl || exit 1
+export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv > "$OUT/gpu.txt" 2>&1
+python3 -c "import torch, braze; print('torch', torch.__version__, torch.cuda.get_device_name(0), 'braze', braze.__version__)" | tee -a "$OUT/gpu.txt"
+if [ "${BRAZE_SKIP_TESTS:-0}" != "1" ]; then
+  BRAZE_TEST_DEVICE=cuda timeout "${BRAZE_TEST_TIMEOUT:-420}" python3 -m pytest -q -p no:cacheprovider -x ${BRAZE_TESTS:-tests} 2>&1 | tail -n 60 > "$OUT/tests.log"
+  tail -n 25 "$OUT/tests.log"
+fi
+if [ "${BRAZE_SKIP_BENCH:-0}" != "1" ]; then
+  timeout "${BRAZE_BENCH_TIMEOUT:-300}" python3 -m braze.bench --json "$OUT/bench.json" ${BRAZE_BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" | tail -n 20
+fi
