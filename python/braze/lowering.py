@@ -713,7 +713,7 @@ def _mean(L, node, x, dims=None, keepdim=False, dtype=None):
 def _size_scalar(L, n, dtype):
     if isinstance(n, int):
         return L.scalar(n, dtype)
-    raise Unsupported("symbolic element count")
+    return L.op(f"size value={sym_str(n)} dtype={dt(dtype)}")
 
 
 @register(A("amax"), A("amin"))

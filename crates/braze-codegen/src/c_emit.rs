@@ -234,6 +234,20 @@ impl Emitter<'_> {
         }
     }
 
+    /// The variables holding a reduction's state (C type, name), as `red_init` declares them.
+    pub fn red_state(&self, r: &Reduction) -> Vec<(&'static str, String)> {
+        let sdt = self.dt(r.src);
+        let st = compute_type(sdt);
+        let n = r.dst;
+        match r.kind {
+            ReduceKind::Sum | ReduceKind::Prod => vec![(acc_type(r.kind, sdt), format!("a{n}"))],
+            ReduceKind::Max | ReduceKind::Min => vec![(st, format!("a{n}"))],
+            ReduceKind::ArgMax | ReduceKind::ArgMin => vec![(st, format!("a{n}")), ("int64_t", format!("ai{n}"))],
+            ReduceKind::Any | ReduceKind::All => vec![("bool", format!("a{n}"))],
+            ReduceKind::Var => vec![(st, format!("wm{n}")), (st, format!("wq{n}")), ("int64_t", format!("wn{n}"))],
+        }
+    }
+
     /// The accumulator update inside the inner loop.
     pub fn red_update(&self, r: &Reduction) -> String {
         let (n, s) = (r.dst, format!("t{}", r.src));

@@ -42,6 +42,7 @@ typedef unsigned char uint8_t;
 #define bz_min_uint8_t ((uint8_t)0)
 #define bz_max_uint8_t ((uint8_t)255)
 #define BZ __device__ __forceinline__
+#define BZ_COL_Y 8
 BZ float bz_self(int c, float a, float b) { return c ? a : b; }
 BZ double bz_seld(int c, double a, double b) { return c ? a : b; }
 BZ int64_t bz_seli(int c, int64_t a, int64_t b) { return c ? a : b; }
@@ -109,6 +110,29 @@ template <class T> __device__ void bz_block_welford(T& mean, T& m2, T& n) {
   }
 }
 
+/* Column kernels: threads with the same threadIdx.x share an outer point; combine over y. */
+template <class T, class F> __device__ T bz_col_reduce(T v, F f) {
+  __shared__ T sh[BZ_COL_Y][33];
+  __syncthreads();
+  sh[threadIdx.y][threadIdx.x] = v;
+  __syncthreads();
+  v = sh[0][threadIdx.x];
+  for (int i = 1; i < BZ_COL_Y; i++) v = f(v, sh[i][threadIdx.x]);
+  return v;
+}
+template <class T> __device__ void bz_col_welford(T& mean, T& m2, T& n) {
+  __shared__ T sh[3][BZ_COL_Y][33];
+  __syncthreads();
+  sh[0][threadIdx.y][threadIdx.x] = mean; sh[1][threadIdx.y][threadIdx.x] = m2; sh[2][threadIdx.y][threadIdx.x] = n;
+  __syncthreads();
+  mean = sh[0][0][threadIdx.x]; m2 = sh[1][0][threadIdx.x]; n = sh[2][0][threadIdx.x];
+  for (int i = 1; i < BZ_COL_Y; i++) {
+    T nb = sh[2][i][threadIdx.x], nn = n + nb;
+    if (nn > 0) { T d = sh[0][i][threadIdx.x] - mean; mean += d * nb / nn; m2 += sh[1][i][threadIdx.x] + d * d * n * nb / nn; }
+    n = nn;
+  }
+}
+
 /* Arg-reductions: the first index of the max (min); NaN counts as the max (min). */
 template <class T> BZ bool bz_arg_better(T a, long long ia, T b, long long ib, bool is_max) {
   bool an = a != a, bn = b != b;
@@ -131,6 +155,15 @@ template <class T> __device__ void bz_block_arg(T& v, long long& idx, bool is_ma
   v = shv[0]; idx = shi[0];
   for (int i = 1; i < nw; i++) if (bz_arg_better(shv[i], shi[i], v, idx, is_max)) { v = shv[i]; idx = shi[i]; }
 }
+template <class T> __device__ void bz_col_arg(T& v, long long& idx, bool is_max) {
+  __shared__ T shv[BZ_COL_Y][33];
+  __shared__ long long shi[BZ_COL_Y][33];
+  __syncthreads();
+  shv[threadIdx.y][threadIdx.x] = v; shi[threadIdx.y][threadIdx.x] = idx;
+  __syncthreads();
+  v = shv[0][threadIdx.x]; idx = shi[0][threadIdx.x];
+  for (int i = 1; i < BZ_COL_Y; i++) if (bz_arg_better(shv[i][threadIdx.x], shi[i][threadIdx.x], v, idx, is_max)) { v = shv[i][threadIdx.x]; idx = shi[i][threadIdx.x]; }
+}
 "#;
 
 impl Dialect for Cuda {
@@ -144,6 +177,9 @@ impl Dialect for Cuda {
 
 /// Threads per block.
 pub const BLOCK: u32 = 256;
+/// Column kernels: outer points per block (threadIdx.x) and threads per point (threadIdx.y).
+pub const COL_X: u32 = 32;
+pub const COL_Y: u32 = 8;
 
 fn product(v: &[Expr]) -> Expr {
     v.iter().fold(Expr::one(), |a, b| a.mul(b))
@@ -156,6 +192,7 @@ pub struct Launch {
     pub bufs: Vec<u32>,
     pub syms: Vec<u32>,
     pub block: u32,
+    pub block_y: u32,
     pub work: Expr,
     pub per_block: u64,
     pub cap: u32,
@@ -183,9 +220,13 @@ fn decompose(out: &mut String, pad: &str, flat: &str, dims: &[Expr], first: usiz
     }
 }
 
-fn emit_stmt(e: &Emitter, s: &Stmt, guard: bool) -> Result<String, CodegenError> {
+/// A statement; stores get `guard` as their condition when given.
+fn emit_stmt(e: &Emitter, s: &Stmt, guard: Option<&str>) -> Result<String, CodegenError> {
     let line = e.stmt(s)?;
-    Ok(if guard && matches!(s, Stmt::Store { .. }) { format!("if (threadIdx.x == 0) {line}") } else { line })
+    Ok(match guard {
+        Some(g) if matches!(s, Stmt::Store { .. }) => format!("if ({g}) {line}"),
+        _ => line,
+    })
 }
 
 /// Emits one kernel; returns its launch facts.
@@ -214,12 +255,14 @@ pub fn emit_kernel(k: &Kernel, sms: u32, out: &mut String) -> Result<Launch, Cod
     } else {
         BLOCK
     };
-    writeln!(out, "extern \"C\" __global__ void __launch_bounds__({block}) {}({}) {{", k.name, params.join(", ")).unwrap();
+    let threads = if k.column { COL_X * COL_Y } else { block };
+    writeln!(out, "extern \"C\" __global__ void __launch_bounds__({threads}) {}({}) {{", k.name, params.join(", ")).unwrap();
     let launch = |work: Expr, per_block: u64, cap: u32| Launch {
         name: k.name.clone(),
         bufs: bufs.iter().map(|b| b.id).collect(),
         syms: syms.clone(),
-        block,
+        block: if k.column { COL_X } else { block },
+        block_y: if k.column { COL_Y } else { 1 },
         work,
         per_block,
         cap,
@@ -229,27 +272,44 @@ pub fn emit_kernel(k: &Kernel, sms: u32, out: &mut String) -> Result<Launch, Cod
         writeln!(out, "  for (long long x = (long long)blockIdx.x * blockDim.x + threadIdx.x; x < {total}; x += (long long)gridDim.x * blockDim.x) {{").unwrap();
         decompose(out, "    ", "x", &k.outer, 0);
         for s in &k.passes[0].body {
-            writeln!(out, "    {}", emit_stmt(&e, s, false)?).unwrap();
+            writeln!(out, "    {}", emit_stmt(&e, s, None)?).unwrap();
         }
         writeln!(out, "  }}\n}}\n").unwrap();
         return Ok(launch(outer_total, block as u64, sms.max(1) * 32));
     }
-    writeln!(out, "  for (long long o = blockIdx.x; o < {}; o += gridDim.x) {{", index(&outer_total)).unwrap();
+    // Row kernels: a block per outer point, threads over the reduced elements (x).
+    // Column kernels: 32 outer points per block (x), 8 threads per point over the reduced
+    // elements (y), so loads of neighbouring outer points coalesce.
+    let col = k.column;
+    let (lane, step, store_guard, body_guard) = if col {
+        ("threadIdx.y", format!("{COL_Y}"), "live && threadIdx.y == 0", Some("live"))
+    } else {
+        ("threadIdx.x", "blockDim.x".to_string(), "threadIdx.x == 0", None)
+    };
+    if col {
+        writeln!(out, "  {{").unwrap();
+        writeln!(out, "    const long long ox = (long long)blockIdx.x * {COL_X} + threadIdx.x;").unwrap();
+        writeln!(out, "    const bool live = ox < {};", index(&outer_total)).unwrap();
+        writeln!(out, "    const long long o = live ? ox : 0;").unwrap();
+    } else {
+        writeln!(out, "  for (long long o = blockIdx.x; o < {}; o += gridDim.x) {{", index(&outer_total)).unwrap();
+    }
     decompose(out, "    ", "o", &k.outer, 0);
     for s in &k.prelude {
-        writeln!(out, "    {}", emit_stmt(&e, s, true)?).unwrap();
+        writeln!(out, "    {}", emit_stmt(&e, s, Some(store_guard))?).unwrap();
     }
     let inner_total = index(&product(&k.inner));
+    let (reduce, welford, arg) = if col { ("bz_col_reduce", "bz_col_welford", "bz_col_arg") } else { ("bz_block_reduce", "bz_block_welford", "bz_block_arg") };
     for p in &k.passes {
         for r in &p.reductions {
             for l in e.red_init(r) {
                 writeln!(out, "    {l}").unwrap();
             }
         }
-        writeln!(out, "    for (long long r = threadIdx.x; r < {inner_total}; r += blockDim.x) {{").unwrap();
+        writeln!(out, "    for (long long r = {lane}; r < {inner_total}; r += {step}) {{").unwrap();
         decompose(out, "      ", "r", &k.inner, n_outer);
         for s in &p.body {
-            writeln!(out, "      {}", emit_stmt(&e, s, false)?).unwrap();
+            writeln!(out, "      {}", emit_stmt(&e, s, body_guard)?).unwrap();
         }
         for r in &p.reductions {
             writeln!(out, "      {}", e.red_update(r)).unwrap();
@@ -259,22 +319,26 @@ pub fn emit_kernel(k: &Kernel, sms: u32, out: &mut String) -> Result<Launch, Cod
             let n = r.dst;
             let st = compute_type(k.tmp_dtypes[r.src as usize]);
             let line = match r.kind {
-                ReduceKind::Sum => format!("a{n} = bz_block_reduce(a{n}, [](decltype(a{n}) x, decltype(a{n}) y) {{ return x + y; }});"),
-                ReduceKind::Prod => format!("a{n} = bz_block_reduce(a{n}, [](decltype(a{n}) x, decltype(a{n}) y) {{ return x * y; }});"),
-                ReduceKind::Max => format!("a{n} = bz_block_reduce(a{n}, []({st} x, {st} y) {{ return (x != x || x > y) ? x : y; }});"),
-                ReduceKind::Min => format!("a{n} = bz_block_reduce(a{n}, []({st} x, {st} y) {{ return (x != x || x < y) ? x : y; }});"),
-                ReduceKind::Any => format!("a{n} = bz_block_reduce(a{n}, [](bool x, bool y) {{ return x || y; }});"),
-                ReduceKind::All => format!("a{n} = bz_block_reduce(a{n}, [](bool x, bool y) {{ return x && y; }});"),
-                ReduceKind::ArgMax => format!("bz_block_arg(a{n}, ai{n}, true);"),
-                ReduceKind::ArgMin => format!("bz_block_arg(a{n}, ai{n}, false);"),
-                ReduceKind::Var => format!("{{ {st} fn = ({st})wn{n}; bz_block_welford(wm{n}, wq{n}, fn); wn{n} = (long long)fn; }}"),
+                ReduceKind::Sum => format!("a{n} = {reduce}(a{n}, [](decltype(a{n}) x, decltype(a{n}) y) {{ return x + y; }});"),
+                ReduceKind::Prod => format!("a{n} = {reduce}(a{n}, [](decltype(a{n}) x, decltype(a{n}) y) {{ return x * y; }});"),
+                ReduceKind::Max => format!("a{n} = {reduce}(a{n}, []({st} x, {st} y) {{ return (x != x || x > y) ? x : y; }});"),
+                ReduceKind::Min => format!("a{n} = {reduce}(a{n}, []({st} x, {st} y) {{ return (x != x || x < y) ? x : y; }});"),
+                ReduceKind::Any => format!("a{n} = {reduce}(a{n}, [](bool x, bool y) {{ return x || y; }});"),
+                ReduceKind::All => format!("a{n} = {reduce}(a{n}, [](bool x, bool y) {{ return x && y; }});"),
+                ReduceKind::ArgMax => format!("{arg}(a{n}, ai{n}, true);"),
+                ReduceKind::ArgMin => format!("{arg}(a{n}, ai{n}, false);"),
+                ReduceKind::Var => format!("{{ {st} fn = ({st})wn{n}; {welford}(wm{n}, wq{n}, fn); wn{n} = (long long)fn; }}"),
             };
             writeln!(out, "    {line}").unwrap();
             writeln!(out, "    {}", e.red_final(r)).unwrap();
         }
         for s in &p.after {
-            writeln!(out, "    {}", emit_stmt(&e, s, true)?).unwrap();
+            writeln!(out, "    {}", emit_stmt(&e, s, Some(store_guard))?).unwrap();
         }
+    }
+    if col {
+        writeln!(out, "  }}\n}}\n").unwrap();
+        return Ok(launch(outer_total, COL_X as u64, 1 << 30));
     }
     writeln!(out, "    __syncthreads();\n  }}\n}}\n").unwrap();
     Ok(launch(outer_total, 1, 1 << 30))

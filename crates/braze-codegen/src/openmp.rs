@@ -211,6 +211,11 @@ pub fn emit_kernel(k: &Kernel, out: &mut String) -> Result<(), CodegenError> {
         writeln!(out, "}}\n").unwrap();
         return Ok(());
     }
+    if k.column && k.passes.len() == 1 && k.prelude.is_empty() && n_outer > 0 {
+        emit_column(k, &e, out, &par_if)?;
+        writeln!(out, "}}\n").unwrap();
+        return Ok(());
+    }
     // Reduction: parallel over outer points; per point, passes over the inner dims.
     for (i, size) in k.outer.iter().enumerate() {
         if i == 0 {
@@ -266,6 +271,90 @@ pub fn emit_kernel(k: &Kernel, out: &mut String) -> Result<(), CodegenError> {
         writeln!(out, "{}}}", pad(depth)).unwrap();
     }
     writeln!(out, "}}\n").unwrap();
+    Ok(())
+}
+
+/// Columns of a column kernel handled together (the vector loop's length).
+const COL_CHUNK: i64 = 64;
+
+/// A column reduction (the fastest dim is kept): per chunk of the last outer dim, the
+/// reduced dims are walked in order and the chunk's accumulators, held in arrays, are
+/// updated by a vector loop over neighbouring columns.
+fn emit_column(k: &Kernel, e: &Emitter, out: &mut String, par_if: &str) -> Result<(), CodegenError> {
+    let ix = crate::c_emit::index;
+    let n_outer = k.outer.len();
+    let last = n_outer - 1;
+    let p = &k.passes[0];
+    let c = ix(&k.outer[last]);
+    let lead = product(&k.outer[..last]);
+    writeln!(out, "  const int64_t nch = ({c} + {COL_CHUNK} - 1) / {COL_CHUNK};").unwrap();
+    writeln!(out, "  #pragma omp parallel for schedule(static) {par_if}").unwrap();
+    writeln!(out, "  for (int64_t x = 0; x < {} * nch; x++) {{", ix(&lead)).unwrap();
+    writeln!(out, "    const int64_t cb = (x % nch) * {COL_CHUNK};").unwrap();
+    writeln!(out, "    const int64_t cn = {c} - cb < {COL_CHUNK} ? {c} - cb : {COL_CHUNK};").unwrap();
+    let mut rest = "(x / nch)".to_string();
+    for d in (0..last).rev() {
+        let size = ix(&k.outer[d]);
+        if d == 0 {
+            writeln!(out, "    const int64_t i{d} = {rest};").unwrap();
+        } else {
+            writeln!(out, "    const int64_t i{d} = {rest} % ({size});").unwrap();
+            rest = format!("({rest} / ({size}))");
+        }
+    }
+    let states: Vec<(&str, String)> = p.reductions.iter().flat_map(|r| e.red_state(r)).collect();
+    for (t, n) in &states {
+        writeln!(out, "    {t} {n}_v[{COL_CHUNK}];").unwrap();
+    }
+    writeln!(out, "    for (int64_t j = 0; j < cn; j++) {{").unwrap();
+    for r in &p.reductions {
+        for l in e.red_init(r) {
+            writeln!(out, "      {l}").unwrap();
+        }
+    }
+    for (_, n) in &states {
+        writeln!(out, "      {n}_v[j] = {n};").unwrap();
+    }
+    writeln!(out, "    }}").unwrap();
+    let mut depth = 2;
+    for (j, size) in k.inner.iter().enumerate() {
+        let v = n_outer + j;
+        writeln!(out, "{}for (int64_t i{v} = 0; i{v} < {}; i{v}++) {{", "  ".repeat(depth), ix(size)).unwrap();
+        depth += 1;
+    }
+    let pad = "  ".repeat(depth);
+    writeln!(out, "{pad}#pragma omp simd").unwrap();
+    writeln!(out, "{pad}for (int64_t j = 0; j < cn; j++) {{").unwrap();
+    writeln!(out, "{pad}  const int64_t i{last} = cb + j;").unwrap();
+    for (t, n) in &states {
+        writeln!(out, "{pad}  {t} {n} = {n}_v[j];").unwrap();
+    }
+    for s in &p.body {
+        writeln!(out, "{pad}  {}", e.stmt(s)?).unwrap();
+    }
+    for r in &p.reductions {
+        writeln!(out, "{pad}  {}", e.red_update(r)).unwrap();
+    }
+    for (_, n) in &states {
+        writeln!(out, "{pad}  {n}_v[j] = {n};").unwrap();
+    }
+    writeln!(out, "{pad}}}").unwrap();
+    for _ in 0..k.inner.len() {
+        depth -= 1;
+        writeln!(out, "{}}}", "  ".repeat(depth)).unwrap();
+    }
+    writeln!(out, "    for (int64_t j = 0; j < cn; j++) {{").unwrap();
+    writeln!(out, "      const int64_t i{last} = cb + j;").unwrap();
+    for (t, n) in &states {
+        writeln!(out, "      {t} {n} = {n}_v[j];").unwrap();
+    }
+    for r in &p.reductions {
+        writeln!(out, "      {}", e.red_final(r)).unwrap();
+    }
+    for s in &p.after {
+        writeln!(out, "      {}", e.stmt(s)?).unwrap();
+    }
+    writeln!(out, "    }}\n  }}").unwrap();
     Ok(())
 }
 

@@ -42,6 +42,7 @@ pub fn infer(op: &Op, ins: &[&TensorTy]) -> Result<Option<TensorTy>, Error> {
         Op::Extern { .. } => Ok(None),
         Op::Scalar { dtype, .. } => t(*dtype, vec![]),
         Op::Iota { len, dtype, .. } => t(*dtype, vec![len.clone()]),
+        Op::Size { dtype, .. } => t(*dtype, vec![]),
         Op::Unary(u) => {
             let dt = if u.is_predicate() { DType::Bool } else { ins[0].dtype };
             t(dt, ins[0].shape.clone())

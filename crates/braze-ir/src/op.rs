@@ -130,6 +130,8 @@ pub enum Op {
     Input { index: u32, strides: Vec<Expr> },
     /// A 0-dim constant. No operands.
     Scalar { value: Lit, dtype: DType },
+    /// A 0-dim value equal to a size expression (e.g. an element count `s0*768`). No operands.
+    Size { value: Expr, dtype: DType },
     /// `start + step * i` for `i` in `0..len`, 1-dim. No operands.
     Iota { len: Expr, start: i64, step: i64, dtype: DType },
     /// Elementwise op of one operand.
@@ -174,6 +176,7 @@ impl Op {
             Op::Input { .. } => "input",
             Op::Scalar { .. } => "scalar",
             Op::Iota { .. } => "iota",
+            Op::Size { .. } => "size",
             Op::Unary(u) => u.name(),
             Op::Binary(b) => b.name(),
             Op::Where => "where",
@@ -222,7 +225,7 @@ impl Op {
     /// Expected number of operands, `None` when variadic.
     pub fn arity(&self) -> Option<usize> {
         Some(match self {
-            Op::Input { .. } | Op::Scalar { .. } | Op::Iota { .. } => 0,
+            Op::Input { .. } | Op::Scalar { .. } | Op::Iota { .. } | Op::Size { .. } => 0,
             Op::Unary(_) | Op::Cast(_) | Op::Reduce { .. } | Op::Pad { .. } | Op::ExternOut { .. } => 1,
             Op::Permute(_) | Op::Expand(_) | Op::Reshape(_) | Op::Slice { .. } | Op::Select { .. } => 1,
             Op::Binary(_) | Op::IndexSelect { .. } | Op::Gather { .. } => 2,

@@ -261,6 +261,7 @@ fn build_op(name: &str, a: &BTreeMap<String, String>) -> Result<Op, String> {
     let op = match name {
         "input" => Op::Input { index: int("index")? as u32, strides: exprs("strides")? },
         "scalar" => Op::Scalar { value: parse_lit(get("value")?)?, dtype: dtype("dtype")? },
+        "size" => Op::Size { value: expr("value")?, dtype: dtype("dtype")? },
         "iota" => Op::Iota { len: expr("len")?, start: int("start")?, step: int("step")?, dtype: dtype("dtype")? },
         "where" => Op::Where,
         "cast" => Op::Cast(dtype("dtype")?),

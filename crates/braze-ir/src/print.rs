@@ -41,6 +41,7 @@ pub fn op_attrs(op: &Op) -> String {
     match op {
         Op::Input { index, strides } => format!("index={index} strides={}", list(strides)),
         Op::Scalar { value, dtype } => format!("value={} dtype={dtype}", fmt_lit(*value)),
+        Op::Size { value, dtype } => format!("value={} dtype={dtype}", e(value)),
         Op::Iota { len, start, step, dtype } => format!("len={} start={start} step={step} dtype={dtype}", e(len)),
         Op::Unary(_) | Op::Binary(_) | Op::Where => String::new(),
         Op::Cast(d) => format!("dtype={d}"),

@@ -264,7 +264,7 @@ fn compile(g: Graph, target: Target, check_cuda: bool, check_arch: &str) -> PyRe
                 let (cubin, cached) = braze_runtime::cuda::compile_cubin(&source, &arch, version).map_err(runtime_err)?;
                 let specs = launches
                     .into_iter()
-                    .map(|l| LaunchSpec { name: l.name, bufs: l.bufs, syms: l.syms, block: l.block, work: l.work, per_block: l.per_block, cap: l.cap })
+                    .map(|l| LaunchSpec { name: l.name, bufs: l.bufs, syms: l.syms, block: l.block, block_y: l.block_y, work: l.work, per_block: l.per_block, cap: l.cap })
                     .collect();
                 Some(Module::Cuda(CudaModule::load(&cubin, ordinal, specs, cached).map_err(runtime_err)?))
             };

@@ -216,6 +216,7 @@ pub struct LaunchSpec {
     pub bufs: Vec<u32>,
     pub syms: Vec<u32>,
     pub block: u32,
+    pub block_y: u32,
     pub work: Expr,
     pub per_block: u64,
     pub cap: u32,
@@ -284,7 +285,7 @@ impl CudaModule {
                 if n == 0 {
                     continue;
                 }
-                let rc = (d.launch)(self.fns[k], blocks, 1, 1, s.block, 1, 1, 0, stream as CuStream, params.as_mut_ptr(), std::ptr::null_mut());
+                let rc = (d.launch)(self.fns[k], blocks, 1, 1, s.block, s.block_y, 1, 0, stream as CuStream, params.as_mut_ptr(), std::ptr::null_mut());
                 check(d, rc, &format!("launch of {}", s.name))?;
             }
         }

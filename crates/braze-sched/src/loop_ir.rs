@@ -86,6 +86,10 @@ pub struct Kernel {
     pub passes: Vec<Pass>,
     pub tmp_dtypes: Vec<DType>,
     pub bufs: Vec<BufRef>,
+    /// The fastest-varying dim of the domain is an outer dim (a reduction over leading dims,
+    /// like a bias gradient): neighbouring outer points, not neighbouring reduced elements,
+    /// are adjacent in memory, so targets vectorize across outer points.
+    pub column: bool,
 }
 
 impl Kernel {

@@ -226,7 +226,7 @@ impl Builder<'_, '_> {
         }
         let ty = g.ty(n).clone();
         let dt = ty.dtype;
-        if !node.op.is_view() && !matches!(node.op, Op::Scalar { .. }) {
+        if !node.op.is_view() && !matches!(node.op, Op::Scalar { .. } | Op::Size { .. }) {
             self.ops.push(node.op.name());
         }
         let ins = node.inputs.clone();
@@ -234,6 +234,10 @@ impl Builder<'_, '_> {
             Op::Scalar { value, .. } => {
                 let v = *value;
                 self.emit(dt, |dst| Stmt::Const { dst, value: v })
+            }
+            Op::Size { value, .. } => {
+                let index = value.clone();
+                self.emit(dt, |dst| Stmt::Index { dst, index })
             }
             Op::Iota { start, step, .. } => {
                 let index = Expr::constant(*start).add(&idx[0].mul_c(*step));
@@ -482,5 +486,6 @@ pub fn lower(cx: &Ctx, me: usize, dom: &Domain, roots: &[NodeId]) -> Result<Kern
         passes,
         tmp_dtypes: b.tmp_dtypes,
         bufs: b.bufs,
+        column: dom.has_reduction() && dom.reduced.last() == Some(&false),
     })
 }

@@ -88,7 +88,7 @@ struct Group {
 }
 
 fn is_compute(op: &Op) -> bool {
-    op.is_pointwise() || op.is_view() || matches!(op, Op::Scalar { .. } | Op::Iota { .. } | Op::Reduce { .. })
+    op.is_pointwise() || op.is_view() || matches!(op, Op::Scalar { .. } | Op::Size { .. } | Op::Iota { .. } | Op::Reduce { .. })
 }
 
 /// Buffer nodes and roots reachable from `n` without passing through another root.
@@ -126,7 +126,7 @@ pub fn schedule(g: &Graph) -> Result<Schedule, SchedError> {
             return;
         }
         let base_strides = base_strides(g, base);
-        if matches!(g.node(base).op, Op::Scalar { .. } | Op::Iota { .. }) || strided(g, o, &base_strides).is_none() {
+        if matches!(g.node(base).op, Op::Scalar { .. } | Op::Size { .. } | Op::Iota { .. }) || strided(g, o, &base_strides).is_none() {
             stored[o.index()] = true;
         } else {
             stored[base.index()] = true;
