@@ -11,6 +11,7 @@ from .lowering import DTYPES, ExternCall, Ref, SymRef
 
 _TORCH_DTYPES = {v: k for k, v in DTYPES.items()}
 _UNUSED = 0xFFFFFFFF  # an extern result nothing reads
+_NO_SYMS: list = []
 
 
 class SymResolver:
@@ -74,11 +75,16 @@ class CompiledGraph:
         self.device = lowered.device
         self.cuda = self.device.type == "cuda"
         self.ext_calls = {}
+        self.arg_builders = {}
         for s in self.steps:
             if s[0] == "extern":
                 self.ext_calls[s[3]] = self.externs[s[3]]
+        self.n_bufs = len(self.bufs)
+        ti = self.tensor_inputs
+        self.tensor_args_of = (lambda args: args) if ti == list(range(len(ti))) else (lambda args: [args[i] for i in ti])
         if not self.dynamic:
             self.static = self._layouts(compiled.eval([]))
+            self.static_plan = self._plan(*self.static)
 
     def _layouts(self, vals):
         shapes = [tuple(vals[i] for i in b[3]) for b in self.bufs]
@@ -89,41 +95,66 @@ class CompiledGraph:
         sizes, strides, off = view
         return t.as_strided(tuple(vals[i] for i in sizes), tuple(vals[i] for i in strides), t.storage_offset() + vals[off])
 
+    def _plan(self, vals, shapes, strides):
+        """Per-step work with every size resolved: built once for static graphs, per call
+        for dynamic ones. Steps are (kind, ...) tuples the call loop reads directly."""
+        dts = [_TORCH_DTYPES[b[2]] for b in self.bufs]
+        inputs = [(b, b_[1], shapes[b], strides[b]) for b, b_ in enumerate(self.bufs) if b_[0] == "input"]
+        plan = []
+        for s, step in enumerate(self.steps):
+            allocs = tuple((b, shapes[b], strides[b], dts[b]) for b in self.allocs[s])
+            frees = tuple(self.frees[s])
+            if step[0] == "kernels":
+                plan.append((0, allocs, frees, step[1], step[2]))
+            else:
+                plan.append((1, allocs, frees, step, None))
+        outs = []
+        for (b, view), copy in zip(self.outputs, self.copy_out):
+            v = None
+            if view is not None:
+                sizes, st, off = view
+                v = (tuple(vals[i] for i in sizes), tuple(vals[i] for i in st), vals[off])
+            outs.append((b, v, copy))
+        simple = len(self.out_spec) == len(outs) and all(k == "t" for k, _ in self.out_spec)
+        return inputs, plan, outs, simple
+
     def __call__(self, args):
         if self.dynamic:
             syms = self.syms.resolve(args)
             vals, shapes, strides = self._layouts(self.c.eval(syms))
+            inputs, plan, out_plan, simple = self._plan(vals, shapes, strides)
         else:
-            syms = []
+            syms = _NO_SYMS
             vals, shapes, strides = self.static
-        bufs = [None] * len(self.bufs)
+            inputs, plan, out_plan, simple = self.static_plan
+        bufs = [None] * self.n_bufs
+        tensor_args = self.tensor_args_of(args)
         # Graph inputs, in the layout the kernels were compiled for.
-        tensor_args = [args[i] for i in self.tensor_inputs]
-        for b, (kind, idx, dtype, _, _) in enumerate(self.bufs):
-            if kind == "input":
-                t = tensor_args[idx]
-                if t.stride() != strides[b] and not _same_layout(t, shapes[b], strides[b]):
-                    t = torch.empty_strided(shapes[b], strides[b], dtype=t.dtype, device=t.device).copy_(t)
-                bufs[b] = t
+        for b, idx, shape, stride in inputs:
+            t = tensor_args[idx]
+            if t.stride() != stride and not _same_layout(t, shape, stride):
+                t = torch.empty_strided(shape, stride, dtype=t.dtype, device=t.device).copy_(t)
+            bufs[b] = t
         device = self.device
         stream = torch.cuda.current_stream(device).cuda_stream if self.cuda else 0
-        for s, step in enumerate(self.steps):
-            for b in self.allocs[s]:
-                bufs[b] = torch.empty_strided(shapes[b], strides[b], dtype=_TORCH_DTYPES[self.bufs[b][2]], device=device)
-            if step[0] == "kernels":
-                ptrs = [0 if t is None else t.data_ptr() for t in bufs]
-                self.c.run(step[1], step[2], ptrs, syms, stream)
+        run = self.c.run
+        empty = torch.empty_strided
+        for kind, allocs, frees, a, b in plan:
+            for buf, shape, stride, dtype in allocs:
+                bufs[buf] = empty(shape, stride, dtype=dtype, device=device)
+            if kind == 0:
+                run(a, b, [0 if t is None else t.data_ptr() for t in bufs], syms, stream)
             else:
-                self._extern(step, bufs, vals, shapes, strides, syms)
-            for b in self.frees[s]:
-                bufs[b] = None
+                self._extern(a, bufs, vals, shapes, strides, syms)
+            for buf in frees:
+                bufs[buf] = None
         outs = []
-        for (b, view), copy in zip(self.outputs, self.copy_out):
+        for b, view, copy in out_plan:
             t = bufs[b]
             if view is not None:
-                t = self._view(t, view, vals)
+                t = t.as_strided(view[0], view[1], t.storage_offset() + view[2])
             outs.append(t.clone() if copy else t)
-        if len(self.out_spec) == len(outs) and all(k == "t" for k, _ in self.out_spec):
+        if simple:
             return outs
         res = []
         for kind, v in self.out_spec:
@@ -142,19 +173,11 @@ class CompiledGraph:
         for b, view in args:
             t = bufs[b]
             tensors.append(self._view(t, view, vals) if view is not None else t)
-
-        def sub(a):
-            if isinstance(a, Ref):
-                return tensors[a.k]
-            if isinstance(a, SymRef):
-                return _eval_sym(a.expr, self.syms, syms)
-            if isinstance(a, (list, tuple)):
-                return type(a)(sub(x) for x in a)
-            if isinstance(a, dict):
-                return {k: sub(v) for k, v in a.items()}
-            return a
-
-        r = call.target(*sub(call.args), **sub(call.kwargs))
+        build = self.arg_builders.get(target)
+        if build is None:
+            build = self.arg_builders[target] = _arg_builder(call, self.syms)
+        a, kw = build(tensors, syms)
+        r = call.target(*a, **kw)
         for o, path in zip(outs, call.out_paths):
             if o == _UNUSED:
                 continue
@@ -164,6 +187,39 @@ class CompiledGraph:
             if t.stride() != strides[o] and not _same_layout(t, shapes[o], strides[o]):
                 t = torch.empty_strided(shapes[o], strides[o], dtype=t.dtype, device=t.device).copy_(t)
             bufs[o] = t
+
+
+def _arg_builder(call, resolver):
+    """A function (tensors, syms) -> (args, kwargs) for an extern call. Calls whose only
+    references are top-level tensor arguments take a fast path."""
+    flat = all(not isinstance(a, (list, tuple, dict, SymRef)) for a in call.args) and not any(
+        isinstance(v, (Ref, SymRef, list, tuple, dict)) for v in call.kwargs.values())
+    if flat:
+        template = list(call.args)
+        slots = [(i, a.k) for i, a in enumerate(template) if isinstance(a, Ref)]
+        kwargs = dict(call.kwargs)
+
+        def fast(tensors, syms):
+            a = template.copy()
+            for i, k in slots:
+                a[i] = tensors[k]
+            return a, kwargs
+        return fast
+
+    def sub(a, tensors, syms):
+        if isinstance(a, Ref):
+            return tensors[a.k]
+        if isinstance(a, SymRef):
+            return _eval_sym(a.expr, resolver, syms)
+        if isinstance(a, (list, tuple)):
+            return type(a)(sub(x, tensors, syms) for x in a)
+        if isinstance(a, dict):
+            return {k: sub(v, tensors, syms) for k, v in a.items()}
+        return a
+
+    def slow(tensors, syms):
+        return sub(call.args, tensors, syms), sub(call.kwargs, tensors, syms)
+    return slow
 
 
 def _same_layout(t, shape, strides):

@@ -220,6 +220,50 @@ fn decompose(out: &mut String, pad: &str, flat: &str, dims: &[Expr], first: usiz
     }
 }
 
+/// `sin(x)` and `cos(x)` of one value in one statement list: the sine's destination maps to
+/// the cosine's, which is then computed by the same `sincosf` call (one range reduction).
+fn sincos_pairs(stmts: &[Stmt], k: &Kernel) -> std::collections::HashMap<u32, u32> {
+    use braze_ir::UnaryOp;
+    let mut out = std::collections::HashMap::new();
+    for (i, s) in stmts.iter().enumerate() {
+        if let Stmt::Unary { dst, op: UnaryOp::Sin, a } = s {
+            if !k.tmp_dtypes[*a as usize].is_float() {
+                continue;
+            }
+            let cos = stmts[i + 1..].iter().find_map(|t| match t {
+                Stmt::Unary { dst: d2, op: UnaryOp::Cos, a: a2 } if a2 == a => Some(*d2),
+                _ => None,
+            });
+            if let Some(c) = cos {
+                if !out.values().any(|v| *v == c) {
+                    out.insert(*dst, c);
+                }
+            }
+        }
+    }
+    out
+}
+
+/// Writes a statement list, pairing sin and cos of one value into one `sincos` call.
+fn emit_list(e: &Emitter, k: &Kernel, stmts: &[Stmt], guard: Option<&str>, pad: &str, out: &mut String) -> Result<(), CodegenError> {
+    use braze_ir::UnaryOp;
+    let pairs = sincos_pairs(stmts, k);
+    let paired: std::collections::HashSet<u32> = pairs.values().copied().collect();
+    for s in stmts {
+        match s {
+            Stmt::Unary { dst, op: UnaryOp::Sin, a } if pairs.contains_key(dst) => {
+                let c = pairs[dst];
+                let dt = k.tmp_dtypes[*a as usize];
+                let (ty, f) = if dt == braze_ir::DType::F64 { ("double", "sincos") } else { ("float", "sincosf") };
+                writeln!(out, "{pad}{ty} t{dst}, t{c}; {f}(t{a}, &t{dst}, &t{c});").unwrap();
+            }
+            Stmt::Unary { dst, op: UnaryOp::Cos, .. } if paired.contains(dst) => {}
+            _ => writeln!(out, "{pad}{}", emit_stmt(e, s, guard)?).unwrap(),
+        }
+    }
+    Ok(())
+}
+
 /// A statement; stores get `guard` as their condition when given.
 fn emit_stmt(e: &Emitter, s: &Stmt, guard: Option<&str>) -> Result<String, CodegenError> {
     let line = e.stmt(s)?;
@@ -271,9 +315,7 @@ pub fn emit_kernel(k: &Kernel, sms: u32, out: &mut String) -> Result<Launch, Cod
         let total = index(&outer_total);
         writeln!(out, "  for (long long x = (long long)blockIdx.x * blockDim.x + threadIdx.x; x < {total}; x += (long long)gridDim.x * blockDim.x) {{").unwrap();
         decompose(out, "    ", "x", &k.outer, 0);
-        for s in &k.passes[0].body {
-            writeln!(out, "    {}", emit_stmt(&e, s, None)?).unwrap();
-        }
+        emit_list(&e, k, &k.passes[0].body, None, "    ", out)?;
         writeln!(out, "  }}\n}}\n").unwrap();
         return Ok(launch(outer_total, block as u64, sms.max(1) * 32));
     }
@@ -308,9 +350,7 @@ pub fn emit_kernel(k: &Kernel, sms: u32, out: &mut String) -> Result<Launch, Cod
         }
         writeln!(out, "    for (long long r = {lane}; r < {inner_total}; r += {step}) {{").unwrap();
         decompose(out, "      ", "r", &k.inner, n_outer);
-        for s in &p.body {
-            writeln!(out, "      {}", emit_stmt(&e, s, body_guard)?).unwrap();
-        }
+        emit_list(&e, k, &p.body, body_guard, "      ", out)?;
         for r in &p.reductions {
             writeln!(out, "      {}", e.red_update(r)).unwrap();
         }
