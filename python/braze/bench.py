@@ -139,6 +139,43 @@ def run_workload(name, build, device, reps, backends):
     return rows
 
 
+def overhead_cases(device):
+    """Tiny graphs whose time is host work: the framework's own cost per call."""
+    x = torch.randn(8, device=device)
+
+    def add1(x):
+        return x + 1
+
+    def chain10(x):
+        for _ in range(5):
+            x = torch.sin(x) * 1.5 + 0.1
+        return x
+
+    blk = TinyBlock(32, 2).to(device).eval()
+    xb = torch.randn(2, 4, 32, device=device)
+    return [("x + 1", add1, x), ("chain of 10 pointwise ops", chain10, x), ("LayerNorm + MLP block", blk, xb)]
+
+
+def run_overhead(device, backends, calls=2000):
+    rows = []
+    for name, fn, x in overhead_cases(device):
+        res = {}
+        for be in ["eager"] + backends:
+            torch._dynamo.reset()
+            f = fn if be == "eager" else torch.compile(fn, backend=be)
+            with torch.inference_mode():
+                for _ in range(50):
+                    f(x)
+                sync(device)
+                t = time.perf_counter()
+                for _ in range(calls):
+                    f(x)
+                sync(device)
+            res[be] = (time.perf_counter() - t) / calls * 1e6
+        rows.append({"graph": name, **{f"{k}_us": v for k, v in res.items()}})
+    return rows
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m braze.bench", description=__doc__.split("\n")[0])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -146,6 +183,7 @@ def main(argv=None):
     p.add_argument("--json", help="write the rows as JSON to this file")
     p.add_argument("--only", help="comma-separated workload names to run")
     p.add_argument("--no-inductor", action="store_true", help="skip TorchInductor")
+    p.add_argument("--no-overhead", action="store_true", help="skip the host-overhead table")
     args = p.parse_args(argv)
     device = torch.device(args.device)
     if device.type == "cuda":
@@ -166,9 +204,16 @@ def main(argv=None):
     for r in rows:
         k = "" if r["kernels"] is None else str(r["kernels"])
         print(f"{r['workload']:22} {r['shape']:28} {r['backend']:9} {r['median_ms']:10.3f} {r['speedup']:8.2f}x {k:>8} {r['first_call_s']:13.3f} {r['max_err']:9.2e}")
+    over = []
+    if not args.no_overhead and not args.only:
+        over = run_overhead(device, backends)
+        print("\nhost time per call on tiny inputs (µs, 2000 calls; kernels are negligible here)")
+        print(f"{'graph':28} " + " ".join(f"{b:>10}" for b in ["eager"] + backends))
+        for r in over:
+            print(f"{r['graph']:28} " + " ".join(f"{r[b + '_us']:10.1f}" for b in ["eager"] + backends))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"torch": torch.__version__, "device": card, "braze": braze.__version__, "rows": rows}, f, indent=1)
+            json.dump({"torch": torch.__version__, "device": card, "braze": braze.__version__, "rows": rows, "overhead": over}, f, indent=1)
     return rows
 
 
