@@ -289,3 +289,13 @@ def test_logs_print_generated_code():
     assert r.returncode == 0, r.stderr
     assert "braze_poi_fused_add_cos_sin_0" in r.stderr
     assert "[braze:fusion]" in r.stderr and "[braze:graph]" in r.stderr
+
+
+def test_cat_of_flattened_view(device):
+    """A masked load whose index divides a compound expression ((i - 1) // 25)."""
+    def f(x):
+        flat = x.reshape(-1)
+        return torch.cat([torch.ones(1, device=x.device), flat[:-1] * 2])
+
+    x = torch.randn(5, 5, 5, device=device)
+    torch.testing.assert_close(compiled(f)(x), f(x))

@@ -293,8 +293,8 @@ impl Expr {
             let mut factors: Vec<String> = m
                 .iter()
                 .map(|a| match a {
-                    Atom::FloorDiv(x, y) => format!("({} / {})", x.render(leaf), y.render_factor(leaf)),
-                    Atom::Mod(x, y) => format!("({} % {})", x.render(leaf), y.render_factor(leaf)),
+                    Atom::FloorDiv(x, y) => format!("({} / {})", x.render_factor(leaf), y.render_factor(leaf)),
+                    Atom::Mod(x, y) => format!("({} % {})", x.render_factor(leaf), y.render_factor(leaf)),
                     other => leaf(other),
                 })
                 .collect();
@@ -528,8 +528,19 @@ mod tests {
     }
 
     #[test]
+    fn compound_numerators_keep_parentheses() {
+        let e = parse_expr("(i0 - 1) // 25").unwrap();
+        assert_eq!(e.to_string(), "((i0 - 1) // 25)");
+        let v = e.eval(&|a| match a {
+            Atom::Var(0) => Some(51),
+            _ => None,
+        });
+        assert_eq!(v, Some(2));
+    }
+
+    #[test]
     fn roundtrip_display() {
-        for s in ["s0", "2*s0 + 1", "s0*s1 - 3", "(s0 // 2)", "(i0 % 4)*8 + i1"] {
+        for s in ["s0", "2*s0 + 1", "s0*s1 - 3", "(s0 // 2)", "(i0 % 4)*8 + i1", "(i0 - 1) // 25", "(i0 + s0) % (s1 + 1)"] {
             let e = parse_expr(s).unwrap();
             assert_eq!(parse_expr(&e.to_string()).unwrap(), e, "{s}");
         }
