@@ -64,6 +64,14 @@ def nvrtc_available() -> bool:
         return False
 
 
+def find_cublaslt():
+    for d in _candidates() + [os.path.join(r, "nvidia/cublas/lib") for r in site.getsitepackages()]:
+        libs = sorted(glob.glob(os.path.join(d, "libcublasLt.so.*")))
+        if libs:
+            return libs[0]
+    return None
+
+
 @functools.lru_cache(None)
 def cuda_ready() -> str | None:
     """Loads NVRTC and the driver for running kernels; returns None when ready, else why not."""
@@ -75,3 +83,19 @@ def cuda_ready() -> str | None:
     except Exception as e:
         return f"CUDA driver: {e}"
     return None
+
+
+@functools.lru_cache(None)
+def cublaslt_ready() -> bool:
+    """Loads cuBLASLt (PyTorch's copy) for library matmuls; False when it cannot."""
+    if cuda_ready() is not None:
+        return False
+    path = find_cublaslt()
+    if path is None:
+        return False
+    found = find_nvrtc()
+    try:
+        _core.cuda_init(found[0], found[1], "libcuda.so.1", path)
+        return True
+    except Exception:
+        return False

@@ -868,6 +868,39 @@ def _layer_norm(L, node, x, normalized_shape, w, b, eps):
     return (L.cast(out, od), L.cast(mean, vals[1].dtype), L.cast(rstd, vals[2].dtype))
 
 
+# ---- matmul (CUDA: cuBLASLt with fused epilogue; elsewhere ATen) ---------------------
+
+def _matmul_ok(L, node, *xs):
+    """Library matmuls: CUDA graphs, static shapes, f32/f16/bf16 operands of one dtype."""
+    from . import cuda
+
+    if L.device is None or L.device.type != "cuda" or not cuda.cublaslt_ready():
+        raise Unsupported("matmul runs through ATen here")
+    v = node.meta["val"]
+    if v.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise Unsupported(f"matmul on {v.dtype}")
+    for x in xs:
+        m = x.meta["val"]
+        if m.dtype != v.dtype or any(not isinstance(s, int) for s in list(m.shape) + list(m.stride())):
+            raise Unsupported("matmul operands differ in dtype or have symbolic sizes")
+    tf32 = v.dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32
+    return "true" if tf32 else "false"
+
+
+@register(A("mm"), A("bmm"))
+def _mm(L, node, a, b):
+    tf32 = _matmul_ok(L, node, a, b)
+    return L.op(f"matmul epilogue=none tf32={tf32}", L.tensor(a), L.tensor(b))
+
+
+@register(A("addmm"))
+def _addmm(L, node, bias, a, b, beta=1, alpha=1):
+    if beta != 1 or alpha != 1 or bias.meta["val"].dim() != 1:
+        raise Unsupported("addmm with scaling or a 2-dim bias")
+    tf32 = _matmul_ok(L, node, bias, a, b)
+    return L.op(f"matmul epilogue=none tf32={tf32}", L.tensor(a), L.tensor(b), L.tensor(bias))
+
+
 # ---- creation ------------------------------------------------------------------------
 
 @register(A("full"))

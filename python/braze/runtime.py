@@ -75,7 +75,6 @@ class CompiledGraph:
         self.device = lowered.device
         self.cuda = self.device.type == "cuda"
         self.ext_calls = {}
-        self.arg_builders = {}
         for s in self.steps:
             if s[0] == "extern":
                 self.ext_calls[s[3]] = self.externs[s[3]]
@@ -91,10 +90,6 @@ class CompiledGraph:
         strides = [tuple(vals[i] for i in b[4]) for b in self.bufs]
         return vals, shapes, strides
 
-    def _view(self, t, view, vals):
-        sizes, strides, off = view
-        return t.as_strided(tuple(vals[i] for i in sizes), tuple(vals[i] for i in strides), t.storage_offset() + vals[off])
-
     def _plan(self, vals, shapes, strides):
         """Per-step work with every size resolved: built once for static graphs, per call
         for dynamic ones. Steps are (kind, ...) tuples the call loop reads directly."""
@@ -107,7 +102,12 @@ class CompiledGraph:
             if step[0] == "kernels":
                 plan.append((0, allocs, frees, step[1], step[2]))
             else:
-                plan.append((1, allocs, frees, step, None))
+                _, _, _, target, args, outs = step
+                call = self.ext_calls[target]
+                views = tuple((b, None if v is None else (tuple(vals[i] for i in v[0]), tuple(vals[i] for i in v[1]), vals[v[2]])) for b, v in args)
+                results = tuple((o, path, shapes[o], strides[o]) for o, path in zip(outs, call.out_paths) if o != _UNUSED)
+                build = _arg_builder(call, self.syms)
+                plan.append((1, allocs, frees, (call.target, build, views, results), None))
         outs = []
         for (b, view), copy in zip(self.outputs, self.copy_out):
             v = None
@@ -145,7 +145,17 @@ class CompiledGraph:
             if kind == 0:
                 run(a, b, [0 if t is None else t.data_ptr() for t in bufs], syms, stream)
             else:
-                self._extern(a, bufs, vals, shapes, strides, syms)
+                target, build, views, results = a
+                tensors = [bufs[b] if v is None else bufs[b].as_strided(v[0], v[1], bufs[b].storage_offset() + v[2]) for b, v in views]
+                args_, kwargs_ = build(tensors, syms)
+                r = target(*args_, **kwargs_)
+                for o, path, shape, stride in results:
+                    t = r
+                    for k in path:
+                        t = t[k]
+                    if t.stride() != stride and not _same_layout(t, shape, stride):
+                        t = torch.empty_strided(shape, stride, dtype=t.dtype, device=t.device).copy_(t)
+                    bufs[o] = t
             for buf in frees:
                 bufs[buf] = None
         outs = []
@@ -165,29 +175,6 @@ class CompiledGraph:
             else:
                 res.append(v)
         return res
-
-    def _extern(self, step, bufs, vals, shapes, strides, syms):
-        _, node, _, target, args, outs = step
-        call: ExternCall = self.ext_calls[target]
-        tensors = []
-        for b, view in args:
-            t = bufs[b]
-            tensors.append(self._view(t, view, vals) if view is not None else t)
-        build = self.arg_builders.get(target)
-        if build is None:
-            build = self.arg_builders[target] = _arg_builder(call, self.syms)
-        a, kw = build(tensors, syms)
-        r = call.target(*a, **kw)
-        for o, path in zip(outs, call.out_paths):
-            if o == _UNUSED:
-                continue
-            t = r
-            for k in path:
-                t = t[k]
-            if t.stride() != strides[o] and not _same_layout(t, shapes[o], strides[o]):
-                t = torch.empty_strided(shapes[o], strides[o], dtype=t.dtype, device=t.device).copy_(t)
-            bufs[o] = t
-
 
 def _arg_builder(call, resolver):
     """A function (tensors, syms) -> (args, kwargs) for an extern call. Calls whose only

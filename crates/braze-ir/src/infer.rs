@@ -169,6 +169,27 @@ pub fn infer(op: &Op, ins: &[&TensorTy]) -> Result<Option<TensorTy>, Error> {
             }
             t(first.dtype, s)
         }
+        Op::Matmul { .. } => {
+            if ins.len() != 2 && ins.len() != 3 {
+                return Err(bad("matmul takes (a, b) or (a, b, bias)".into()));
+            }
+            let (a, b) = (ins[0], ins[1]);
+            let r = a.rank();
+            if r < 2 || b.rank() != r || a.dtype != b.dtype || !a.dtype.is_float() {
+                return Err(bad("matmul needs float operands of one rank (>= 2) and dtype".into()));
+            }
+            if a.shape[..r - 2] != b.shape[..r - 2] || a.shape[r - 1] != b.shape[r - 2] {
+                return Err(bad("matmul operand shapes do not match".into()));
+            }
+            if let Some(bias) = ins.get(2) {
+                if bias.rank() != 1 || bias.shape[0] != b.shape[r - 1] || bias.dtype != a.dtype {
+                    return Err(bad("matmul bias must be [N] of the operands' dtype".into()));
+                }
+            }
+            let mut s = a.shape[..r - 1].to_vec();
+            s.push(b.shape[r - 1].clone());
+            t(a.dtype, s)
+        }
         Op::Pad { pads, .. } => {
             let x = ins[0];
             if pads.len() != x.rank() || pads.iter().any(|&(a, b)| a < 0 || b < 0) {

@@ -89,6 +89,11 @@ named_enum! {
 }
 
 named_enum! {
+    /// What a matmul applies to its result before storing it.
+    Epilogue { None = "none", Relu = "relu", Gelu = "gelu" }
+}
+
+named_enum! {
     /// Reductions over a set of dims.
     ReduceKind {
         Sum = "sum", Prod = "prod",
@@ -162,6 +167,10 @@ pub enum Op {
     Cat { dim: usize },
     /// Constant padding: `pads[d] = (before, after)` elements on dim d, both >= 0.
     Pad { pads: Vec<(i64, i64)>, value: Lit },
+    /// Matrix product `a @ b (+ bias)`, then `epilogue`: operands (a: [.., M, K], b: [.., K, N]
+    /// [, bias: [N]]), batch dims equal. Runs as a vendor-library call (cuBLASLt), with the
+    /// bias and activation fused. `tf32` allows TF32 arithmetic for f32 operands.
+    Matmul { epilogue: Epilogue, tf32: bool },
     /// A call of the ATen op `target` (by name) on the operands; `outputs` results, each
     /// taken by an `ExternOut`. The runtime (Python) holds the non-tensor arguments.
     Extern { target: String, outputs: u32 },
@@ -191,6 +200,7 @@ impl Op {
             Op::Gather { .. } => "gather",
             Op::Cat { .. } => "cat",
             Op::Pad { .. } => "pad",
+            Op::Matmul { .. } => "matmul",
             Op::Extern { .. } => "extern",
             Op::ExternOut { .. } => "extern_out",
         }
@@ -230,7 +240,7 @@ impl Op {
             Op::Permute(_) | Op::Expand(_) | Op::Reshape(_) | Op::Slice { .. } | Op::Select { .. } => 1,
             Op::Binary(_) | Op::IndexSelect { .. } | Op::Gather { .. } => 2,
             Op::Where => 3,
-            Op::Cat { .. } | Op::Extern { .. } => return None,
+            Op::Cat { .. } | Op::Extern { .. } | Op::Matmul { .. } => return None,
         })
     }
 }

@@ -281,6 +281,10 @@ fn build_op(name: &str, a: &BTreeMap<String, String>) -> Result<Op, String> {
             let pads = flat.chunks(2).map(|c| (c[0] as i64, c[1] as i64)).collect();
             Op::Pad { pads, value: parse_lit(get("value")?)? }
         }
+        "matmul" => Op::Matmul {
+            epilogue: crate::op::Epilogue::from_name(get("epilogue")?).ok_or("unknown epilogue")?,
+            tf32: boolean("tf32")?,
+        },
         "extern" => Op::Extern { target: get("target")?.to_string(), outputs: int("outputs")? as u32 },
         "extern_out" => Op::ExternOut { index: int("index")? as u32, strides: exprs("strides")? },
         _ => {

@@ -7,6 +7,7 @@
 pub mod const_fold;
 pub mod cse;
 pub mod dce;
+pub mod matmul_epilogue;
 pub mod rewrite;
 pub mod simplify;
 
@@ -20,6 +21,7 @@ pub const PASSES: &[(&str, Pass)] = &[
     ("const_fold", const_fold::const_fold),
     ("simplify", simplify::simplify),
     ("cse", cse::cse),
+    ("matmul_epilogue", matmul_epilogue::matmul_epilogue),
     ("dce", dce::dce),
 ];
 

@@ -5,7 +5,8 @@
 
 use braze_ir::{parse, DType, Expr, Graph, NodeId, Op, TensorTy};
 use braze_runtime::cpu::CpuModule;
-use braze_runtime::cuda::{CudaModule, LaunchSpec};
+use braze_runtime::cublaslt::{MatmulSpec, Operand};
+use braze_runtime::cuda::{CudaModule, Item, LaunchSpec};
 use braze_sched::{Access, BufKind, Step};
 use pyo3::create_exception;
 use pyo3::exceptions::PyException;
@@ -141,13 +142,16 @@ fn runtime_err(e: braze_runtime::RuntimeError) -> PyErr {
     }
 }
 
-/// Loads NVRTC (and its builtins library) and, when given, the CUDA driver.
+/// Loads NVRTC (and its builtins library) and, when given, the CUDA driver and cuBLASLt.
 #[pyfunction]
-#[pyo3(signature = (nvrtc, builtins=None, driver=None))]
-fn cuda_init(nvrtc: &str, builtins: Option<&str>, driver: Option<&str>) -> PyResult<(i32, i32)> {
+#[pyo3(signature = (nvrtc, builtins=None, driver=None, cublaslt=None))]
+fn cuda_init(nvrtc: &str, builtins: Option<&str>, driver: Option<&str>, cublaslt: Option<&str>) -> PyResult<(i32, i32)> {
     braze_runtime::cuda::init_nvrtc(nvrtc, builtins).map_err(runtime_err)?;
     if let Some(d) = driver {
         braze_runtime::cuda::init_driver(d).map_err(runtime_err)?;
+    }
+    if let Some(l) = cublaslt {
+        braze_runtime::cublaslt::init(l).map_err(runtime_err)?;
     }
     braze_runtime::cuda::nvrtc_version().map_err(runtime_err)
 }
@@ -220,6 +224,64 @@ impl ExprTable {
     }
 }
 
+/// A matmul step's operands as cuBLASLt operands (static layouts only).
+fn prepare_matmul(
+    g: &Graph,
+    sched: &braze_sched::Schedule,
+    node: NodeId,
+    a: &Access,
+    b: &Access,
+    bias: Option<&Access>,
+    out: u32,
+) -> PyResult<braze_runtime::cublaslt::Prepared> {
+    let c = |e: &Expr| e.as_const().ok_or_else(|| unsupported("matmul with symbolic sizes"));
+    let operand = |x: &Access| -> PyResult<Operand> {
+        let buf = &sched.buffers[x.buf as usize];
+        let (sizes, strides, offset) = match &x.view {
+            Some(v) => (v.sizes.clone(), v.strides.clone(), v.offset.clone()),
+            None => (buf.shape.clone(), buf.strides.clone(), Expr::zero()),
+        };
+        let r = sizes.len();
+        Ok(Operand {
+            buf: x.buf,
+            offset: c(&offset)?,
+            rows: c(&sizes[r - 2])? as u64,
+            cols: c(&sizes[r - 1])? as u64,
+            rs: c(&strides[r - 2])?,
+            cs: c(&strides[r - 1])?,
+            batch_stride: if r == 3 { c(&strides[0])? } else { 0 },
+        })
+    };
+    let Op::Matmul { epilogue, tf32 } = g.node(node).op else { return Err(InternalError::new_err("not a matmul")) };
+    let ty = g.ty(node);
+    if ty.rank() > 3 {
+        return Err(unsupported("matmul of rank > 3"));
+    }
+    let bias = match bias {
+        Some(x) => {
+            let off = x.view.as_ref().map(|v| c(&v.offset)).transpose()?.unwrap_or(0);
+            let unit = x.view.as_ref().map(|v| v.strides[0].is_const(1)).unwrap_or(true);
+            if !unit {
+                return Err(unsupported("strided matmul bias"));
+            }
+            Some((x.buf, off))
+        }
+        None => None,
+    };
+    let spec = MatmulSpec {
+        name: format!("braze_matmul_{}", node.0),
+        a: operand(a)?,
+        b: operand(b)?,
+        bias,
+        out,
+        batch: if ty.rank() == 3 { c(&ty.shape[0])? as u64 } else { 1 },
+        dtype: ty.dtype,
+        tf32,
+        epilogue,
+    };
+    braze_runtime::cublaslt::prepare(spec).map_err(runtime_err)
+}
+
 fn compile(g: Graph, target: Target, check_cuda: bool, check_arch: &str) -> PyResult<Compiled> {
     let mut times = Vec::new();
     let mut t = Instant::now();
@@ -244,6 +306,9 @@ fn compile(g: Graph, target: Target, check_cuda: bool, check_arch: &str) -> PyRe
     let version = env!("CARGO_PKG_VERSION");
     let (source, module) = match target {
         Target::Cpu => {
+            if sched.steps.iter().any(|s| matches!(s, Step::Matmul { .. })) {
+                return Err(unsupported("library matmuls run on CUDA only"));
+            }
             let source = braze_codegen::openmp::emit_module(&sched.kernels).map_err(unsupported)?;
             if check_cuda && !names.is_empty() {
                 let (cu, _) = braze_codegen::cuda::emit_module(&sched.kernels, 132).map_err(unsupported)?;
@@ -258,15 +323,28 @@ fn compile(g: Graph, target: Target, check_cuda: bool, check_arch: &str) -> PyRe
             let (arch, sms) = braze_runtime::cuda::device_info(ordinal).map_err(runtime_err)?;
             let (source, launches) = braze_codegen::cuda::emit_module(&sched.kernels, sms as u32).map_err(unsupported)?;
             lap("codegen", &mut times);
-            let m = if names.is_empty() {
+            let mut items = Vec::new();
+            for st in &sched.steps {
+                match st {
+                    Step::Kernel(k) => items.push(Item::Kernel(*k)),
+                    Step::Matmul { node, a, b, bias, out } => items.push(Item::Matmul(prepare_matmul(&opt, &sched, *node, a, b, bias.as_ref(), *out)?)),
+                    Step::Extern { .. } => {}
+                }
+            }
+            let m = if items.is_empty() {
                 None
             } else {
-                let (cubin, cached) = braze_runtime::cuda::compile_cubin(&source, &arch, version).map_err(runtime_err)?;
+                let (cubin, cached) = if names.is_empty() {
+                    (None, false)
+                } else {
+                    let (c, cached) = braze_runtime::cuda::compile_cubin(&source, &arch, version).map_err(runtime_err)?;
+                    (Some(c), cached)
+                };
                 let specs = launches
                     .into_iter()
                     .map(|l| LaunchSpec { name: l.name, bufs: l.bufs, syms: l.syms, block: l.block, block_y: l.block_y, work: l.work, per_block: l.per_block, cap: l.cap })
                     .collect();
-                Some(Module::Cuda(CudaModule::load(&cubin, ordinal, specs, cached).map_err(runtime_err)?))
+                Some(Module::Cuda(CudaModule::load(cubin.as_deref(), ordinal, specs, items, cached).map_err(runtime_err)?))
             };
             lap("nvrtc", &mut times);
             (source, m)
@@ -302,29 +380,34 @@ fn compile(g: Graph, target: Target, check_cuda: bool, check_arch: &str) -> PyRe
             (kind.to_string(), idx, b.dtype.name().to_string(), tab.ids(&b.shape), tab.ids(&b.strides))
         })
         .collect();
-    // Consecutive kernels become one step: one call into Rust runs them all.
+    // Consecutive kernels and matmuls ("items") become one step: one call into Rust runs
+    // them all. Item i is sched step item_steps[i].
     let mut steps = Vec::new();
     let mut frees: Vec<Vec<u32>> = Vec::new();
+    let mut item_writes: Vec<Vec<u32>> = Vec::new();
     for (s, st) in sched.steps.iter().enumerate() {
-        match st {
-            Step::Kernel(k) => {
-                let k = *k as u32;
-                match steps.last_mut() {
-                    Some((kind, _, hi, _, _, _)) if kind == "kernels" && *hi == k => {
-                        *hi = k + 1;
-                        frees.last_mut().unwrap().extend(sched.frees[s].iter().copied());
-                    }
-                    _ => {
-                        steps.push(("kernels".to_string(), k, k + 1, String::new(), vec![], vec![]));
-                        frees.push(sched.frees[s].clone());
-                    }
+        let writes = match st {
+            Step::Kernel(k) => Some(sched.kernels[*k].bufs.iter().filter(|b| b.written).map(|b| b.id).collect::<Vec<_>>()),
+            Step::Matmul { out, .. } => Some(vec![*out]),
+            Step::Extern { .. } => None,
+        };
+        if let Some(w) = writes {
+            let i = item_writes.len() as u32;
+            item_writes.push(w);
+            match steps.last_mut() {
+                Some((kind, _, hi, _, _, _)) if kind == "kernels" && *hi == i => {
+                    *hi = i + 1;
+                    frees.last_mut().unwrap().extend(sched.frees[s].iter().copied());
+                }
+                _ => {
+                    steps.push(("kernels".to_string(), i, i + 1, String::new(), vec![], vec![]));
+                    frees.push(sched.frees[s].clone());
                 }
             }
-            Step::Extern { node, target, args, outs } => {
-                let a = args.iter().map(|x| tab.access(x)).collect();
-                steps.push(("extern".to_string(), node.0, 0, target.clone(), a, outs.clone()));
-                frees.push(sched.frees[s].clone());
-            }
+        } else if let Step::Extern { node, target, args, outs } = st {
+            let a = args.iter().map(|x| tab.access(x)).collect();
+            steps.push(("extern".to_string(), node.0, 0, target.clone(), a, outs.clone()));
+            frees.push(sched.frees[s].clone());
         }
     }
     let outputs = sched.outputs.iter().map(|a| tab.access(a)).collect();
@@ -332,11 +415,11 @@ fn compile(g: Graph, target: Target, check_cuda: bool, check_arch: &str) -> PyRe
     let mut seen = vec![false; sched.buffers.len()];
     for (s, st) in steps.iter().enumerate() {
         if st.0 == "kernels" {
-            for k in st.1..st.2 {
-                for b in &sched.kernels[k as usize].bufs {
-                    if b.written && !seen[b.id as usize] && sched.buffers[b.id as usize].kind == BufKind::Temp {
-                        seen[b.id as usize] = true;
-                        allocs[s].push(b.id);
+            for i in st.1..st.2 {
+                for &b in &item_writes[i as usize] {
+                    if !seen[b as usize] && sched.buffers[b as usize].kind == BufKind::Temp {
+                        seen[b as usize] = true;
+                        allocs[s].push(b);
                     }
                 }
             }
@@ -386,10 +469,10 @@ impl Compiled {
                 Ok(())
             }
             Some(Module::Cuda(m)) => {
-                if hi > m.specs.len() || lo > hi {
+                if hi > m.items.len() || lo > hi {
                     return Err(InternalError::new_err("kernel range out of bounds"));
                 }
-                m.run(lo, hi, &ptrs, &s, stream).map_err(runtime_err)
+                m.run_items(lo, hi, &ptrs, &s, stream).map_err(runtime_err)
             }
             None => Err(InternalError::new_err("no kernels")),
         }

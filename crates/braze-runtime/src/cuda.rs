@@ -45,6 +45,7 @@ struct Driver {
     ctx_set: unsafe extern "C" fn(CuContext) -> CuResult,
     load: unsafe extern "C" fn(*mut CuModule, *const c_void) -> CuResult,
     get_fn: unsafe extern "C" fn(*mut CuFunction, CuModule, *const c_char) -> CuResult,
+    mem_alloc: unsafe extern "C" fn(*mut u64, usize) -> CuResult,
     launch: unsafe extern "C" fn(CuFunction, c_uint, c_uint, c_uint, c_uint, c_uint, c_uint, c_uint, CuStream, *mut *mut c_void, *mut *mut c_void) -> CuResult,
     error_string: unsafe extern "C" fn(CuResult, *mut *const c_char) -> CuResult,
 }
@@ -99,6 +100,7 @@ pub fn init_driver(path: &str) -> Result<(), RuntimeError> {
             load: sym!(lib, b"cuModuleLoadData"),
             get_fn: sym!(lib, b"cuModuleGetFunction"),
             launch: sym!(lib, b"cuLaunchKernel"),
+            mem_alloc: sym!(lib, b"cuMemAlloc_v2"),
             error_string: sym!(lib, b"cuGetErrorString"),
             _lib: lib,
         };
@@ -222,12 +224,33 @@ pub struct LaunchSpec {
     pub cap: u32,
 }
 
+/// One thing a CUDA module runs, in order: a generated kernel or a library matmul.
+pub enum Item {
+    Kernel(usize),
+    Matmul(crate::cublaslt::Prepared),
+}
+
 pub struct CudaModule {
     _module: CuModule,
     ctx: CuContext,
     fns: Vec<CuFunction>,
     pub specs: Vec<LaunchSpec>,
+    pub items: Vec<Item>,
     pub cached: bool,
+}
+
+/// cuBLASLt's workspace: one device allocation for the process.
+fn workspace() -> Result<usize, RuntimeError> {
+    static WS: OnceLock<Result<usize, String>> = OnceLock::new();
+    let d = driver()?;
+    WS.get_or_init(|| {
+        let mut p: u64 = 0;
+        // SAFETY: allocates device memory in the current context.
+        let rc = unsafe { (d.mem_alloc)(&mut p, crate::cublaslt::WORKSPACE) };
+        if rc != 0 { Err(format!("cuMemAlloc of the matmul workspace failed ({rc})")) } else { Ok(p as usize) }
+    })
+    .clone()
+    .map_err(RuntimeError::Environment)
 }
 
 // SAFETY: CUDA module and function handles may be used from any thread once the context is
@@ -237,7 +260,7 @@ unsafe impl Sync for CudaModule {}
 
 impl CudaModule {
     /// Loads a cubin into device `ordinal`'s primary context and resolves the kernels.
-    pub fn load(cubin: &[u8], ordinal: i32, specs: Vec<LaunchSpec>, cached: bool) -> Result<CudaModule, RuntimeError> {
+    pub fn load(cubin: Option<&[u8]>, ordinal: i32, specs: Vec<LaunchSpec>, items: Vec<Item>, cached: bool) -> Result<CudaModule, RuntimeError> {
         let d = driver()?;
         let mut dev: CuDevice = 0;
         let mut ctx: CuContext = std::ptr::null_mut();
@@ -247,7 +270,9 @@ impl CudaModule {
             check(d, (d.device_get)(&mut dev, ordinal), "cuDeviceGet")?;
             check(d, (d.retain)(&mut ctx, dev), "cuDevicePrimaryCtxRetain")?;
             check(d, (d.ctx_set)(ctx), "cuCtxSetCurrent")?;
-            check(d, (d.load)(&mut module, cubin.as_ptr() as *const c_void), "cuModuleLoadData")?;
+            if let Some(cubin) = cubin {
+                check(d, (d.load)(&mut module, cubin.as_ptr() as *const c_void), "cuModuleLoadData")?;
+            }
             let mut fns = Vec::new();
             for s in &specs {
                 let name = CString::new(s.name.as_str()).unwrap();
@@ -255,8 +280,22 @@ impl CudaModule {
                 check(d, (d.get_fn)(&mut f, module, name.as_ptr()), &format!("kernel {}", s.name))?;
                 fns.push(f);
             }
-            Ok(CudaModule { _module: module, ctx, fns, specs, cached })
+            Ok(CudaModule { _module: module, ctx, fns, specs, items, cached })
         }
+    }
+
+    /// Runs items `lo..hi` (kernels and matmuls) on `stream`.
+    pub fn run_items(&self, lo: usize, hi: usize, ptrs: &[usize], syms: &[i64], stream: usize) -> Result<(), RuntimeError> {
+        for it in &self.items[lo..hi] {
+            match it {
+                Item::Kernel(k) => self.run(*k, *k + 1, ptrs, syms, stream)?,
+                Item::Matmul(m) => {
+                    let ws = workspace()?;
+                    m.run(ptrs, stream, ws)?
+                }
+            }
+        }
+        Ok(())
     }
 
     /// Launches kernels `lo..hi` on `stream` with buffer pointers by id and size symbols.

@@ -5,6 +5,7 @@
 
 pub mod cache;
 pub mod cpu;
+pub mod cublaslt;
 pub mod cuda;
 
 #[derive(Debug, thiserror::Error)]

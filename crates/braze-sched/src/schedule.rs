@@ -57,6 +57,8 @@ pub struct Access {
 pub enum Step {
     /// Run kernel `n`.
     Kernel(usize),
+    /// A matrix product by the vendor library: `out = epilogue(a @ b + bias)`.
+    Matmul { node: NodeId, a: Access, b: Access, bias: Option<Access>, out: BufId },
     /// Call ATen op `target` (extern node `node`) on `args`; its results fill `outs`
     /// (`UNUSED` for results nothing reads).
     Extern { node: NodeId, target: String, args: Vec<Access>, outs: Vec<BufId> },
@@ -134,7 +136,7 @@ pub fn schedule(g: &Graph) -> Result<Schedule, SchedError> {
     };
     for id in g.ids() {
         let node = g.node(id);
-        if node.op.is_buffer() {
+        if node.op.is_buffer() || matches!(node.op, Op::Matmul { .. }) {
             stored[id.index()] = true;
         }
         if matches!(node.op, Op::Extern { .. }) {
@@ -142,12 +144,27 @@ pub fn schedule(g: &Graph) -> Result<Schedule, SchedError> {
                 need_access(&mut stored, i);
             }
         }
+        if matches!(node.op, Op::Matmul { .. }) {
+            // Operands must be matrices the library can read: a unit stride in one of the
+            // last two dims. Anything else is stored contiguously first.
+            for &i in &node.inputs {
+                let base = view_base(g, i);
+                let ok = base != i
+                    && !matches!(g.node(base).op, Op::Scalar { .. } | Op::Size { .. } | Op::Iota { .. })
+                    && strided(g, i, &base_strides(g, base)).is_some_and(|v| matmul_operand_ok(&v));
+                if ok {
+                    stored[base.index()] = true;
+                } else {
+                    stored[i.index()] = true;
+                }
+            }
+        }
     }
     for &o in &g.outputs {
         need_access(&mut stored, o);
     }
     for id in g.ids() {
-        if let Op::Extern { .. } = g.node(id).op {
+        if let Op::Extern { .. } | Op::Matmul { .. } = g.node(id).op {
             continue;
         }
         if !is_compute(&g.node(id).op) && !g.node(id).op.is_buffer() {
@@ -230,6 +247,9 @@ pub fn schedule(g: &Graph) -> Result<Schedule, SchedError> {
             kern.name = format!("{}_{}", kern.name, kernels.len());
             steps.push(Step::Kernel(kernels.len()));
             kernels.push(kern);
+        } else if let Some(e) = e.filter(|&e| matches!(g.node(e).op, Op::Matmul { .. })) {
+            let ins = &g.node(e).inputs;
+            steps.push(Step::Matmul { node: e, a: access(ins[0]), b: access(ins[1]), bias: ins.get(2).map(|&b| access(b)), out: buf_of[e.index()].unwrap() });
         } else if let Some(e) = e {
             let Op::Extern { target, outputs } = &g.node(e).op else { unreachable!() };
             let mut outs = vec![UNUSED; *outputs as usize];
@@ -247,6 +267,22 @@ pub fn schedule(g: &Graph) -> Result<Schedule, SchedError> {
     let outputs: Vec<Access> = g.outputs.iter().map(|&o| access(o)).collect();
     let frees = plan_frees(&buffers, &kernels, &steps, &outputs);
     Ok(Schedule { buffers, kernels, steps, outputs, frees, log })
+}
+
+/// A strided view the matrix library can read: a unit stride (or size 1) in one of the last
+/// two dims, and no zero strides there.
+fn matmul_operand_ok(v: &View) -> bool {
+    let r = v.sizes.len();
+    if r < 1 {
+        return false;
+    }
+    if r == 1 {
+        return v.strides[0].is_const(1);
+    }
+    let (rs, cs) = (&v.strides[r - 2], &v.strides[r - 1]);
+    let unit = |s: &Expr, n: &Expr| s.is_const(1) || n.is_const(1);
+    let zero = rs.is_const(0) && !v.sizes[r - 2].is_const(1) || cs.is_const(0) && !v.sizes[r - 1].is_const(1);
+    !zero && (unit(cs, &v.sizes[r - 1]) || unit(rs, &v.sizes[r - 2]))
 }
 
 fn base_strides(g: &Graph, base: NodeId) -> Vec<Expr> {
@@ -276,7 +312,7 @@ fn fuse(g: &Graph, stored: &[bool], log: &mut Vec<String>) -> Result<Fused, Sche
     let dummy = |id: NodeId| if stored[id.index()] || matches!(g.node(id).op, Op::Reduce { .. }) { Some((id.0, contiguous_strides(&g.ty(id).shape))) } else { None };
     for id in g.ids() {
         let node = g.node(id);
-        if let Op::Extern { .. } = node.op {
+        if let Op::Extern { .. } | Op::Matmul { .. } = node.op {
             externs.push((next_order, id));
             step_of[id.index()] = Some(next_order);
             next_order += 1;
@@ -286,7 +322,7 @@ fn fuse(g: &Graph, stored: &[bool], log: &mut Vec<String>) -> Result<Fused, Sche
             step_of[id.index()] = step_of[node.inputs[0].index()];
             continue;
         }
-        let is_root = matches!(node.op, Op::Reduce { .. }) || (stored[id.index()] && !node.op.is_buffer());
+        let is_root = matches!(node.op, Op::Reduce { .. }) || (stored[id.index()] && !node.op.is_buffer() && !matches!(node.op, Op::Matmul { .. }));
         if !is_root {
             continue;
         }
@@ -357,6 +393,14 @@ fn plan_frees(buffers: &[Buffer], kernels: &[Kernel], steps: &[Step], outputs: &
             Step::Kernel(k) => {
                 for b in &kernels[*k].bufs {
                     last[b.id as usize] = Some(s);
+                }
+            }
+            Step::Matmul { a, b, bias, out, .. } => {
+                for x in [Some(a), Some(b), bias.as_ref()].into_iter().flatten() {
+                    last[x.buf as usize] = Some(s);
+                }
+                if last[*out as usize].is_none() {
+                    last[*out as usize] = Some(s);
                 }
             }
             Step::Extern { args, outs, .. } => {

@@ -1,0 +1,268 @@
+//! Matrix products through cuBLASLt, loaded at run time from the path the caller gives (the
+//! copy PyTorch's NVIDIA wheels ship, so the process holds one cuBLASLt). Descriptors and the
+//! heuristic's algorithm are made once per matmul when the module loads; a call is one
+//! `cublasLtMatmul` on PyTorch's stream, with bias and relu/gelu fused as the epilogue.
+//!
+//! braze's tensors are row-major; cuBLASLt's matrices are column-major. A row-major `C = A @ B`
+//! is the column-major `C^T = B^T @ A^T`, so B is passed as cuBLASLt's first operand and A as
+//! its second, each as a transposed or plain view of its own memory.
+
+use crate::RuntimeError;
+use braze_ir::{DType, Epilogue};
+use libloading::Library;
+use std::ffi::{c_int, c_void};
+use std::sync::OnceLock;
+
+type Status = c_int;
+type Handle = *mut c_void;
+type Desc = *mut c_void;
+
+struct Lt {
+    _lib: Library,
+    create: unsafe extern "C" fn(*mut Handle) -> Status,
+    desc_create: unsafe extern "C" fn(*mut Desc, c_int, c_int) -> Status,
+    desc_set: unsafe extern "C" fn(Desc, c_int, *const c_void, usize) -> Status,
+    layout_create: unsafe extern "C" fn(*mut Desc, c_int, u64, u64, i64) -> Status,
+    layout_set: unsafe extern "C" fn(Desc, c_int, *const c_void, usize) -> Status,
+    pref_create: unsafe extern "C" fn(*mut Desc) -> Status,
+    pref_set: unsafe extern "C" fn(Desc, c_int, *const c_void, usize) -> Status,
+    #[allow(clippy::type_complexity)]
+    heuristic: unsafe extern "C" fn(Handle, Desc, Desc, Desc, Desc, Desc, Desc, c_int, *mut HeuristicResult, *mut c_int) -> Status,
+    #[allow(clippy::type_complexity)]
+    matmul: unsafe extern "C" fn(Handle, Desc, *const c_void, *const c_void, Desc, *const c_void, Desc, *const c_void, *const c_void, Desc, *mut c_void, Desc, *const Algo, *mut c_void, usize, *mut c_void) -> Status,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct Algo {
+    data: [u64; 8],
+}
+
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct HeuristicResult {
+    algo: Algo,
+    workspace_size: usize,
+    state: Status,
+    waves: f32,
+    reserved: [c_int; 4],
+}
+
+// cublasLt.h values.
+const COMPUTE_32F: c_int = 68;
+const COMPUTE_32F_FAST_TF32: c_int = 77;
+const R_32F: c_int = 0;
+const R_16F: c_int = 2;
+const R_16BF: c_int = 14;
+const DESC_TRANSA: c_int = 3;
+const DESC_TRANSB: c_int = 4;
+const DESC_EPILOGUE: c_int = 7;
+const DESC_BIAS_POINTER: c_int = 8;
+const LAYOUT_BATCH_COUNT: c_int = 5;
+const LAYOUT_BATCH_OFFSET: c_int = 6;
+const PREF_MAX_WORKSPACE: c_int = 1;
+const OP_N: c_int = 0;
+const OP_T: c_int = 1;
+
+/// Workspace bytes handed to cuBLASLt.
+pub const WORKSPACE: usize = 32 << 20;
+
+static LT: OnceLock<Result<Lt, String>> = OnceLock::new();
+static HANDLE: OnceLock<Result<usize, String>> = OnceLock::new();
+
+/// Loads cuBLASLt from `path`.
+pub fn init(path: &str) -> Result<(), RuntimeError> {
+    let r = LT.get_or_init(|| {
+        // SAFETY: loading NVIDIA's library runs its initializers, which is what they are for.
+        let lib = unsafe { Library::new(path) }.map_err(|e| format!("cannot load {path}: {e}"))?;
+        macro_rules! sym {
+            ($n:literal) => {
+                // SAFETY: the symbol has the C signature of the field it fills.
+                *unsafe { lib.get($n) }.map_err(|e| format!("{}: {e}", String::from_utf8_lossy($n)))?
+            };
+        }
+        Ok(Lt {
+            create: sym!(b"cublasLtCreate"),
+            desc_create: sym!(b"cublasLtMatmulDescCreate"),
+            desc_set: sym!(b"cublasLtMatmulDescSetAttribute"),
+            layout_create: sym!(b"cublasLtMatrixLayoutCreate"),
+            layout_set: sym!(b"cublasLtMatrixLayoutSetAttribute"),
+            pref_create: sym!(b"cublasLtMatmulPreferenceCreate"),
+            pref_set: sym!(b"cublasLtMatmulPreferenceSetAttribute"),
+            heuristic: sym!(b"cublasLtMatmulAlgoGetHeuristic"),
+            matmul: sym!(b"cublasLtMatmul"),
+            _lib: lib,
+        })
+    });
+    r.as_ref().map(|_| ()).map_err(|e| RuntimeError::Environment(e.clone()))
+}
+
+fn lt() -> Result<&'static Lt, RuntimeError> {
+    match LT.get() {
+        Some(Ok(l)) => Ok(l),
+        Some(Err(e)) => Err(RuntimeError::Environment(e.clone())),
+        None => Err(RuntimeError::Environment("cuBLASLt not loaded".into())),
+    }
+}
+
+fn handle() -> Result<Handle, RuntimeError> {
+    let l = lt()?;
+    let h = HANDLE.get_or_init(|| {
+        let mut h: Handle = std::ptr::null_mut();
+        // SAFETY: creates a library handle.
+        let st = unsafe { (l.create)(&mut h) };
+        if st != 0 { Err(format!("cublasLtCreate failed ({st})")) } else { Ok(h as usize) }
+    });
+    h.as_ref().map(|h| *h as Handle).map_err(|e| RuntimeError::Environment(e.clone()))
+}
+
+fn ok(st: Status, what: &str) -> Result<(), RuntimeError> {
+    if st == 0 { Ok(()) } else { Err(RuntimeError::Launch(format!("cuBLASLt {what} failed (status {st})"))) }
+}
+
+/// One matrix operand: element `(b, r, c)` is at `offset + b*batch_stride + r*rs + c*cs`.
+#[derive(Clone, Debug)]
+pub struct Operand {
+    pub buf: u32,
+    pub offset: i64,
+    pub rows: u64,
+    pub cols: u64,
+    pub rs: i64,
+    pub cs: i64,
+    pub batch_stride: i64,
+}
+
+/// `out[b] = epilogue(a[b] @ b[b] + bias)`, row-major, `out` contiguous.
+#[derive(Clone, Debug)]
+pub struct MatmulSpec {
+    pub name: String,
+    pub a: Operand,
+    pub b: Operand,
+    pub bias: Option<(u32, i64)>,
+    pub out: u32,
+    pub batch: u64,
+    pub dtype: DType,
+    pub tf32: bool,
+    pub epilogue: Epilogue,
+}
+
+pub struct Prepared {
+    pub spec: MatmulSpec,
+    desc: Desc,
+    la: Desc,
+    lb: Desc,
+    ld: Desc,
+    algo: Algo,
+}
+
+// SAFETY: descriptors are immutable after preparation and usable from any thread.
+unsafe impl Send for Prepared {}
+unsafe impl Sync for Prepared {}
+
+fn data_type(d: DType) -> Result<c_int, RuntimeError> {
+    match d {
+        DType::F32 => Ok(R_32F),
+        DType::F16 => Ok(R_16F),
+        DType::BF16 => Ok(R_16BF),
+        _ => Err(RuntimeError::Environment(format!("cuBLASLt matmul on {d}"))),
+    }
+}
+
+/// The column-major view of a row-major operand: (rows, cols, ld, transposed).
+fn colmajor(o: &Operand) -> Result<(u64, u64, i64, bool), RuntimeError> {
+    let cs = if o.cols == 1 { 1 } else { o.cs };
+    let rs = if o.rows == 1 { o.cols.max(1) as i64 } else { o.rs };
+    if cs == 1 && rs >= o.cols as i64 {
+        // Row-major R x C, ld rs == column-major C x R: the operand's transpose, untransposed.
+        Ok((o.cols, o.rows, rs.max(1), false))
+    } else if rs == 1 && cs >= o.rows as i64 {
+        Ok((o.rows, o.cols, cs.max(1), true))
+    } else {
+        Err(RuntimeError::Environment(format!("matmul operand layout rs={} cs={} not supported", o.rs, o.cs)))
+    }
+}
+
+fn layout(l: &Lt, ty: c_int, rows: u64, cols: u64, ld: i64, batch: u64, stride: i64) -> Result<Desc, RuntimeError> {
+    let mut d: Desc = std::ptr::null_mut();
+    // SAFETY: creates and configures a layout descriptor.
+    unsafe {
+        ok((l.layout_create)(&mut d, ty, rows, cols, ld), "layout")?;
+        if batch > 1 {
+            let n = batch as c_int;
+            ok((l.layout_set)(d, LAYOUT_BATCH_COUNT, &n as *const c_int as *const c_void, 4), "batch count")?;
+            ok((l.layout_set)(d, LAYOUT_BATCH_OFFSET, &stride as *const i64 as *const c_void, 8), "batch stride")?;
+        }
+    }
+    Ok(d)
+}
+
+/// Creates descriptors and picks an algorithm (cuBLASLt's heuristic) for one matmul.
+pub fn prepare(spec: MatmulSpec) -> Result<Prepared, RuntimeError> {
+    let l = lt()?;
+    let h = handle()?;
+    let ty = data_type(spec.dtype)?;
+    let compute = if spec.dtype == DType::F32 && spec.tf32 { COMPUTE_32F_FAST_TF32 } else { COMPUTE_32F };
+    // cuBLASLt A := our B^T (N x K), B := our A^T (K x M), D := C^T (N x M).
+    let (br, bc, bld, bt) = colmajor(&spec.b)?;
+    let (ar, ac, ald, at) = colmajor(&spec.a)?;
+    let (m, n) = (spec.a.rows, spec.b.cols);
+    let mut desc: Desc = std::ptr::null_mut();
+    // SAFETY: descriptor set-up with values of the documented types.
+    unsafe {
+        ok((l.desc_create)(&mut desc, compute, R_32F), "matmul desc")?;
+        let (ta, tb) = (if bt { OP_T } else { OP_N }, if at { OP_T } else { OP_N });
+        ok((l.desc_set)(desc, DESC_TRANSA, &ta as *const c_int as *const c_void, 4), "transa")?;
+        ok((l.desc_set)(desc, DESC_TRANSB, &tb as *const c_int as *const c_void, 4), "transb")?;
+        let epi: c_int = match (spec.epilogue, spec.bias.is_some()) {
+            (Epilogue::None, false) => 1,
+            (Epilogue::Relu, false) => 2,
+            (Epilogue::None, true) => 4,
+            (Epilogue::Relu, true) => 6,
+            (Epilogue::Gelu, false) => 32,
+            (Epilogue::Gelu, true) => 36,
+        };
+        ok((l.desc_set)(desc, DESC_EPILOGUE, &epi as *const c_int as *const c_void, 4), "epilogue")?;
+    }
+    let la = layout(l, ty, br, bc, bld, spec.batch, spec.b.batch_stride)?;
+    let lb = layout(l, ty, ar, ac, ald, spec.batch, spec.a.batch_stride)?;
+    let ld = layout(l, ty, n, m, n as i64, spec.batch, (m * n) as i64)?;
+    let mut pref: Desc = std::ptr::null_mut();
+    let mut res = [HeuristicResult { algo: Algo { data: [0; 8] }, workspace_size: 0, state: 0, waves: 0.0, reserved: [0; 4] }];
+    let mut count: c_int = 0;
+    // SAFETY: heuristic query over the descriptors just made.
+    unsafe {
+        ok((l.pref_create)(&mut pref), "preference")?;
+        let ws: u64 = WORKSPACE as u64;
+        ok((l.pref_set)(pref, PREF_MAX_WORKSPACE, &ws as *const u64 as *const c_void, 8), "workspace preference")?;
+        ok((l.heuristic)(h, desc, la, lb, ld, ld, pref, 1, res.as_mut_ptr(), &mut count), "heuristic")?;
+    }
+    if count < 1 || res[0].state != 0 {
+        return Err(RuntimeError::Environment(format!("cuBLASLt has no algorithm for {}", spec.name)));
+    }
+    Ok(Prepared { spec, desc, la, lb, ld, algo: res[0].algo })
+}
+
+impl Prepared {
+    /// Runs the matmul on `stream` with buffer pointers by id.
+    pub fn run(&self, ptrs: &[usize], stream: usize, workspace: usize) -> Result<(), RuntimeError> {
+        let l = lt()?;
+        let h = handle()?;
+        let s = &self.spec;
+        let es = s.dtype.size() as i64;
+        let at = |o: &Operand| (ptrs[o.buf as usize] as i64 + o.offset * es) as usize as *const c_void;
+        let (alpha, beta) = (1.0f32, 0.0f32);
+        // SAFETY: pointers come from live PyTorch tensors laid out as the spec says.
+        unsafe {
+            if let Some((buf, off)) = s.bias {
+                let p = (ptrs[buf as usize] as i64 + off * es) as usize as *const c_void;
+                ok((l.desc_set)(self.desc, DESC_BIAS_POINTER, &p as *const *const c_void as *const c_void, 8), "bias pointer")?;
+            }
+            let d = ptrs[s.out as usize] as *mut c_void;
+            let st = (l.matmul)(
+                h, self.desc, &alpha as *const f32 as *const c_void, at(&s.b), self.la, at(&s.a), self.lb,
+                &beta as *const f32 as *const c_void, d, self.ld, d, self.ld, &self.algo, workspace as *mut c_void, WORKSPACE, stream as *mut c_void,
+            );
+            ok(st, &format!("matmul {}", s.name))
+        }
+    }
+}
