@@ -61,6 +61,7 @@ const DESC_BIAS_POINTER: c_int = 8;
 const LAYOUT_BATCH_COUNT: c_int = 5;
 const LAYOUT_BATCH_OFFSET: c_int = 6;
 const PREF_MAX_WORKSPACE: c_int = 1;
+const PREF_ALIGN_A: c_int = 5;
 const OP_N: c_int = 0;
 const OP_T: c_int = 1;
 
@@ -152,7 +153,8 @@ pub struct Prepared {
     la: Desc,
     lb: Desc,
     ld: Desc,
-    algo: Algo,
+    /// Algorithms by the byte alignment of (cuBLASLt A, B, C, D) they were chosen for.
+    algos: std::sync::Mutex<Vec<([u32; 4], Algo)>>,
 }
 
 // SAFETY: descriptors are immutable after preparation and usable from any thread.
@@ -199,7 +201,7 @@ fn layout(l: &Lt, ty: c_int, rows: u64, cols: u64, ld: i64, batch: u64, stride: 
 /// Creates descriptors and picks an algorithm (cuBLASLt's heuristic) for one matmul.
 pub fn prepare(spec: MatmulSpec) -> Result<Prepared, RuntimeError> {
     let l = lt()?;
-    let h = handle()?;
+    handle()?;
     let ty = data_type(spec.dtype)?;
     let compute = if spec.dtype == DType::F32 && spec.tf32 { COMPUTE_32F_FAST_TF32 } else { COMPUTE_32F };
     // cuBLASLt A := our B^T (N x K), B := our A^T (K x M), D := C^T (N x M).
@@ -226,23 +228,46 @@ pub fn prepare(spec: MatmulSpec) -> Result<Prepared, RuntimeError> {
     let la = layout(l, ty, br, bc, bld, spec.batch, spec.b.batch_stride)?;
     let lb = layout(l, ty, ar, ac, ald, spec.batch, spec.a.batch_stride)?;
     let ld = layout(l, ty, n, m, n as i64, spec.batch, (m * n) as i64)?;
-    let mut pref: Desc = std::ptr::null_mut();
-    let mut res = [HeuristicResult { algo: Algo { data: [0; 8] }, workspace_size: 0, state: 0, waves: 0.0, reserved: [0; 4] }];
-    let mut count: c_int = 0;
-    // SAFETY: heuristic query over the descriptors just made.
-    unsafe {
-        ok((l.pref_create)(&mut pref), "preference")?;
-        let ws: u64 = WORKSPACE as u64;
-        ok((l.pref_set)(pref, PREF_MAX_WORKSPACE, &ws as *const u64 as *const c_void, 8), "workspace preference")?;
-        ok((l.heuristic)(h, desc, la, lb, ld, ld, pref, 1, res.as_mut_ptr(), &mut count), "heuristic")?;
-    }
-    if count < 1 || res[0].state != 0 {
-        return Err(RuntimeError::Environment(format!("cuBLASLt has no algorithm for {}", spec.name)));
-    }
-    Ok(Prepared { spec, desc, la, lb, ld, algo: res[0].algo })
+    let p = Prepared { spec, desc, la, lb, ld, algos: std::sync::Mutex::new(Vec::new()) };
+    // Chosen for 16-byte aligned operands; calls with less aligned pointers pick again.
+    p.algo_for([16; 4])?;
+    Ok(p)
+}
+
+/// The largest power of two (at most 256) dividing an address.
+fn alignment(addr: usize) -> u32 {
+    if addr == 0 { 256 } else { (1u32 << addr.trailing_zeros().min(8)).min(256) }
 }
 
 impl Prepared {
+    /// An algorithm that works for operands with (at least) these alignments.
+    fn algo_for(&self, align: [u32; 4]) -> Result<Algo, RuntimeError> {
+        let mut cache = self.algos.lock().unwrap();
+        if let Some((_, a)) = cache.iter().find(|(al, _)| al.iter().zip(&align).all(|(x, y)| x <= y)) {
+            return Ok(*a);
+        }
+        let l = lt()?;
+        let h = handle()?;
+        let mut pref: Desc = std::ptr::null_mut();
+        let mut res = [HeuristicResult { algo: Algo { data: [0; 8] }, workspace_size: 0, state: 0, waves: 0.0, reserved: [0; 4] }];
+        let mut count: c_int = 0;
+        // SAFETY: heuristic query over this matmul's descriptors.
+        unsafe {
+            ok((l.pref_create)(&mut pref), "preference")?;
+            let ws: u64 = WORKSPACE as u64;
+            ok((l.pref_set)(pref, PREF_MAX_WORKSPACE, &ws as *const u64 as *const c_void, 8), "workspace preference")?;
+            for (i, a) in align.iter().enumerate() {
+                ok((l.pref_set)(pref, PREF_ALIGN_A + i as c_int, a as *const u32 as *const c_void, 4), "alignment preference")?;
+            }
+            ok((l.heuristic)(h, self.desc, self.la, self.lb, self.ld, self.ld, pref, 1, res.as_mut_ptr(), &mut count), "heuristic")?;
+        }
+        if count < 1 || res[0].state != 0 {
+            return Err(RuntimeError::Environment(format!("cuBLASLt has no algorithm for {}", self.spec.name)));
+        }
+        cache.push((align, res[0].algo));
+        Ok(res[0].algo)
+    }
+
     /// Runs the matmul on `stream` with buffer pointers by id.
     pub fn run(&self, ptrs: &[usize], stream: usize, workspace: usize) -> Result<(), RuntimeError> {
         let l = lt()?;
@@ -258,9 +283,12 @@ impl Prepared {
                 ok((l.desc_set)(self.desc, DESC_BIAS_POINTER, &p as *const *const c_void as *const c_void, 8), "bias pointer")?;
             }
             let d = ptrs[s.out as usize] as *mut c_void;
+            let (pa, pb) = (at(&s.b), at(&s.a));
+            let align = [alignment(pa as usize), alignment(pb as usize), alignment(d as usize), alignment(d as usize)];
+            let algo = self.algo_for(align.map(|a| a.min(16)))?;
             let st = (l.matmul)(
-                h, self.desc, &alpha as *const f32 as *const c_void, at(&s.b), self.la, at(&s.a), self.lb,
-                &beta as *const f32 as *const c_void, d, self.ld, d, self.ld, &self.algo, workspace as *mut c_void, WORKSPACE, stream as *mut c_void,
+                h, self.desc, &alpha as *const f32 as *const c_void, pa, self.la, pb, self.lb,
+                &beta as *const f32 as *const c_void, d, self.ld, d, self.ld, &algo, workspace as *mut c_void, WORKSPACE, stream as *mut c_void,
             );
             ok(st, &format!("matmul {}", s.name))
         }
