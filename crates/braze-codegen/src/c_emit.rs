@@ -67,11 +67,25 @@ impl Emitter<'_> {
     }
 
     fn load(&self, buf: u32, idx: &Expr) -> String {
-        let raw = format!("b{buf}[{}]", index(idx));
+        self.from_storage(buf, &format!("b{buf}[{}]", index(idx)))
+    }
+
+    /// A value read from buffer `buf`'s storage (`raw`), as the compute type.
+    pub fn from_storage(&self, buf: u32, raw: &str) -> String {
         match self.buf_dtype(buf) {
             DType::F16 => format!("bz_h2f({raw})"),
             DType::BF16 => format!("bz_bf2f({raw})"),
-            _ => raw,
+            _ => raw.to_string(),
+        }
+    }
+
+    /// Temporary `value` converted to buffer `buf`'s storage type.
+    pub fn to_storage(&self, buf: u32, value: u32) -> String {
+        let v = format!("t{value}");
+        match self.buf_dtype(buf) {
+            DType::F16 => format!("bz_f2h({v})"),
+            DType::BF16 => format!("bz_f2bf({v})"),
+            to => cast(&v, self.dt(value), to),
         }
     }
 

@@ -5,6 +5,8 @@
 //!   thread per step, the last dim fastest (coalesced).
 //! - Column kernels (the kept dim is the fastest): 8 outer points per block, 64 threads
 //!   per point over the reduced elements, combined through shared memory.
+//! - Short rows (at most `WARP_ROW_MAX` reduced elements): one warp per outer point, 8 per
+//!   block, combined by shuffles alone.
 //! - Reduction kernels: one block per outer point (grid-stride over outer points); threads
 //!   stride over the reduced elements, then combine through warp shuffles and shared memory
 //!   (Welford's combination for variance); every thread gets the result, so later passes and
@@ -113,6 +115,27 @@ template <class T> __device__ void bz_block_welford(T& mean, T& m2, T& n) {
   }
 }
 
+/* Warp kernels: one warp per outer point; lanes combine through shuffles alone. */
+template <class T, class F> BZ T bz_warp_reduce(T v, F f) {
+  for (int o = 16; o > 0; o >>= 1) v = f(v, bz_shfl(v, o));
+  return v;
+}
+template <class T> BZ void bz_warp_welford(T& mean, T& m2, T& n) {
+  for (int o = 16; o > 0; o >>= 1) {
+    T nb = bz_shfl(n, o), mb = bz_shfl(mean, o), qb = bz_shfl(m2, o);
+    T nn = n + nb;
+    if (nn > 0) { T d = mb - mean; mean += d * nb / nn; m2 += qb + d * d * n * nb / nn; }
+    n = nn;
+  }
+}
+template <class T> BZ bool bz_arg_better(T a, long long ia, T b, long long ib, bool is_max);
+template <class T> BZ void bz_warp_arg(T& v, long long& idx, bool is_max) {
+  for (int o = 16; o > 0; o >>= 1) {
+    T ov = bz_shfl(v, o); long long oi = bz_shfl(idx, o);
+    if (bz_arg_better(ov, oi, v, idx, is_max)) { v = ov; idx = oi; }
+  }
+}
+
 /* Column kernels: threads with the same threadIdx.x share an outer point; combine over y. */
 template <class T, class F> __device__ T bz_col_reduce(T v, F f) {
   __shared__ T sh[BZ_COL_Y][BZ_COL_X + 1];
@@ -180,6 +203,9 @@ impl Dialect for Cuda {
 
 /// Threads per block.
 pub const BLOCK: u32 = 256;
+/// Rows of at most this many reduced elements get one warp each (8 rows per block) instead
+/// of a block each: shuffles only, no block barriers.
+pub const WARP_ROW_MAX: i64 = 2048;
 /// Column kernels: outer points per block (threadIdx.x) and threads per point (threadIdx.y).
 /// 8 neighbouring floats fill a 32-byte sector; 64 lanes per point keep enough loads in
 /// flight when there are few outer points (a bias gradient of 768 columns is 96 blocks).
@@ -294,16 +320,7 @@ pub fn emit_kernel(k: &Kernel, sms: u32, out: &mut String) -> Result<Launch, Cod
     let is_red = !k.inner.is_empty() || k.is_reduction() || !k.prelude.is_empty() || k.passes.len() != 1 || k.passes.iter().any(|p| !p.after.is_empty());
     let n_outer = k.outer.len();
     let outer_total = product(&k.outer);
-    let block = if is_red {
-        match product(&k.inner).as_const() {
-            Some(n) if n <= 32 => 32,
-            Some(n) if n <= 64 => 64,
-            Some(n) if n <= 128 => 128,
-            _ => BLOCK,
-        }
-    } else {
-        BLOCK
-    };
+    let block = BLOCK;
     let threads = if k.column { COL_X * COL_Y } else { block };
     writeln!(out, "extern \"C\" __global__ void __launch_bounds__({threads}) {}({}) {{", k.name, params.join(", ")).unwrap();
     let launch = |work: Expr, per_block: u64, cap: u32| Launch {
@@ -318,6 +335,11 @@ pub fn emit_kernel(k: &Kernel, sms: u32, out: &mut String) -> Result<Launch, Cod
     };
     if !is_red {
         let total = index(&outer_total);
+        let vec = vector_width(k);
+        if vec > 1 {
+            emit_vector_path(&e, k, vec, out)?;
+            writeln!(out, "  else").unwrap();
+        }
         writeln!(out, "  for (long long x = (long long)blockIdx.x * blockDim.x + threadIdx.x; x < {total}; x += (long long)gridDim.x * blockDim.x) {{").unwrap();
         decompose(out, "    ", "x", &k.outer, 0);
         emit_list(&e, k, &k.passes[0].body, None, "    ", out)?;
@@ -328,12 +350,17 @@ pub fn emit_kernel(k: &Kernel, sms: u32, out: &mut String) -> Result<Launch, Cod
     // Column kernels: 32 outer points per block (x), 8 threads per point over the reduced
     // elements (y), so loads of neighbouring outer points coalesce.
     let col = k.column;
+    let warp = !col && product(&k.inner).as_const().is_some_and(|n| n <= WARP_ROW_MAX);
     let (lane, step, store_guard, body_guard) = if col {
         ("threadIdx.y", format!("{COL_Y}"), "live && threadIdx.y == 0", Some("live"))
+    } else if warp {
+        ("(threadIdx.x & 31)", "32".to_string(), "(threadIdx.x & 31) == 0", None)
     } else {
         ("threadIdx.x", "blockDim.x".to_string(), "threadIdx.x == 0", None)
     };
-    if col {
+    if warp {
+        writeln!(out, "  for (long long o = (long long)blockIdx.x * {w} + (threadIdx.x >> 5); o < {}; o += (long long)gridDim.x * {w}) {{", index(&outer_total), w = BLOCK / 32).unwrap();
+    } else if col {
         writeln!(out, "  {{").unwrap();
         writeln!(out, "    const long long ox = (long long)blockIdx.x * {COL_X} + threadIdx.x;").unwrap();
         writeln!(out, "    const bool live = ox < {};", index(&outer_total)).unwrap();
@@ -346,7 +373,13 @@ pub fn emit_kernel(k: &Kernel, sms: u32, out: &mut String) -> Result<Launch, Cod
         writeln!(out, "    {}", emit_stmt(&e, s, Some(store_guard))?).unwrap();
     }
     let inner_total = index(&product(&k.inner));
-    let (reduce, welford, arg) = if col { ("bz_col_reduce", "bz_col_welford", "bz_col_arg") } else { ("bz_block_reduce", "bz_block_welford", "bz_block_arg") };
+    let (reduce, welford, arg) = if col {
+        ("bz_col_reduce", "bz_col_welford", "bz_col_arg")
+    } else if warp {
+        ("bz_warp_reduce", "bz_warp_welford", "bz_warp_arg")
+    } else {
+        ("bz_block_reduce", "bz_block_welford", "bz_block_arg")
+    };
     for p in &k.passes {
         for r in &p.reductions {
             for l in e.red_init(r) {
@@ -385,8 +418,132 @@ pub fn emit_kernel(k: &Kernel, sms: u32, out: &mut String) -> Result<Launch, Cod
         writeln!(out, "  }}\n}}\n").unwrap();
         return Ok(launch(outer_total, COL_X as u64, 1 << 30));
     }
+    if warp {
+        writeln!(out, "  }}\n}}\n").unwrap();
+        return Ok(launch(outer_total, (BLOCK / 32) as u64, 1 << 30));
+    }
     writeln!(out, "    __syncthreads();\n  }}\n}}\n").unwrap();
     Ok(launch(outer_total, 1, 1 << 30))
+}
+
+/// How an access moves with the last loop variable: 1 (consecutive, vectorizable), 0
+/// (the same element for the whole vector) or neither.
+fn last_coef(idx: &Expr, last: u32) -> Option<i64> {
+    idx.linear_coef(last).filter(|c| *c == 0 || *c == 1)
+}
+
+/// Elements per thread for a pointwise kernel's vector path: 16 bytes of its widest buffer,
+/// when the last dim is a multiple of that and every load and store either walks the last
+/// dim from a multiple of it or does not move with it. 1 when there is no vector path.
+fn vector_width(k: &Kernel) -> i64 {
+    let n = k.outer.len();
+    if n == 0 {
+        return 1;
+    }
+    let last = (n - 1) as u32;
+    let widest = k.bufs.iter().map(|b| b.dtype.size()).max().unwrap_or(4) as i64;
+    let v = (16 / widest).clamp(1, 8);
+    let Some(len) = k.outer[n - 1].as_const() else { return 1 };
+    if v == 1 || len % v != 0 {
+        return 1;
+    }
+    let mut moves = false;
+    for s in &k.passes[0].body {
+        let (idx, masked) = match s {
+            Stmt::Load { index, mask, .. } => (index, mask.is_some()),
+            Stmt::Store { index, .. } => (index, false),
+            _ => continue,
+        };
+        match last_coef(idx, last) {
+            Some(1) if !masked && idx.sub(&Expr::var(last)).all_coefs_divisible(v) && !idx.atoms().any(|a| matches!(a, braze_ir::Atom::Tmp(_))) => moves = true,
+            Some(0) => {}
+            _ => return 1,
+        }
+    }
+    if moves { v } else { 1 }
+}
+
+fn vec_type(bytes: i64) -> &'static str {
+    match bytes {
+        16 => "uint4",
+        8 => "uint2",
+        4 => "unsigned int",
+        2 => "unsigned short",
+        _ => "unsigned char",
+    }
+}
+
+/// The vector path of a pointwise kernel: each thread takes `v` neighbouring elements of
+/// the last dim, reads and writes them with one wide access per buffer, and computes them in
+/// an unrolled loop. Taken when every such buffer is aligned for the wide access.
+fn emit_vector_path(e: &Emitter, k: &Kernel, v: i64, out: &mut String) -> Result<(), CodegenError> {
+    let n = k.outer.len();
+    let last = (n - 1) as u32;
+    let body = &k.passes[0].body;
+    let wide = |s: &Stmt| match s {
+        Stmt::Load { index, .. } | Stmt::Store { index, .. } => last_coef(index, last) == Some(1),
+        _ => false,
+    };
+    let mut checks = Vec::new();
+    for s in body.iter().filter(|s| wide(s)) {
+        let (Stmt::Load { buf, .. } | Stmt::Store { buf, .. }) = s else { continue };
+        let bytes = v * k.bufs.iter().find(|b| b.id == *buf).unwrap().dtype.size() as i64;
+        checks.push(format!("((unsigned long long)b{buf} & {})", bytes - 1));
+    }
+    checks.dedup();
+    writeln!(out, "  if (({}) == 0)", checks.join(" | ")).unwrap();
+    let total = index(&product(&k.outer));
+    writeln!(out, "  for (long long x = (long long)blockIdx.x * blockDim.x + threadIdx.x; x < ({total}) / {v}; x += (long long)gridDim.x * blockDim.x) {{").unwrap();
+    decompose(out, "    ", &format!("x * {v}"), &k.outer, 0);
+    let stype = |buf: u32| storage_type(k.bufs.iter().find(|b| b.id == buf).unwrap().dtype);
+    let bytes = |buf: u32| v * k.bufs.iter().find(|b| b.id == buf).unwrap().dtype.size() as i64;
+    for s in body.iter().filter(|s| wide(s)) {
+        match s {
+            Stmt::Load { dst, buf, index: i, .. } => {
+                writeln!(out, "    __align__(16) {t} w{dst}[{v}]; *({vt}*)w{dst} = *(const {vt}*)(b{buf} + ({}));", crate::c_emit::index(i), t = stype(*buf), vt = vec_type(bytes(*buf))).unwrap();
+            }
+            Stmt::Store { buf, value, .. } => {
+                writeln!(out, "    __align__(16) {} s{value}_{buf}[{v}];", stype(*buf)).unwrap();
+            }
+            _ => {}
+        }
+    }
+    writeln!(out, "    const long long vb = i{last};").unwrap();
+    writeln!(out, "    #pragma unroll\n    for (int j = 0; j < {v}; j++) {{").unwrap();
+    writeln!(out, "      const long long i{last} = vb + j;").unwrap();
+    let mut lane = Vec::new();
+    for s in body {
+        match s {
+            Stmt::Load { dst, buf, .. } if wide(s) => {
+                let ct = compute_type(k.tmp_dtypes[*dst as usize]);
+                lane.push(format!("{ct} t{dst} = {};", e.from_storage(*buf, &format!("w{dst}[j]"))));
+            }
+            Stmt::Store { buf, value, .. } if wide(s) => lane.push(format!("s{value}_{buf}[j] = {};", e.to_storage(*buf, *value))),
+            _ => lane.push(String::new()),
+        }
+    }
+    // Ordinary statements keep their spelling (sin/cos pairing included).
+    let mut ordinary = String::new();
+    let plain: Vec<Stmt> = body.iter().filter(|s| !wide(s)).cloned().collect();
+    emit_list(e, k, &plain, None, "      ", &mut ordinary)?;
+    let mut ord_lines = ordinary.lines();
+    let pairs = sincos_pairs(&plain, k);
+    let paired: std::collections::HashSet<u32> = pairs.values().copied().collect();
+    for (s, l) in body.iter().zip(&lane) {
+        if wide(s) {
+            writeln!(out, "      {l}").unwrap();
+        } else if !matches!(s, Stmt::Unary { dst, op: braze_ir::UnaryOp::Cos, .. } if paired.contains(dst)) {
+            writeln!(out, "{}", ord_lines.next().unwrap_or_default()).unwrap();
+        }
+    }
+    writeln!(out, "    }}").unwrap();
+    for s in body.iter().filter(|s| wide(s)) {
+        if let Stmt::Store { buf, value, index: i } = s {
+            writeln!(out, "    *({vt}*)(b{buf} + ({})) = *(const {vt}*)s{value}_{buf};", crate::c_emit::index(i), vt = vec_type(bytes(*buf))).unwrap();
+        }
+    }
+    writeln!(out, "  }}").unwrap();
+    Ok(())
 }
 
 /// The whole CUDA module of a graph's kernels and their launch facts.

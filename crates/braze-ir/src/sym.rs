@@ -240,6 +240,12 @@ impl Expr {
         Some(coef)
     }
 
+    /// True when every term's coefficient (the constant included) is a multiple of `v`, so
+    /// the value is a multiple of `v` whatever the atoms are.
+    pub fn all_coefs_divisible(&self, v: i64) -> bool {
+        self.terms.values().all(|c| c % v == 0)
+    }
+
     /// Evaluates with `atom` giving the value of each symbol, variable and temporary.
     pub fn eval(&self, leaf: &dyn Fn(&Atom) -> Option<i64>) -> Option<i64> {
         let mut total = 0i64;

@@ -175,6 +175,9 @@ pub struct Compiled {
     schedule: String,
     #[pyo3(get)]
     source: String,
+    /// The CUDA source checked with NVRTC for a CPU graph (`check_cuda`), else empty.
+    #[pyo3(get)]
+    cuda_source: String,
     #[pyo3(get)]
     fusion_log: Vec<String>,
     /// (name, roots) per kernel.
@@ -304,6 +307,7 @@ fn compile(g: Graph, target: Target, check_cuda: bool, check_arch: &str) -> PyRe
     lap("schedule", &mut times);
     let names: Vec<String> = sched.kernels.iter().map(|k| k.name.clone()).collect();
     let version = env!("CARGO_PKG_VERSION");
+    let mut cuda_source = String::new();
     let (source, module) = match target {
         Target::Cpu => {
             if sched.steps.iter().any(|s| matches!(s, Step::Matmul { .. })) {
@@ -313,6 +317,7 @@ fn compile(g: Graph, target: Target, check_cuda: bool, check_arch: &str) -> PyRe
             if check_cuda && !names.is_empty() {
                 let (cu, _) = braze_codegen::cuda::emit_module(&sched.kernels, 132).map_err(unsupported)?;
                 braze_runtime::cuda::compile_cubin(&cu, check_arch, version).map_err(runtime_err)?;
+                cuda_source = cu;
             }
             lap("codegen", &mut times);
             let m = if names.is_empty() { None } else { Some(Module::Cpu(CpuModule::load(&source, &names, version).map_err(runtime_err)?)) };
@@ -432,6 +437,7 @@ fn compile(g: Graph, target: Target, check_cuda: bool, check_arch: &str) -> PyRe
         graph_after: opt.to_string(),
         schedule: sched.to_string(),
         source,
+        cuda_source,
         fusion_log: sched.log.clone(),
         kernels: sched.kernels.iter().map(|k| (k.name.clone(), k.roots.clone())).collect(),
         buffers,

@@ -229,8 +229,9 @@ pub fn prepare(spec: MatmulSpec) -> Result<Prepared, RuntimeError> {
     let lb = layout(l, ty, ar, ac, ald, spec.batch, spec.a.batch_stride)?;
     let ld = layout(l, ty, n, m, n as i64, spec.batch, (m * n) as i64)?;
     let p = Prepared { spec, desc, la, lb, ld, algos: std::sync::Mutex::new(Vec::new()) };
-    // Chosen for 16-byte aligned operands; calls with less aligned pointers pick again.
-    p.algo_for([16; 4])?;
+    // Chosen for 256-byte aligned operands (PyTorch's allocations); calls with less aligned
+    // pointers (views at an offset) pick again.
+    p.algo_for([256; 4])?;
     Ok(p)
 }
 
@@ -285,7 +286,7 @@ impl Prepared {
             let d = ptrs[s.out as usize] as *mut c_void;
             let (pa, pb) = (at(&s.b), at(&s.a));
             let align = [alignment(pa as usize), alignment(pb as usize), alignment(d as usize), alignment(d as usize)];
-            let algo = self.algo_for(align.map(|a| a.min(16)))?;
+            let algo = self.algo_for(align)?;
             let st = (l.matmul)(
                 h, self.desc, &alpha as *const f32 as *const c_void, pa, self.la, pb, self.lb,
                 &beta as *const f32 as *const c_void, d, self.ld, d, self.ld, &algo, workspace as *mut c_void, WORKSPACE, stream as *mut c_void,
