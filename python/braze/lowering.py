@@ -883,6 +883,10 @@ def _matmul_ok(L, node, *xs):
         m = x.meta["val"]
         if m.dtype != v.dtype or any(not isinstance(s, int) for s in list(m.shape) + list(m.stride())):
             raise Unsupported("matmul operands differ in dtype or have symbolic sizes")
+        if m.numel() == 0:
+            raise Unsupported("matmul of an empty operand")
+    if v.numel() == 0:
+        raise Unsupported("matmul with an empty result")
     tf32 = v.dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32
     return "true" if tf32 else "false"
 
