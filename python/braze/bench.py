@@ -186,6 +186,11 @@ def main(argv=None):
     p.add_argument("--no-overhead", action="store_true", help="skip the host-overhead table")
     args = p.parse_args(argv)
     device = torch.device(args.device)
+    # Cold first calls for everyone: Inductor's on-disk caches off (the environment variable
+    # alone is read too late when braze's package imported torch first).
+    import torch._inductor.config as inductor_config
+
+    inductor_config.force_disable_caches = True
     if device.type == "cuda":
         torch.set_float32_matmul_precision("high")
     reps = args.reps or (50 if device.type == "cuda" else 15)
