@@ -108,7 +108,11 @@ def _run(op, sample, dtype, grad):
             torch.autograd.backward([a for _, a in outs], gs)
             for t, t2 in zip(ts, ts2):
                 if t.requires_grad:
-                    torch.testing.assert_close(t2.grad, t.grad, equal_nan=True)
+                    # Gradients come from decomposed backward graphs, not eager's fused
+                    # backward kernels, so their rounding differs, and near singular points
+                    # (atanh at +-1) that is amplified: ten times PyTorch's f32 tolerance.
+                    tol = {"rtol": 1.3e-5, "atol": 1e-4} if t.dtype == torch.float32 else {}
+                    torch.testing.assert_close(t2.grad, t.grad, equal_nan=True, **tol)
     recs = braze.stats.records[start:]
     fell = {}
     for r in recs:
