@@ -216,8 +216,10 @@ fn product(v: &[Expr]) -> Expr {
     v.iter().fold(Expr::one(), |a, b| a.mul(b))
 }
 
-/// Launch facts for the runtime: kernel name, buffer ids, symbols, block size, the work
-/// count one block per `per_block` of which is launched, and the block cap.
+/// Launch facts for the runtime: kernel name, buffer ids (passed as pointers, in order) then
+/// size symbols (passed as i64), block shape, and one block per `per_block` of `work` items,
+/// at most `cap` blocks.
+#[derive(Clone, Debug)]
 pub struct Launch {
     pub name: String,
     pub bufs: Vec<u32>,

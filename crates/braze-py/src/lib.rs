@@ -6,7 +6,7 @@
 use braze_ir::{parse, DType, Expr, Graph, NodeId, Op, TensorTy};
 use braze_runtime::cpu::CpuModule;
 use braze_runtime::cublaslt::{MatmulSpec, Operand};
-use braze_runtime::cuda::{CudaModule, Item, LaunchSpec};
+use braze_runtime::cuda::{CudaModule, Item};
 use braze_sched::{Access, BufKind, Step};
 use pyo3::create_exception;
 use pyo3::exceptions::PyException;
@@ -345,11 +345,7 @@ fn compile(g: Graph, target: Target, check_cuda: bool, check_arch: &str) -> PyRe
                     let (c, cached) = braze_runtime::cuda::compile_cubin(&source, &arch, version).map_err(runtime_err)?;
                     (Some(c), cached)
                 };
-                let specs = launches
-                    .into_iter()
-                    .map(|l| LaunchSpec { name: l.name, bufs: l.bufs, syms: l.syms, block: l.block, block_y: l.block_y, work: l.work, per_block: l.per_block, cap: l.cap })
-                    .collect();
-                Some(Module::Cuda(CudaModule::load(cubin.as_deref(), ordinal, specs, items, cached).map_err(runtime_err)?))
+                Some(Module::Cuda(CudaModule::load(cubin.as_deref(), ordinal, launches, items, cached).map_err(runtime_err)?))
             };
             lap("nvrtc", &mut times);
             (source, m)

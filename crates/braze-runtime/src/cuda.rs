@@ -10,7 +10,6 @@
 
 use crate::cache::{cache_dir, key};
 use crate::RuntimeError;
-use braze_ir::Expr;
 use libloading::Library;
 use std::ffi::{c_char, c_int, c_uint, c_void, CStr, CString};
 use std::sync::OnceLock;
@@ -210,19 +209,8 @@ pub fn device_info(ordinal: i32) -> Result<(String, i32), RuntimeError> {
     }
 }
 
-/// What a kernel takes: buffer ids (as pointers) then size symbols (as i64), and its launch
-/// shape: `block` threads, and one block per `per_block` of `work` items, at most `cap`.
-#[derive(Clone, Debug)]
-pub struct LaunchSpec {
-    pub name: String,
-    pub bufs: Vec<u32>,
-    pub syms: Vec<u32>,
-    pub block: u32,
-    pub block_y: u32,
-    pub work: Expr,
-    pub per_block: u64,
-    pub cap: u32,
-}
+/// What a kernel takes and how it is launched, as the CUDA emitter described it.
+pub use braze_codegen::cuda::Launch as LaunchSpec;
 
 /// One thing a CUDA module runs, in order: a generated kernel or a library matmul.
 pub enum Item {
