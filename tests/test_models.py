@@ -329,3 +329,14 @@ def test_cat_of_flattened_view(device):
 
     x = torch.randn(5, 5, 5, device=device)
     torch.testing.assert_close(compiled(f)(x), f(x))
+
+
+def test_long_row_reductions(device):
+    """Few rows of many elements (split into partial reductions on the GPU)."""
+    def f(x, y):
+        return (x * 2).sum(), x.amax(), y.sum(-1, keepdim=True), (y > 0).any(-1)
+
+    x = torch.randn(300000, device=device)
+    y = torch.randn(3, 2 ** 17, device=device)
+    for o, r in zip(compiled(f)(x, y), f(x, y)):
+        torch.testing.assert_close(o, r, rtol=1e-4, atol=1e-2)

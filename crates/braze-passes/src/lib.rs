@@ -10,6 +10,7 @@ pub mod dce;
 pub mod matmul_epilogue;
 pub mod rewrite;
 pub mod simplify;
+pub mod split_reductions;
 
 use braze_ir::Graph;
 
@@ -25,8 +26,11 @@ pub const PASSES: &[(&str, Pass)] = &[
     ("dce", dce::dce),
 ];
 
+/// Passes run only for some targets (not in the default pipeline).
+pub const TARGET_PASSES: &[(&str, Pass)] = &[("split_reductions", |g| split_reductions::split_reductions(g, 64))];
+
 pub fn pass_by_name(name: &str) -> Option<Pass> {
-    PASSES.iter().find(|(n, _)| *n == name).map(|(_, p)| *p)
+    PASSES.iter().chain(TARGET_PASSES).find(|(n, _)| *n == name).map(|(_, p)| *p)
 }
 
 /// The default pipeline: every pass twice over (a fold can expose a simplification and a

@@ -297,7 +297,12 @@ fn compile(g: Graph, target: Target, check_cuda: bool, check_arch: &str) -> PyRe
         return Err(unsupported(format!("imported graph is invalid: {}", errs.iter().map(|e| e.to_string()).collect::<Vec<_>>().join("; "))));
     }
     let graph_before = g.to_string();
-    let opt = braze_passes::optimize(&g);
+    let mut opt = braze_passes::optimize(&g);
+    if let Target::Cuda(ordinal) = target {
+        // Few long rows would leave most of the GPU idle: split them (per-target stage).
+        let (_, sms) = braze_runtime::cuda::device_info(ordinal).map_err(runtime_err)?;
+        opt = braze_passes::split_reductions::split_reductions(&opt, 2 * sms as i64);
+    }
     let errs = braze_ir::verify::verify(&opt);
     if !errs.is_empty() {
         return Err(InternalError::new_err(format!("verifier after passes: {errs:?}")));
