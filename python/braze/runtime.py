@@ -74,6 +74,12 @@ class CompiledGraph:
         self.copy_out = [self.bufs[b][0] == "input" for b, _ in self.outputs]
         self.device = lowered.device
         self.cuda = self.device.type == "cuda"
+        if self.cuda:
+            self.device_index = self.device.index if self.device.index is not None else torch.cuda.current_device()
+            # PyTorch's current stream as a raw handle (what Inductor uses; cheaper than
+            # building a Stream object per call).
+            raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+            self.raw_stream = raw if raw is not None else (lambda i: torch.cuda.current_stream(i).cuda_stream)
         self.ext_calls = {}
         for s in self.steps:
             if s[0] == "extern":
@@ -136,7 +142,7 @@ class CompiledGraph:
                 t = torch.empty_strided(shape, stride, dtype=t.dtype, device=t.device).copy_(t)
             bufs[b] = t
         device = self.device
-        stream = torch.cuda.current_stream(device).cuda_stream if self.cuda else 0
+        stream = self.raw_stream(self.device_index) if self.cuda else 0
         run = self.c.run
         empty = torch.empty_strided
         for kind, allocs, frees, a, b in plan:
