@@ -85,6 +85,7 @@ class CompiledGraph:
             if s[0] == "extern":
                 self.ext_calls[s[3]] = self.externs[s[3]]
         self.n_bufs = len(self.bufs)
+        self.arena_bytes = compiled.arena_bytes
         ti = self.tensor_inputs
         self.tensor_args_of = (lambda args: args) if ti == list(range(len(ti))) else (lambda args: [args[i] for i in ti])
         if not self.dynamic:
@@ -143,13 +144,16 @@ class CompiledGraph:
             bufs[b] = t
         device = self.device
         stream = self.raw_stream(self.device_index) if self.cuda else 0
+        # One allocation for the buffers only braze's kernels touch ([Note: arena]).
+        arena = torch.empty(self.arena_bytes, dtype=torch.uint8, device=device) if self.arena_bytes else None
+        arena_ptr = arena.data_ptr() if arena is not None else 0
         run = self.c.run
         empty = torch.empty_strided
         for kind, allocs, frees, a, b in plan:
             for buf, shape, stride, dtype in allocs:
                 bufs[buf] = empty(shape, stride, dtype=dtype, device=device)
             if kind == 0:
-                run(a, b, [0 if t is None else t.data_ptr() for t in bufs], syms, stream)
+                run(a, b, [0 if t is None else t.data_ptr() for t in bufs], syms, stream, arena_ptr)
             else:
                 target, build, views, results = a
                 tensors = [bufs[b] if v is None else bufs[b].as_strided(v[0], v[1], bufs[b].storage_offset() + v[2]) for b, v in views]

@@ -194,6 +194,11 @@ pub struct Compiled {
     /// Temp buffers first written by each step (allocated just before it).
     #[pyo3(get)]
     allocs: Vec<Vec<u32>>,
+    /// Byte offset of each buffer in the per-call arena, or -1 (see [Note: arena]).
+    #[pyo3(get)]
+    arena_offsets: Vec<i64>,
+    #[pyo3(get)]
+    arena_bytes: i64,
     #[pyo3(get)]
     outputs: Vec<AccessT>,
     /// Size symbols every kernel call needs, in `S[]` order (0..n).
@@ -417,13 +422,41 @@ fn compile(g: Graph, target: Target, check_cuda: bool, check_arch: &str) -> PyRe
         }
     }
     let outputs = sched.outputs.iter().map(|a| tab.access(a)).collect();
+    // [Note: arena] Temp buffers that only kernels and matmuls touch (not outputs, not extern
+    // operands or results) and have static sizes live in one allocation per call, at fixed
+    // 256-byte aligned offsets: one allocator call instead of one per buffer.
+    let mut arena_offsets = vec![-1i64; sched.buffers.len()];
+    let mut arena_bytes = 0i64;
+    {
+        let mut external = vec![false; sched.buffers.len()];
+        for a in &sched.outputs {
+            external[a.buf as usize] = true;
+        }
+        for st in &sched.steps {
+            if let Step::Extern { args, outs, .. } = st {
+                for a in args {
+                    external[a.buf as usize] = true;
+                }
+                for &o in outs.iter().filter(|&&o| o != braze_sched::schedule::UNUSED) {
+                    external[o as usize] = true;
+                }
+            }
+        }
+        for (b, buf) in sched.buffers.iter().enumerate() {
+            let bytes = buf.shape.iter().map(|e| e.as_const()).product::<Option<i64>>().map(|n| n * buf.dtype.size() as i64);
+            if let (BufKind::Temp, false, Some(bytes)) = (&buf.kind, external[b], bytes) {
+                arena_offsets[b] = arena_bytes;
+                arena_bytes += (bytes.max(1) + 255) / 256 * 256;
+            }
+        }
+    }
     let mut allocs: Vec<Vec<u32>> = vec![Vec::new(); steps.len()];
     let mut seen = vec![false; sched.buffers.len()];
     for (s, st) in steps.iter().enumerate() {
         if st.0 == "kernels" {
             for i in st.1..st.2 {
                 for &b in &item_writes[i as usize] {
-                    if !seen[b as usize] && sched.buffers[b as usize].kind == BufKind::Temp {
+                    if !seen[b as usize] && sched.buffers[b as usize].kind == BufKind::Temp && arena_offsets[b as usize] < 0 {
                         seen[b as usize] = true;
                         allocs[s].push(b);
                     }
@@ -433,6 +466,8 @@ fn compile(g: Graph, target: Target, check_cuda: bool, check_arch: &str) -> PyRe
     }
     Ok(Compiled {
         allocs,
+        arena_offsets,
+        arena_bytes,
         module,
         graph_before,
         graph_after: opt.to_string(),
@@ -461,8 +496,16 @@ impl Compiled {
 
     /// Runs kernels `lo..hi` on buffers `ptrs` (data pointers by buffer id) with sizes
     /// `syms`; CUDA kernels are launched on `stream` (PyTorch's current stream).
-    #[pyo3(signature = (lo, hi, ptrs, syms, stream=0))]
-    fn run(&self, py: Python<'_>, lo: usize, hi: usize, ptrs: Vec<usize>, syms: Vec<i64>, stream: usize) -> PyResult<()> {
+    #[pyo3(signature = (lo, hi, ptrs, syms, stream=0, arena=0))]
+    fn run(&self, py: Python<'_>, lo: usize, hi: usize, ptrs: Vec<usize>, syms: Vec<i64>, stream: usize, arena: usize) -> PyResult<()> {
+        let mut ptrs = ptrs;
+        if arena != 0 {
+            for (p, &off) in ptrs.iter_mut().zip(&self.arena_offsets) {
+                if off >= 0 {
+                    *p = arena + off as usize;
+                }
+            }
+        }
         let mut s = syms;
         s.resize(self.num_syms.max(1), 0);
         match self.module.as_ref() {
