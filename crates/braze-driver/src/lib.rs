@@ -1,0 +1,415 @@
+//! # braze-driver: the compile pipeline of one graph
+//!
+//! `compile` runs the stages in order — verify, passes (and per-target passes), schedule,
+//! code generation, the compiler (cc or NVRTC, cuBLASLt preparation) — timing each, and
+//! returns the [`Plan`] the Python runtime follows and the loaded [`Module`]. The Python
+//! binding (braze-py) only converts these to Python objects.
+
+use braze_ir::{Expr, Graph, NodeId, Op};
+use braze_runtime::cpu::CpuModule;
+use braze_runtime::cublaslt::{MatmulSpec, Operand};
+use braze_runtime::cuda::{CudaModule, Item};
+use braze_runtime::RuntimeError;
+use braze_sched::{Access, BufKind, Step};
+use std::time::Instant;
+
+/// Why a graph could not be compiled or run.
+#[derive(Debug, thiserror::Error)]
+pub enum DriverError {
+    /// braze does not handle this graph; it runs eagerly.
+    #[error("{0}")]
+    Unsupported(String),
+    /// A braze bug (an invariant broken, generated code that does not compile).
+    #[error("{0}")]
+    Internal(String),
+    /// The machine lacks something (C compiler, NVRTC, driver, cache dir).
+    #[error("{0}")]
+    Environment(String),
+    /// A kernel or library call failed at run time; the message names it.
+    #[error("{0}")]
+    Launch(String),
+}
+
+impl From<RuntimeError> for DriverError {
+    fn from(e: RuntimeError) -> Self {
+        match e {
+            RuntimeError::Compile(m) => DriverError::Internal(m),
+            RuntimeError::Environment(m) => DriverError::Environment(m),
+            RuntimeError::Launch(m) => DriverError::Launch(m),
+        }
+    }
+}
+
+fn unsupported(e: impl ToString) -> DriverError {
+    DriverError::Unsupported(e.to_string())
+}
+
+/// Where a graph's kernels run.
+#[derive(Clone, Copy, Debug)]
+pub enum Target {
+    Cpu,
+    Cuda(i32),
+}
+
+impl Target {
+    /// `cpu`, `cuda` or `cuda:N`.
+    pub fn parse(s: &str) -> Result<Target, DriverError> {
+        match s {
+            "cpu" => Ok(Target::Cpu),
+            "cuda" => Ok(Target::Cuda(0)),
+            _ => s
+                .strip_prefix("cuda:")
+                .and_then(|n| n.parse().ok())
+                .map(Target::Cuda)
+                .ok_or_else(|| unsupported(format!("device {s}"))),
+        }
+    }
+}
+
+/// The loaded kernels of a graph.
+pub enum Module {
+    Cpu(CpuModule),
+    Cuda(CudaModule),
+}
+
+impl Module {
+    /// Runs items `lo..hi` with buffer pointers by id (arena buffers filled in from `arena`),
+    /// size symbols, and, for CUDA, PyTorch's current stream.
+    ///
+    /// # Safety
+    /// Every pointer must address memory laid out as the plan's buffer of that id.
+    pub unsafe fn run(&self, lo: usize, hi: usize, ptrs: &mut [usize], syms: &[i64], stream: usize, arena: usize, arena_offsets: &[i64]) -> Result<(), DriverError> {
+        if arena != 0 {
+            for (p, &off) in ptrs.iter_mut().zip(arena_offsets) {
+                if off >= 0 {
+                    *p = arena + off as usize;
+                }
+            }
+        }
+        match self {
+            Module::Cpu(m) => {
+                if hi > m.len() || lo > hi {
+                    return Err(DriverError::Internal("kernel range out of bounds".into()));
+                }
+                // SAFETY: guaranteed by the caller.
+                unsafe { m.run(lo, hi, ptrs, syms) };
+                Ok(())
+            }
+            Module::Cuda(m) => {
+                if hi > m.items.len() || lo > hi {
+                    return Err(DriverError::Internal("kernel range out of bounds".into()));
+                }
+                Ok(m.run_items(lo, hi, ptrs, syms, stream)?)
+            }
+        }
+    }
+}
+
+/// A compiled graph's plan: what the Python runtime follows, and what the logs show.
+/// Sizes, strides and offsets are ids into `exprs`, evaluated per call for dynamic shapes.
+#[derive(Clone, Debug)]
+pub struct Plan {
+    pub exprs: Vec<Expr>,
+    pub graph_before: String,
+    pub graph_after: String,
+    pub schedule: String,
+    pub source: String,
+    /// The CUDA source checked with NVRTC for a CPU graph (`check_cuda`), else empty.
+    pub cuda_source: String,
+    pub fusion_log: Vec<String>,
+    /// (name, roots) per kernel.
+    pub kernels: Vec<(String, Vec<String>)>,
+    /// (kind, input index or -1, dtype, shape expr ids, stride expr ids) per buffer.
+    pub buffers: Vec<(String, i64, String, Vec<usize>, Vec<usize>)>,
+    /// ("kernels", lo, hi, [], []) or ("extern", node, target, args, outs) per step.
+    pub steps: Vec<(String, u32, u32, String, Vec<AccessT>, Vec<u32>)>,
+    pub frees: Vec<Vec<u32>>,
+    /// Temp buffers first written by each step (allocated just before it).
+    pub allocs: Vec<Vec<u32>>,
+    /// Byte offset of each buffer in the per-call arena, or -1 (see [Note: arena]).
+    pub arena_offsets: Vec<i64>,
+    pub arena_bytes: i64,
+    pub outputs: Vec<AccessT>,
+    /// Size symbols every kernel call needs, in `S[]` order (0..n).
+    pub num_syms: usize,
+    /// (stage, seconds).
+    pub times: Vec<(String, f64)>,
+    pub cached: bool,
+}
+
+/// (buffer, None) or (buffer, (size ids, stride ids, offset id)).
+pub type AccessT = (u32, Option<(Vec<usize>, Vec<usize>, usize)>);
+
+struct ExprTable(Vec<Expr>);
+
+impl ExprTable {
+    fn id(&mut self, e: &Expr) -> usize {
+        if let Some(i) = self.0.iter().position(|x| x == e) {
+            return i;
+        }
+        self.0.push(e.clone());
+        self.0.len() - 1
+    }
+    fn ids(&mut self, v: &[Expr]) -> Vec<usize> {
+        v.iter().map(|e| self.id(e)).collect()
+    }
+    fn access(&mut self, a: &Access) -> AccessT {
+        (a.buf, a.view.as_ref().map(|v| (self.ids(&v.sizes), self.ids(&v.strides), self.id(&v.offset))))
+    }
+}
+
+/// A matmul step's operands as cuBLASLt operands (static layouts only).
+fn prepare_matmul(
+    g: &Graph,
+    sched: &braze_sched::Schedule,
+    node: NodeId,
+    a: &Access,
+    b: &Access,
+    bias: Option<&Access>,
+    out: u32,
+) -> Result<braze_runtime::cublaslt::Prepared, DriverError> {
+    let c = |e: &Expr| e.as_const().ok_or_else(|| unsupported("matmul with symbolic sizes"));
+    let operand = |x: &Access| -> Result<Operand, DriverError> {
+        let buf = &sched.buffers[x.buf as usize];
+        let (sizes, strides, offset) = match &x.view {
+            Some(v) => (v.sizes.clone(), v.strides.clone(), v.offset.clone()),
+            None => (buf.shape.clone(), buf.strides.clone(), Expr::zero()),
+        };
+        let r = sizes.len();
+        Ok(Operand {
+            buf: x.buf,
+            offset: c(&offset)?,
+            rows: c(&sizes[r - 2])? as u64,
+            cols: c(&sizes[r - 1])? as u64,
+            rs: c(&strides[r - 2])?,
+            cs: c(&strides[r - 1])?,
+            batch_stride: if r == 3 { c(&strides[0])? } else { 0 },
+        })
+    };
+    let Op::Matmul { epilogue, tf32 } = g.node(node).op else { return Err(DriverError::Internal("not a matmul".into())) };
+    let ty = g.ty(node);
+    if ty.rank() > 3 {
+        return Err(unsupported("matmul of rank > 3"));
+    }
+    let bias = match bias {
+        Some(x) => {
+            let off = x.view.as_ref().map(|v| c(&v.offset)).transpose()?.unwrap_or(0);
+            let unit = x.view.as_ref().map(|v| v.strides[0].is_const(1)).unwrap_or(true);
+            if !unit {
+                return Err(unsupported("strided matmul bias"));
+            }
+            Some((x.buf, off))
+        }
+        None => None,
+    };
+    let spec = MatmulSpec {
+        name: format!("braze_matmul_{}", node.0),
+        a: operand(a)?,
+        b: operand(b)?,
+        bias,
+        out,
+        batch: if ty.rank() == 3 { c(&ty.shape[0])? as u64 } else { 1 },
+        dtype: ty.dtype,
+        tf32,
+        epilogue,
+    };
+    braze_runtime::cublaslt::prepare(spec).map_err(DriverError::from)
+}
+
+pub fn compile(g: Graph, target: Target, check_cuda: bool, check_arch: &str) -> Result<(Plan, Option<Module>), DriverError> {
+    let mut times = Vec::new();
+    let mut t = Instant::now();
+    let mut lap = |name: &str, times: &mut Vec<(String, f64)>| {
+        times.push((name.to_string(), t.elapsed().as_secs_f64()));
+        t = Instant::now();
+    };
+    let errs = braze_ir::verify::verify(&g);
+    if !errs.is_empty() {
+        return Err(unsupported(format!("imported graph is invalid: {}", errs.iter().map(|e| e.to_string()).collect::<Vec<_>>().join("; "))));
+    }
+    let graph_before = g.to_string();
+    let mut opt = braze_passes::optimize(&g);
+    if let Target::Cuda(ordinal) = target {
+        // Few long rows would leave most of the GPU idle: split them (per-target stage).
+        let (_, sms) = braze_runtime::cuda::device_info(ordinal).map_err(DriverError::from)?;
+        opt = braze_passes::split_reductions::split_reductions(&opt, 2 * sms as i64);
+    }
+    let errs = braze_ir::verify::verify(&opt);
+    if !errs.is_empty() {
+        return Err(DriverError::Internal(format!("verifier after passes: {errs:?}")));
+    }
+    lap("passes", &mut times);
+    let sched = braze_sched::schedule(&opt).map_err(unsupported)?;
+    lap("schedule", &mut times);
+    let names: Vec<String> = sched.kernels.iter().map(|k| k.name.clone()).collect();
+    let version = env!("CARGO_PKG_VERSION");
+    let mut cuda_source = String::new();
+    let (source, module) = match target {
+        Target::Cpu => {
+            if sched.steps.iter().any(|s| matches!(s, Step::Matmul { .. })) {
+                return Err(unsupported("library matmuls run on CUDA only"));
+            }
+            let source = braze_codegen::openmp::emit_module(&sched.kernels).map_err(unsupported)?;
+            if check_cuda && !names.is_empty() {
+                let (cu, _) = braze_codegen::cuda::emit_module(&sched.kernels, 132).map_err(unsupported)?;
+                braze_runtime::cuda::compile_cubin(&cu, check_arch, version).map_err(DriverError::from)?;
+                cuda_source = cu;
+            }
+            lap("codegen", &mut times);
+            let m = if names.is_empty() { None } else { Some(Module::Cpu(CpuModule::load(&source, &names, version).map_err(DriverError::from)?)) };
+            lap("cc", &mut times);
+            (source, m)
+        }
+        Target::Cuda(ordinal) => {
+            let (arch, sms) = braze_runtime::cuda::device_info(ordinal).map_err(DriverError::from)?;
+            let (source, launches) = braze_codegen::cuda::emit_module(&sched.kernels, sms as u32).map_err(unsupported)?;
+            lap("codegen", &mut times);
+            let mut items = Vec::new();
+            for st in &sched.steps {
+                match st {
+                    Step::Kernel(k) => items.push(Item::Kernel(*k)),
+                    Step::Matmul { node, a, b, bias, out } => items.push(Item::Matmul(prepare_matmul(&opt, &sched, *node, a, b, bias.as_ref(), *out)?)),
+                    Step::Extern { .. } => {}
+                }
+            }
+            let m = if items.is_empty() {
+                None
+            } else {
+                let (cubin, cached) = if names.is_empty() {
+                    (None, false)
+                } else {
+                    let (c, cached) = braze_runtime::cuda::compile_cubin(&source, &arch, version).map_err(DriverError::from)?;
+                    (Some(c), cached)
+                };
+                Some(Module::Cuda(CudaModule::load(cubin.as_deref(), ordinal, launches, items, cached).map_err(DriverError::from)?))
+            };
+            lap("nvrtc", &mut times);
+            (source, m)
+        }
+    };
+    let cached = match &module {
+        Some(Module::Cpu(m)) => m.cached,
+        Some(Module::Cuda(m)) => m.cached,
+        None => false,
+    };
+    let mut tab = ExprTable(Vec::new());
+    let mut syms = Vec::new();
+    for n in &opt.nodes {
+        if let Some(t) = &n.ty {
+            for e in &t.shape {
+                e.syms(&mut syms);
+            }
+        }
+    }
+    for k in &sched.kernels {
+        syms.extend(k.syms());
+    }
+    let num_syms = syms.iter().max().map(|m| *m as usize + 1).unwrap_or(0);
+    let buffers = sched
+        .buffers
+        .iter()
+        .map(|b| {
+            let (kind, idx) = match b.kind {
+                BufKind::Input(i) => ("input", i as i64),
+                BufKind::ExternOut => ("extern", -1),
+                BufKind::Temp => ("temp", -1),
+            };
+            (kind.to_string(), idx, b.dtype.name().to_string(), tab.ids(&b.shape), tab.ids(&b.strides))
+        })
+        .collect();
+    // Consecutive kernels and matmuls ("items") become one step: one call into Rust runs
+    // them all. Item i is sched step item_steps[i].
+    let mut steps = Vec::new();
+    let mut frees: Vec<Vec<u32>> = Vec::new();
+    let mut item_writes: Vec<Vec<u32>> = Vec::new();
+    for (s, st) in sched.steps.iter().enumerate() {
+        let writes = match st {
+            Step::Kernel(k) => Some(sched.kernels[*k].bufs.iter().filter(|b| b.written).map(|b| b.id).collect::<Vec<_>>()),
+            Step::Matmul { out, .. } => Some(vec![*out]),
+            Step::Extern { .. } => None,
+        };
+        if let Some(w) = writes {
+            let i = item_writes.len() as u32;
+            item_writes.push(w);
+            match steps.last_mut() {
+                Some((kind, _, hi, _, _, _)) if kind == "kernels" && *hi == i => {
+                    *hi = i + 1;
+                    frees.last_mut().unwrap().extend(sched.frees[s].iter().copied());
+                }
+                _ => {
+                    steps.push(("kernels".to_string(), i, i + 1, String::new(), vec![], vec![]));
+                    frees.push(sched.frees[s].clone());
+                }
+            }
+        } else if let Step::Extern { node, target, args, outs } = st {
+            let a = args.iter().map(|x| tab.access(x)).collect();
+            steps.push(("extern".to_string(), node.0, 0, target.clone(), a, outs.clone()));
+            frees.push(sched.frees[s].clone());
+        }
+    }
+    let outputs = sched.outputs.iter().map(|a| tab.access(a)).collect();
+    // [Note: arena] Temp buffers that only kernels and matmuls touch (not outputs, not extern
+    // operands or results) and have static sizes live in one allocation per call, at fixed
+    // 256-byte aligned offsets: one allocator call instead of one per buffer.
+    let mut arena_offsets = vec![-1i64; sched.buffers.len()];
+    let mut arena_bytes = 0i64;
+    {
+        let mut external = vec![false; sched.buffers.len()];
+        for a in &sched.outputs {
+            external[a.buf as usize] = true;
+        }
+        for st in &sched.steps {
+            if let Step::Extern { args, outs, .. } = st {
+                for a in args {
+                    external[a.buf as usize] = true;
+                }
+                for &o in outs.iter().filter(|&&o| o != braze_sched::schedule::UNUSED) {
+                    external[o as usize] = true;
+                }
+            }
+        }
+        for (b, buf) in sched.buffers.iter().enumerate() {
+            let bytes = buf.shape.iter().map(|e| e.as_const()).product::<Option<i64>>().map(|n| n * buf.dtype.size() as i64);
+            if let (BufKind::Temp, false, Some(bytes)) = (&buf.kind, external[b], bytes) {
+                arena_offsets[b] = arena_bytes;
+                arena_bytes += (bytes.max(1) + 255) / 256 * 256;
+            }
+        }
+    }
+    let mut allocs: Vec<Vec<u32>> = vec![Vec::new(); steps.len()];
+    let mut seen = vec![false; sched.buffers.len()];
+    for (s, st) in steps.iter().enumerate() {
+        if st.0 == "kernels" {
+            for i in st.1..st.2 {
+                for &b in &item_writes[i as usize] {
+                    if !seen[b as usize] && sched.buffers[b as usize].kind == BufKind::Temp && arena_offsets[b as usize] < 0 {
+                        seen[b as usize] = true;
+                        allocs[s].push(b);
+                    }
+                }
+            }
+        }
+    }
+    let plan = Plan {
+        allocs,
+        arena_offsets,
+        arena_bytes,
+        graph_before,
+        graph_after: opt.to_string(),
+        schedule: sched.to_string(),
+        source,
+        cuda_source,
+        fusion_log: sched.log.clone(),
+        kernels: sched.kernels.iter().map(|k| (k.name.clone(), k.roots.clone())).collect(),
+        buffers,
+        steps,
+        frees,
+        outputs,
+        num_syms,
+        times,
+        cached,
+        exprs: tab.0,
+    };
+    Ok((plan, module))
+}
+
