@@ -5,20 +5,31 @@ data pointers to Rust, which runs consecutive kernels in one call.
 """
 from __future__ import annotations
 
+import re
+
 import torch
 
-from .lowering import DTYPES, ExternCall, Ref, SymRef
+from .lowering import DTYPES, ExternCall, Ref, SymRef, Unsupported
 
 _TORCH_DTYPES = {v: k for k, v in DTYPES.items()}
 _UNUSED = 0xFFFFFFFF  # an extern result nothing reads
 _NO_SYMS: list = []
 
 
-class SymResolver:
-    """Finds the value of every size symbol from the call's inputs."""
+_SYM = re.compile(r"\bs(\d+)\b")
 
-    def __init__(self, input_nodes, num_syms):
-        self.num_syms = num_syms
+
+def sym_names(expr: str):
+    """The numbers of the size symbols an expression mentions (`s3` -> 3)."""
+    return {int(m) for m in _SYM.findall(expr)}
+
+
+class SymResolver:
+    """Finds the value of every size symbol from the call's inputs. A symbol that no input
+    carries as a bare size, stride or SymInt makes the graph unsupported (it runs eagerly)."""
+
+    def __init__(self, input_nodes, needed):
+        self.num_syms = max(needed, default=-1) + 1
         self.sources = {}
         for i, (kind, info) in enumerate(input_nodes):
             if kind == "sym":
@@ -29,21 +40,18 @@ class SymResolver:
                     self._add(s, ("size", i, d))
                 for d, s in enumerate(strides):
                     self._add(s, ("stride", i, d))
-        missing = [n for n in range(num_syms) if n not in self.sources and self._needed(n)]
-        self.missing = missing
+        missing = sorted(n for n in needed if n not in self.sources)
+        if missing:
+            raise Unsupported("size symbol(s) " + ", ".join(f"s{n}" for n in missing) + " not found among the inputs")
+        self.sources = {n: src for n, src in self.sources.items() if n in needed}
 
     def _add(self, expr, src):
         if expr.startswith("s") and expr[1:].isdigit():
             self.sources.setdefault(int(expr[1:]), src)
 
-    def _needed(self, n):
-        return False
-
     def resolve(self, args):
         out = [0] * self.num_syms
         for n, (kind, i, d) in self.sources.items():
-            if n >= self.num_syms:
-                continue
             a = args[i]
             out[n] = int(a) if kind == "int" else (a.shape[d] if kind == "size" else a.stride(d))
         return out
@@ -63,8 +71,14 @@ class CompiledGraph:
         self.externs = lowered.externs
         self.input_nodes = lowered.input_nodes
         self.out_spec = lowered.outputs
-        self.dynamic = compiled.num_syms > 0
-        self.syms = SymResolver(self.input_nodes, compiled.num_syms)
+        needed = set(compiled.syms)
+        for kind, v in self.out_spec:
+            if kind == "sym":
+                needed |= sym_names(v)
+        for call in self.externs.values():
+            torch.fx.node.map_aggregate((call.args, call.kwargs), lambda a: needed.update(sym_names(a.expr)) if isinstance(a, SymRef) else None)
+        self.dynamic = bool(needed)
+        self.syms = SymResolver(self.input_nodes, needed)
         self.tensor_inputs = [i for i, (k, _) in enumerate(self.input_nodes) if k == "tensor"]
         self.bufs = compiled.buffers
         self.steps = compiled.steps
@@ -227,9 +241,6 @@ def _same_layout(t, shape, strides):
 
 
 def _eval_sym(expr, resolver, syms):
-    import re
-
-    names = {f"s{n}": v for n, v in enumerate(syms)}
-    py = re.sub(r"\bs(\d+)\b", lambda m: str(names.get(m.group(0), 0)), expr)
+    py = _SYM.sub(lambda m: str(syms[int(m.group(1))]), expr)
     py = py.replace("FloorDiv", "_fd").replace("PythonMod", "_md").replace("Mod", "_md")
     return int(eval(py, {"_fd": lambda a, b: a // b, "_md": lambda a, b: a % b}))

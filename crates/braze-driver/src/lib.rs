@@ -130,8 +130,10 @@ pub struct Plan {
     pub arena_offsets: Vec<i64>,
     pub arena_bytes: i64,
     pub outputs: Vec<AccessT>,
-    /// Size symbols every kernel call needs, in `S[]` order (0..n).
+    /// Length of the size-symbol array kernels read (`S[n]` is `sN`).
     pub num_syms: usize,
+    /// The size symbols the plan mentions; the runtime must find each among the inputs.
+    pub syms: Vec<u32>,
     /// (stage, seconds).
     pub times: Vec<(String, f64)>,
     pub cached: bool,
@@ -304,7 +306,9 @@ pub fn compile(g: Graph, target: Target, check_cuda: bool, check_arch: &str) -> 
     for k in &sched.kernels {
         syms.extend(k.syms());
     }
-    let num_syms = syms.iter().max().map(|m| *m as usize + 1).unwrap_or(0);
+    syms.sort();
+    syms.dedup();
+    let num_syms = syms.last().map(|m| *m as usize + 1).unwrap_or(0);
     let buffers = sched
         .buffers
         .iter()
@@ -406,6 +410,7 @@ pub fn compile(g: Graph, target: Target, check_cuda: bool, check_arch: &str) -> 
         frees,
         outputs,
         num_syms,
+        syms,
         times,
         cached,
         exprs: tab.0,

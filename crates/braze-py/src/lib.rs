@@ -215,7 +215,7 @@ impl Compiled {
 
     #[getter]
     fn arena_bytes(&self) -> i64 {
-        self.plan.arena_bytes.clone()
+        self.plan.arena_bytes
     }
 
     #[getter]
@@ -223,10 +223,16 @@ impl Compiled {
         self.plan.outputs.clone()
     }
 
-    /// Size symbols every kernel call needs, in `S[]` order (0..n).
+    /// Length of the size-symbol array kernels read (`S[n]` is `sN`).
     #[getter]
     fn num_syms(&self) -> usize {
-        self.plan.num_syms.clone()
+        self.plan.num_syms
+    }
+
+    /// The size symbols the plan mentions.
+    #[getter]
+    fn syms(&self) -> Vec<u32> {
+        self.plan.syms.clone()
     }
 
     /// (stage, seconds).
@@ -237,7 +243,7 @@ impl Compiled {
 
     #[getter]
     fn cached(&self) -> bool {
-        self.plan.cached.clone()
+        self.plan.cached
     }
 
     /// Every size expression of the plan evaluated for these symbol values.
