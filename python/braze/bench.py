@@ -27,7 +27,6 @@ from braze.workloads import MatmulHeavy, PointwiseHeavy, TinyBlock  # noqa: E402
 
 def workloads(device):
     gpu = device.type == "cuda"
-    out = []
 
     def pw():
         m = PointwiseHeavy(4096).to(device)

@@ -295,7 +295,6 @@ class Lowerer:
         self.fallbacks[name] = self.fallbacks.get(name, 0) + 1
         if is_tensor_meta(val):
             return ids[0]
-        result = []
 
         def rebuild(v, path):
             if is_tensor_meta(v):
@@ -306,8 +305,7 @@ class Lowerer:
                 return SymRef(sym_str(v))
             return v
 
-        result = rebuild(val, ())
-        return result
+        return rebuild(val, ())
 
 
 def check_tensor(v, lowerer=None):
@@ -777,7 +775,7 @@ def _var(L, node, x, dims=None, unbiased=None, keepdim=False, correction=None):
 def _var_mean(L, node, x, dims=None, unbiased=None, keepdim=False, correction=None):
     if isinstance(dims, bool):
         unbiased, dims = dims, None
-    od = out_dtype(node)[0] if isinstance(out_dtype, tuple) else node.meta["val"][0].dtype
+    od = node.meta["val"][0].dtype
     t = L.tensor(x, od)
     ds = _dims(dims, L.rank(t))
     var = _reduce(L, "var", t, ds, keepdim, _correction(correction, unbiased))

@@ -4,7 +4,7 @@
 //! (`omp simd`, with a reduction clause for sums and products).
 
 use crate::c_emit::Emitter;
-use crate::dialect::{compute_type, storage_type, Dialect};
+use crate::dialect::{storage_type, Dialect};
 use crate::CodegenError;
 use braze_ir::Expr;
 use braze_sched::loop_ir::Kernel;
@@ -176,7 +176,6 @@ pub fn emit_kernel(k: &Kernel, out: &mut String) -> Result<(), CodegenError> {
         let c = if b.written { "" } else { "const " };
         writeln!(out, "  {c}{t}* restrict b{id} = ({c}{t}*)B[{id}];", t = storage_type(b.dtype), id = b.id).unwrap();
     }
-    let _ = compute_type;
     let n_outer = k.outer.len();
     let total = product(&k.outer).mul(&product(&k.inner));
     let par_if = format!("if({} >= {PARALLEL_MIN})", ix(&total));

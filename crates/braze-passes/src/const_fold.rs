@@ -122,13 +122,7 @@ fn binary(b: BinaryOp, x: Lit, y: Lit, d: DType) -> Option<Lit> {
             Mul => Lit::F(a * c),
             Div => Lit::F(a / c),
             Pow => Lit::F(a.powf(c)),
-            Eq => Lit::B(a == c),
-            Ne => Lit::B(a != c),
-            Lt => Lit::B(a < c),
-            Le => Lit::B(a <= c),
-            Gt => Lit::B(a > c),
-            Ge => Lit::B(a >= c),
-            _ => return None,
+            _ => return compare(b, a, c),
         });
     }
     let (a, c) = match (x, y) {
@@ -140,14 +134,23 @@ fn binary(b: BinaryOp, x: Lit, y: Lit, d: DType) -> Option<Lit> {
         Add => Lit::I(a.wrapping_add(c)),
         Sub => Lit::I(a.wrapping_sub(c)),
         Mul => Lit::I(a.wrapping_mul(c)),
-        Eq => Lit::B(a == c),
-        Ne => Lit::B(a != c),
-        Lt => Lit::B(a < c),
-        Le => Lit::B(a <= c),
-        Gt => Lit::B(a > c),
-        Ge => Lit::B(a >= c),
+        Eq | Ne | Lt | Le | Gt | Ge => return compare(b, a, c),
         And => Lit::B(a != 0 && c != 0),
         Or => Lit::B(a != 0 || c != 0),
         _ => return None,
     })
+}
+
+/// A comparison of two folded values (`None` for other ops).
+fn compare<T: PartialOrd>(b: BinaryOp, a: T, c: T) -> Option<Lit> {
+    use BinaryOp::*;
+    Some(Lit::B(match b {
+        Eq => a == c,
+        Ne => a != c,
+        Lt => a < c,
+        Le => a <= c,
+        Gt => a > c,
+        Ge => a >= c,
+        _ => return None,
+    }))
 }

@@ -74,24 +74,17 @@ static HANDLE: OnceLock<Result<usize, String>> = OnceLock::new();
 /// Loads cuBLASLt from `path`.
 pub fn init(path: &str) -> Result<(), RuntimeError> {
     let r = LT.get_or_init(|| {
-        // SAFETY: loading NVIDIA's library runs its initializers, which is what they are for.
-        let lib = unsafe { Library::new(path) }.map_err(|e| format!("cannot load {path}: {e}"))?;
-        macro_rules! sym {
-            ($n:literal) => {
-                // SAFETY: the symbol has the C signature of the field it fills.
-                *unsafe { lib.get($n) }.map_err(|e| format!("{}: {e}", String::from_utf8_lossy($n)))?
-            };
-        }
+        let lib = crate::open_library(path)?;
         Ok(Lt {
-            create: sym!(b"cublasLtCreate"),
-            desc_create: sym!(b"cublasLtMatmulDescCreate"),
-            desc_set: sym!(b"cublasLtMatmulDescSetAttribute"),
-            layout_create: sym!(b"cublasLtMatrixLayoutCreate"),
-            layout_set: sym!(b"cublasLtMatrixLayoutSetAttribute"),
-            pref_create: sym!(b"cublasLtMatmulPreferenceCreate"),
-            pref_set: sym!(b"cublasLtMatmulPreferenceSetAttribute"),
-            heuristic: sym!(b"cublasLtMatmulAlgoGetHeuristic"),
-            matmul: sym!(b"cublasLtMatmul"),
+            create: sym!(lib, b"cublasLtCreate"),
+            desc_create: sym!(lib, b"cublasLtMatmulDescCreate"),
+            desc_set: sym!(lib, b"cublasLtMatmulDescSetAttribute"),
+            layout_create: sym!(lib, b"cublasLtMatrixLayoutCreate"),
+            layout_set: sym!(lib, b"cublasLtMatrixLayoutSetAttribute"),
+            pref_create: sym!(lib, b"cublasLtMatmulPreferenceCreate"),
+            pref_set: sym!(lib, b"cublasLtMatmulPreferenceSetAttribute"),
+            heuristic: sym!(lib, b"cublasLtMatmulAlgoGetHeuristic"),
+            matmul: sym!(lib, b"cublasLtMatmul"),
             _lib: lib,
         })
     });

@@ -52,17 +52,7 @@ struct Driver {
 static NVRTC: OnceLock<Result<Nvrtc, String>> = OnceLock::new();
 static DRIVER: OnceLock<Result<Driver, String>> = OnceLock::new();
 
-macro_rules! sym {
-    ($lib:expr, $name:literal) => {
-        // SAFETY: the symbol has the C signature declared in the struct field it fills.
-        *unsafe { $lib.get($name) }.map_err(|e| format!("{}: {e}", String::from_utf8_lossy($name)))?
-    };
-}
-
-fn open(path: &str) -> Result<Library, String> {
-    // SAFETY: loading NVIDIA's libraries runs their initializers, which is what they are for.
-    unsafe { Library::new(path) }.map_err(|e| format!("cannot load {path}: {e}"))
-}
+use crate::open_library as open;
 
 /// Loads NVRTC from `path` (and its builtins library, which it finds by bare name, from
 /// `builtins` when given). Later calls return the first result.

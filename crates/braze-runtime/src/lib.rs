@@ -3,6 +3,21 @@
 //! `cpu.rs` builds a graph's C module with the system C compiler (one invocation per graph),
 //! caches it on disk (`cache.rs`) and runs its kernels in-process.
 
+/// Resolves C entry point `$name` of library `$lib` into a struct field of the matching
+/// function-pointer type; a missing symbol is an `Err(String)` of the enclosing closure.
+macro_rules! sym {
+    ($lib:expr, $name:literal) => {
+        // SAFETY: the symbol has the C signature declared in the struct field it fills.
+        *unsafe { $lib.get($name) }.map_err(|e| format!("{}: {e}", String::from_utf8_lossy($name)))?
+    };
+}
+
+/// Loads a shared library by path or name.
+fn open_library(path: &str) -> Result<libloading::Library, String> {
+    // SAFETY: loading NVIDIA's libraries runs their initializers, which is what they are for.
+    unsafe { libloading::Library::new(path) }.map_err(|e| format!("cannot load {path}: {e}"))
+}
+
 pub mod cache;
 pub mod cpu;
 pub mod cublaslt;

@@ -420,9 +420,6 @@ pub fn lower(cx: &Ctx, me: usize, dom: &Domain, roots: &[NodeId]) -> Result<Kern
     }
     let is_red = |r: NodeId| matches!(g.node(r).op, Op::Reduce { .. });
     let n_passes = placed.iter().filter(|(r, _, l, _)| is_red(*r) || *l == Level::Row).filter_map(|p| p.3).max().map(|m| m + 1).unwrap_or(0);
-    if !dom.has_reduction() && placed.iter().any(|p| is_red(p.0)) {
-        // Reductions over size-1 dims only: still one pass with an empty inner loop.
-    }
     // Prelude: outer-level roots that need no reduction.
     for (r, idx, level, slot) in &placed {
         if *level == Level::Outer && slot.is_none() && !is_red(*r) {

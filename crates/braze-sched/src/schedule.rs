@@ -120,20 +120,16 @@ fn inline_cost(g: &Graph, n: NodeId, stored: &[bool], seen: &mut HashSet<NodeId>
 pub fn schedule(g: &Graph) -> Result<Schedule, SchedError> {
     let n = g.nodes.len();
     let mut stored = vec![false; n];
-    // Values that must be in memory, as themselves or as the base of a strided view.
-    let need_access = |stored: &mut Vec<bool>, o: NodeId| {
+    // Values that must be in memory: the base of a strided view when the view is one the
+    // reader accepts (`ok`), else the value itself, stored contiguously.
+    let need_access = |stored: &mut Vec<bool>, o: NodeId, ok: fn(&View) -> bool| {
         let base = view_base(g, o);
-        if base == o {
-            stored[o.index()] = true;
-            return;
-        }
-        let base_strides = base_strides(g, base);
-        if matches!(g.node(base).op, Op::Scalar { .. } | Op::Size { .. } | Op::Iota { .. }) || strided(g, o, &base_strides).is_none() {
-            stored[o.index()] = true;
-        } else {
-            stored[base.index()] = true;
-        }
+        let as_view = base != o
+            && !matches!(g.node(base).op, Op::Scalar { .. } | Op::Size { .. } | Op::Iota { .. })
+            && strided(g, o, &base_strides(g, base)).is_some_and(|v| ok(&v));
+        stored[if as_view { base } else { o }.index()] = true;
     };
+    let any_view: fn(&View) -> bool = |_| true;
     for id in g.ids() {
         let node = g.node(id);
         if node.op.is_buffer() || matches!(node.op, Op::Matmul { .. }) {
@@ -141,27 +137,19 @@ pub fn schedule(g: &Graph) -> Result<Schedule, SchedError> {
         }
         if matches!(node.op, Op::Extern { .. }) {
             for &i in &node.inputs {
-                need_access(&mut stored, i);
+                need_access(&mut stored, i, any_view);
             }
         }
         if matches!(node.op, Op::Matmul { .. }) {
             // Operands must be matrices the library can read: a unit stride in one of the
-            // last two dims. Anything else is stored contiguously first.
+            // last two dims.
             for &i in &node.inputs {
-                let base = view_base(g, i);
-                let ok = base != i
-                    && !matches!(g.node(base).op, Op::Scalar { .. } | Op::Size { .. } | Op::Iota { .. })
-                    && strided(g, i, &base_strides(g, base)).is_some_and(|v| matmul_operand_ok(&v));
-                if ok {
-                    stored[base.index()] = true;
-                } else {
-                    stored[i.index()] = true;
-                }
+                need_access(&mut stored, i, matmul_operand_ok);
             }
         }
     }
     for &o in &g.outputs {
-        need_access(&mut stored, o);
+        need_access(&mut stored, o, any_view);
     }
     for id in g.ids() {
         if let Op::Extern { .. } | Op::Matmul { .. } = g.node(id).op {
