@@ -118,6 +118,10 @@ def braze_backend(gm: torch.fx.GraphModule, example_inputs, mode=None, options=N
     if kwargs:
         raise TypeError(f"braze backend: unexpected arguments {sorted(kwargs)}")
     cfg = Config.make(mode, options)
+    for t in example_inputs:
+        if isinstance(t, torch.Tensor) and t.is_cuda:
+            cuda.start_warm_up(t.device.index if t.device.index is not None else torch.cuda.current_device())
+            break
     return _aot_backend(cfg)(gm, example_inputs)
 
 

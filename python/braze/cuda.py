@@ -11,6 +11,7 @@ import glob
 import os
 import site
 import sys
+import threading
 
 from . import _core
 
@@ -99,3 +100,27 @@ def cublaslt_ready() -> bool:
         return True
     except Exception:
         return False
+
+
+_warm_up_started = set()
+
+
+def start_warm_up(device_index: int) -> None:
+    """Loads NVRTC, the driver and cuBLASLt and pays NVRTC's first-use cost (a quarter of a
+    second) on a background thread, once per device, while Dynamo and AOTAutograd trace."""
+    if device_index in _warm_up_started:
+        return
+    _warm_up_started.add(device_index)
+    import torch
+
+    major, minor = torch.cuda.get_device_capability(device_index)
+
+    def run():
+        try:
+            if cuda_ready() is None:
+                cublaslt_ready()
+                _core.nvrtc_warm_up(f"sm_{major}{minor}")
+        except Exception:  # only a head start: the real compile reports any problem
+            pass
+
+    threading.Thread(target=run, name="braze-nvrtc-warm-up", daemon=True).start()

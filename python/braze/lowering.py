@@ -87,6 +87,9 @@ class Lowered:
     lowered_ops: dict = field(default_factory=dict)
     reasons: dict = field(default_factory=dict)  # op name -> why it was not lowered
     device: torch.device = torch.device("cpu")
+    # Per IR output: the FX output is a graph input itself (returned as that very tensor, as
+    # eager returns it; an input reached through clone/alias ops is copied instead).
+    passthrough: list = field(default_factory=list)
 
 
 class Lowerer:
@@ -170,6 +173,7 @@ class Lowerer:
         inputs = []
         n_in = 0
         outputs = []
+        passthrough = []
         for node in self.gm.graph.nodes:
             val = node.meta.get("val")
             if node.op == "placeholder":
@@ -195,6 +199,7 @@ class Lowerer:
                     if isinstance(v, int) and isinstance(a, torch.fx.Node):
                         outputs.append(("t", len(outs)))
                         outs.append(v)
+                        passthrough.append(a.op == "placeholder")
                     elif isinstance(v, SymRef):
                         outputs.append(("sym", v.expr))
                     elif isinstance(a, torch.fx.Node) and isinstance(v, (tuple, list)):
@@ -209,7 +214,7 @@ class Lowerer:
             if node.op == "call_function" and is_tensor_meta(v):
                 check_tensor(v, self)
         return Lowered(self.b, self.externs, outputs, inputs, self.fallbacks, self.lowered_ops, self.reasons,
-                       self.device or torch.device("cpu"))
+                       self.device or torch.device("cpu"), passthrough)
 
     def lower_node(self, node: torch.fx.Node):
         target = node.target

@@ -85,7 +85,9 @@ class CompiledGraph:
         self.frees = compiled.frees
         self.allocs = compiled.allocs
         self.outputs = compiled.outputs
-        self.copy_out = [self.bufs[b][0] == "input" for b, _ in self.outputs]
+        # An output held in an input's buffer is copied unless the graph returns that input
+        # itself (saved inputs of a forward graph, for one): clone(x) must not alias x.
+        self.copy_out = [self.bufs[b][0] == "input" and not p for (b, _), p in zip(self.outputs, lowered.passthrough)]
         self.device = lowered.device
         self.cuda = self.device.type == "cuda"
         if self.cuda:

@@ -132,6 +132,13 @@ fn cuda_init(nvrtc: &str, builtins: Option<&str>, driver: Option<&str>, cublaslt
     braze_runtime::cuda::nvrtc_version().map_err(runtime_err)
 }
 
+/// Pays NVRTC's first-use cost now (called from a background thread; releases the GIL).
+#[pyfunction]
+fn nvrtc_warm_up(py: Python<'_>, arch: &str) -> PyResult<()> {
+    let arch = arch.to_string();
+    py.detach(move || braze_runtime::cuda::warm_up(&arch)).map_err(runtime_err)
+}
+
 /// Compiles CUDA source with NVRTC for `arch` (a check; returns the cubin's size).
 #[pyfunction]
 fn nvrtc_compile(source: &str, arch: &str) -> PyResult<usize> {
@@ -273,6 +280,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Compiled>()?;
     m.add_function(wrap_pyfunction!(cuda_init, m)?)?;
     m.add_function(wrap_pyfunction!(nvrtc_compile, m)?)?;
+    m.add_function(wrap_pyfunction!(nvrtc_warm_up, m)?)?;
     m.add("Unsupported", m.py().get_type::<Unsupported>())?;
     m.add("InternalError", m.py().get_type::<InternalError>())?;
     m.add("EnvironmentError_", m.py().get_type::<EnvironmentError_>())?;

@@ -11,7 +11,7 @@ use crate::RuntimeError;
 use braze_ir::{DType, Epilogue};
 use libloading::Library;
 use std::ffi::{c_int, c_void};
-use std::sync::OnceLock;
+use std::sync::{Mutex, OnceLock};
 
 type Status = c_int;
 type Handle = *mut c_void;
@@ -21,6 +21,9 @@ struct Lt {
     _lib: Library,
     create: unsafe extern "C" fn(*mut Handle) -> Status,
     desc_create: unsafe extern "C" fn(*mut Desc, c_int, c_int) -> Status,
+    desc_destroy: unsafe extern "C" fn(Desc) -> Status,
+    layout_destroy: unsafe extern "C" fn(Desc) -> Status,
+    pref_destroy: unsafe extern "C" fn(Desc) -> Status,
     desc_set: unsafe extern "C" fn(Desc, c_int, *const c_void, usize) -> Status,
     layout_create: unsafe extern "C" fn(*mut Desc, c_int, u64, u64, i64) -> Status,
     layout_set: unsafe extern "C" fn(Desc, c_int, *const c_void, usize) -> Status,
@@ -79,6 +82,9 @@ pub fn init(path: &str) -> Result<(), RuntimeError> {
             create: sym!(lib, b"cublasLtCreate"),
             desc_create: sym!(lib, b"cublasLtMatmulDescCreate"),
             desc_set: sym!(lib, b"cublasLtMatmulDescSetAttribute"),
+            desc_destroy: sym!(lib, b"cublasLtMatmulDescDestroy"),
+            layout_destroy: sym!(lib, b"cublasLtMatrixLayoutDestroy"),
+            pref_destroy: sym!(lib, b"cublasLtMatmulPreferenceDestroy"),
             layout_create: sym!(lib, b"cublasLtMatrixLayoutCreate"),
             layout_set: sym!(lib, b"cublasLtMatrixLayoutSetAttribute"),
             pref_create: sym!(lib, b"cublasLtMatmulPreferenceCreate"),
@@ -147,12 +153,30 @@ pub struct Prepared {
     lb: Desc,
     ld: Desc,
     /// Algorithms by the byte alignment of (cuBLASLt A, B, C, D) they were chosen for.
-    algos: std::sync::Mutex<Vec<([u32; 4], Algo)>>,
+    algos: Mutex<Vec<([u32; 4], Algo)>>,
+    /// Held from setting the call's bias pointer on `desc` until cuBLASLt has read it, so
+    /// calls from several threads do not see each other's pointers.
+    call: Mutex<()>,
 }
 
-// SAFETY: descriptors are immutable after preparation and usable from any thread.
+// SAFETY: the descriptors are only changed (bias pointer) under `call`; cuBLASLt handles and
+// descriptors may be used from any thread.
 unsafe impl Send for Prepared {}
 unsafe impl Sync for Prepared {}
+
+impl Drop for Prepared {
+    fn drop(&mut self) {
+        if let Ok(l) = lt() {
+            // SAFETY: the descriptors were created by prepare() and nothing uses them now.
+            unsafe {
+                (l.desc_destroy)(self.desc);
+                for d in [self.la, self.lb, self.ld] {
+                    (l.layout_destroy)(d);
+                }
+            }
+        }
+    }
+}
 
 fn data_type(d: DType) -> Result<c_int, RuntimeError> {
     match d {
@@ -221,7 +245,7 @@ pub fn prepare(spec: MatmulSpec) -> Result<Prepared, RuntimeError> {
     let la = layout(l, ty, br, bc, bld, spec.batch, spec.b.batch_stride)?;
     let lb = layout(l, ty, ar, ac, ald, spec.batch, spec.a.batch_stride)?;
     let ld = layout(l, ty, n, m, n as i64, spec.batch, (m * n) as i64)?;
-    let p = Prepared { spec, desc, la, lb, ld, algos: std::sync::Mutex::new(Vec::new()) };
+    let p = Prepared { spec, desc, la, lb, ld, algos: Mutex::new(Vec::new()), call: Mutex::new(()) };
     // Chosen for 256-byte aligned operands (PyTorch's allocations); calls with less aligned
     // pointers (views at an offset) pick again.
     p.algo_for([256; 4])?;
@@ -249,11 +273,17 @@ impl Prepared {
         unsafe {
             ok((l.pref_create)(&mut pref), "preference")?;
             let ws: u64 = WORKSPACE as u64;
-            ok((l.pref_set)(pref, PREF_MAX_WORKSPACE, &ws as *const u64 as *const c_void, 8), "workspace preference")?;
+            let mut st = (l.pref_set)(pref, PREF_MAX_WORKSPACE, &ws as *const u64 as *const c_void, 8);
             for (i, a) in align.iter().enumerate() {
-                ok((l.pref_set)(pref, PREF_ALIGN_A + i as c_int, a as *const u32 as *const c_void, 4), "alignment preference")?;
+                if st == 0 {
+                    st = (l.pref_set)(pref, PREF_ALIGN_A + i as c_int, a as *const u32 as *const c_void, 4);
+                }
             }
-            ok((l.heuristic)(h, self.desc, self.la, self.lb, self.ld, self.ld, pref, 1, res.as_mut_ptr(), &mut count), "heuristic")?;
+            if st == 0 {
+                st = (l.heuristic)(h, self.desc, self.la, self.lb, self.ld, self.ld, pref, 1, res.as_mut_ptr(), &mut count);
+            }
+            (l.pref_destroy)(pref);
+            ok(st, "heuristic")?;
         }
         if count < 1 || res[0].state != 0 {
             return Err(RuntimeError::Environment(format!("cuBLASLt has no algorithm for {}", self.spec.name)));
@@ -270,6 +300,7 @@ impl Prepared {
         let es = s.dtype.size() as i64;
         let at = |o: &Operand| (ptrs[o.buf as usize] as i64 + o.offset * es) as usize as *const c_void;
         let (alpha, beta) = (1.0f32, 0.0f32);
+        let _call = self.call.lock().unwrap_or_else(|e| e.into_inner());
         // SAFETY: pointers come from live PyTorch tensors laid out as the spec says.
         unsafe {
             if let Some((buf, off)) = s.bias {

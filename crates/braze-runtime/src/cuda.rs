@@ -139,20 +139,42 @@ pub fn nvrtc_version() -> Result<(i32, i32), RuntimeError> {
     Ok((a, b))
 }
 
+/// NVRTC options: full-precision math (no fast-math), as ATen's kernels compute.
+fn nvrtc_options(arch: &str) -> Vec<String> {
+    vec![format!("--gpu-architecture={arch}"), "--std=c++17".into(), "-default-device".into()]
+}
+
 /// Compiles CUDA C `source` to a cubin for `arch` (e.g. `sm_90`), through the disk cache.
 pub fn compile_cubin(source: &str, arch: &str, version: &str) -> Result<(Vec<u8>, bool), RuntimeError> {
-    let n = nvrtc()?;
     let (va, vb) = nvrtc_version()?;
-    let opts = [format!("--gpu-architecture={arch}"), "--std=c++17".into(), "-default-device".into(), "--use_fast_math=false".into()];
+    let opts = nvrtc_options(arch);
     let k = key(&[source, arch, &format!("nvrtc{va}.{vb}"), &opts.join(" "), version]);
     let dir = cache_dir().join("cuda");
     let path = dir.join(format!("{k}.cubin"));
     if let Ok(bytes) = std::fs::read(&path) {
         return Ok((bytes, true));
     }
+    let cubin = nvrtc_build(source, &opts, arch)?;
+    let _ = std::fs::create_dir_all(&dir);
+    let tmp = dir.join(format!("{k}.{}.tmp", std::process::id()));
+    if std::fs::write(&tmp, &cubin).is_ok() {
+        let _ = std::fs::rename(&tmp, &path);
+    }
+    Ok((cubin, false))
+}
+
+/// Compiles a one-line kernel so that NVRTC's first-use cost (about a quarter of a second:
+/// its compiler libraries load and initialize) is paid ahead of the first real compile.
+pub fn warm_up(arch: &str) -> Result<(), RuntimeError> {
+    nvrtc_build("extern \"C\" __global__ void braze_warm_up() {}", &nvrtc_options(arch), arch).map(|_| ())
+}
+
+/// One NVRTC compilation (no cache).
+fn nvrtc_build(source: &str, opts: &[String], arch: &str) -> Result<Vec<u8>, RuntimeError> {
+    let n = nvrtc()?;
     let src = CString::new(source).map_err(|_| RuntimeError::Compile("NUL in source".into()))?;
     let name = CString::new("braze.cu").unwrap();
-    let copts: Vec<CString> = opts.iter().filter(|o| !o.starts_with("--use_fast_math")).map(|o| CString::new(o.as_str()).unwrap()).collect();
+    let copts: Vec<CString> = opts.iter().map(|o| CString::new(o.as_str()).unwrap()).collect();
     let ptrs: Vec<*const c_char> = copts.iter().map(|c| c.as_ptr()).collect();
     let mut prog: NvrtcProgram = std::ptr::null_mut();
     // SAFETY: NVRTC API used as documented; every pointer outlives the calls.
@@ -175,12 +197,7 @@ pub fn compile_cubin(source: &str, arch: &str, version: &str) -> Result<(Vec<u8>
         let mut cubin = vec![0u8; sz];
         (n.cubin)(prog, cubin.as_mut_ptr() as *mut c_char);
         (n.destroy)(&mut prog);
-        let _ = std::fs::create_dir_all(&dir);
-        let tmp = dir.join(format!("{k}.{}.tmp", std::process::id()));
-        if std::fs::write(&tmp, &cubin).is_ok() {
-            let _ = std::fs::rename(&tmp, &path);
-        }
-        Ok((cubin, false))
+        Ok(cubin)
     }
 }
 
