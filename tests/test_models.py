@@ -113,6 +113,42 @@ def test_matmul_layouts(device, dtype):
         torch.backends.cuda.matmul.allow_tf32 = prec
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_matmul_epilogues(device, dtype):
+    """linear + tanh-gelu rides on the matmul (cuBLASLt's GELU epilogue is the tanh form), a
+    residual add becomes the matmul's C operand (also when the residual is a transposed view,
+    copied first); exact gelu stays a fused kernel after the matmul."""
+    if device == "cpu" and dtype != torch.float32:
+        pytest.skip("half matmuls on CPU are ATen's")
+    F = torch.nn.functional
+
+    def f(x, w1, b1, w2, b2, r, rt):
+        h = F.gelu(F.linear(x, w1, b1), approximate="tanh")
+        y = F.linear(h, w2, b2) + r
+        z = rt.t() + F.linear(h, w2)
+        e = F.gelu(F.linear(x, w1))
+        return y, z, e
+
+    g = lambda *s: torch.randn(*s, device=device, dtype=dtype)
+    args = (g(48, 32), g(64, 32) * 0.3, g(64), g(32, 64) * 0.3, g(32), g(48, 32), g(32, 48))
+    tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 1e-2, "atol": 1e-2}
+    prec = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        for o, r in zip(compiled(f)(*args), f(*args)):
+            torch.testing.assert_close(o, r, **tol)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = prec
+    rec = braze.stats.records[-1]
+    assert rec["status"] == "compiled"
+    if device == "cuda":
+        sched = rec["schedule"]
+        assert sched.count("matmul %") == 4, sched
+        # Kernels: the transposed residual's copy and the exact gelu; the tanh gelu and both
+        # residual adds are inside matmuls.
+        assert len(rec["kernels"]) == 2, rec["kernels"]
+
+
 def test_softmax_and_layernorm_fuse(device):
     def f(x, w, b):
         return torch.softmax(torch.nn.functional.layer_norm(x, (x.shape[-1],), w, b), dim=-1)

@@ -105,6 +105,7 @@ class Lowerer:
         self.lowered_ops = {}
         self.reasons = {}
         self.device = None
+        self.matmuls = {}  # ir id of a plain library matmul -> (tf32 text, operand ids)
 
     # ---- emitting IR -------------------------------------------------------------------
     def op(self, text: str, *ins: int) -> int:
@@ -521,6 +522,10 @@ def _leaky_relu(L, node, x, slope=0.01):
 @register(A("gelu"))
 def _gelu(L, node, x, approximate="none"):
     od = out_dtype(node)
+    if approximate == "tanh" and len(x.users) == 1 and L.env.get(x) in L.matmuls and x.meta["val"].dtype == od:
+        # cuBLASLt's GELU epilogue is this tanh approximation: the matmul applies it.
+        tf32, ins = L.matmuls[L.env[x]]
+        return L.op(f"matmul epilogue=gelu tf32={tf32}", *ins)
     ct = torch.float32 if od in (torch.float16, torch.bfloat16) else od
     t = L.tensor(x, ct)
     half = L.op("mul", t, L.scalar(0.5, ct))
@@ -897,7 +902,7 @@ def _matmul_ok(L, node, *xs):
 @register(A("mm"), A("bmm"))
 def _mm(L, node, a, b):
     tf32 = _matmul_ok(L, node, a, b)
-    return L.op(f"matmul epilogue=none tf32={tf32}", L.tensor(a), L.tensor(b))
+    return _plain_matmul(L, tf32, L.tensor(a), L.tensor(b))
 
 
 @register(A("addmm"))
@@ -905,7 +910,13 @@ def _addmm(L, node, bias, a, b, beta=1, alpha=1):
     if beta != 1 or alpha != 1 or bias.meta["val"].dim() != 1:
         raise Unsupported("addmm with scaling or a 2-dim bias")
     tf32 = _matmul_ok(L, node, bias, a, b)
-    return L.op(f"matmul epilogue=none tf32={tf32}", L.tensor(a), L.tensor(b), L.tensor(bias))
+    return _plain_matmul(L, tf32, L.tensor(a), L.tensor(b), L.tensor(bias))
+
+
+def _plain_matmul(L, tf32, *ins):
+    r = L.op(f"matmul epilogue=none tf32={tf32}", *ins)
+    L.matmuls[r] = (tf32, ins)
+    return r
 
 
 # ---- creation ------------------------------------------------------------------------

@@ -165,9 +165,9 @@ fn prepare_matmul(
     g: &Graph,
     sched: &braze_sched::Schedule,
     node: NodeId,
-    a: &Access,
-    b: &Access,
+    [a, b]: [&Access; 2],
     bias: Option<&Access>,
+    residual: Option<&Access>,
     out: u32,
 ) -> Result<braze_runtime::cublaslt::Prepared, DriverError> {
     let c = |e: &Expr| e.as_const().ok_or_else(|| unsupported("matmul with symbolic sizes"));
@@ -188,7 +188,7 @@ fn prepare_matmul(
             batch_stride: if r == 3 { c(&strides[0])? } else { 0 },
         })
     };
-    let Op::Matmul { epilogue, tf32 } = g.node(node).op else { return Err(DriverError::Internal("not a matmul".into())) };
+    let Op::Matmul { epilogue, tf32, .. } = g.node(node).op else { return Err(DriverError::Internal("not a matmul".into())) };
     let ty = g.ty(node);
     if ty.rank() > 3 {
         return Err(unsupported("matmul of rank > 3"));
@@ -209,6 +209,7 @@ fn prepare_matmul(
         a: operand(a)?,
         b: operand(b)?,
         bias,
+        residual: residual.map(operand).transpose()?,
         out,
         batch: if ty.rank() == 3 { c(&ty.shape[0])? as u64 } else { 1 },
         dtype: ty.dtype,
@@ -270,7 +271,7 @@ pub fn compile(g: Graph, target: Target, check_cuda: bool, check_arch: &str) -> 
             for st in &sched.steps {
                 match st {
                     Step::Kernel(k) => items.push(Item::Kernel(*k)),
-                    Step::Matmul { node, a, b, bias, out } => items.push(Item::Matmul(prepare_matmul(&opt, &sched, *node, a, b, bias.as_ref(), *out)?)),
+                    Step::Matmul { node, a, b, bias, residual, out } => items.push(Item::Matmul(prepare_matmul(&opt, &sched, *node, [a, b], bias.as_ref(), residual.as_ref(), *out)?)),
                     Step::Extern { .. } => {}
                 }
             }

@@ -169,9 +169,10 @@ pub fn infer(op: &Op, ins: &[&TensorTy]) -> Result<Option<TensorTy>, Error> {
             }
             t(first.dtype, s)
         }
-        Op::Matmul { .. } => {
-            if ins.len() != 2 && ins.len() != 3 {
-                return Err(bad("matmul takes (a, b) or (a, b, bias)".into()));
+        Op::Matmul { residual, .. } => {
+            let n = ins.len() - usize::from(*residual);
+            if (n != 2 && n != 3) || ins.len() < 2 {
+                return Err(bad("matmul takes (a, b[, bias][, residual])".into()));
             }
             let (a, b) = (ins[0], ins[1]);
             let r = a.rank();
@@ -181,13 +182,16 @@ pub fn infer(op: &Op, ins: &[&TensorTy]) -> Result<Option<TensorTy>, Error> {
             if a.shape[..r - 2] != b.shape[..r - 2] || a.shape[r - 1] != b.shape[r - 2] {
                 return Err(bad("matmul operand shapes do not match".into()));
             }
-            if let Some(bias) = ins.get(2) {
+            if let Some(bias) = ins[..n].get(2) {
                 if bias.rank() != 1 || bias.shape[0] != b.shape[r - 1] || bias.dtype != a.dtype {
                     return Err(bad("matmul bias must be [N] of the operands' dtype".into()));
                 }
             }
             let mut s = a.shape[..r - 1].to_vec();
             s.push(b.shape[r - 1].clone());
+            if *residual && (ins[n].shape != s || ins[n].dtype != a.dtype) {
+                return Err(bad("matmul residual must have the result's shape and dtype".into()));
+            }
             t(a.dtype, s)
         }
         Op::Pad { pads, .. } => {

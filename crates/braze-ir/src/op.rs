@@ -167,10 +167,12 @@ pub enum Op {
     Cat { dim: usize },
     /// Constant padding: `pads[d] = (before, after)` elements on dim d, both >= 0.
     Pad { pads: Vec<(i64, i64)>, value: Lit },
-    /// Matrix product `a @ b (+ bias)`, then `epilogue`: operands (a: [.., M, K], b: [.., K, N]
-    /// [, bias: [N]]), batch dims equal. Runs as a vendor-library call (cuBLASLt), with the
-    /// bias and activation fused. `tf32` allows TF32 arithmetic for f32 operands.
-    Matmul { epilogue: Epilogue, tf32: bool },
+    /// Matrix product `a @ b (+ bias) (+ residual)`, then `epilogue`: operands (a: [.., M, K],
+    /// b: [.., K, N] [, bias: [N]] [, residual: [.., M, N]]), batch dims equal; the residual
+    /// (last operand, when `residual`) has the result's shape and dtype. Runs as a
+    /// vendor-library call (cuBLASLt), with bias, residual and activation fused. `tf32`
+    /// allows TF32 arithmetic for f32 operands.
+    Matmul { epilogue: Epilogue, tf32: bool, residual: bool },
     /// A call of the ATen op `target` (by name) on the operands; `outputs` results, each
     /// taken by an `ExternOut`. The runtime (Python) holds the non-tensor arguments.
     Extern { target: String, outputs: u32 },

@@ -284,6 +284,7 @@ fn build_op(name: &str, a: &BTreeMap<String, String>) -> Result<Op, String> {
         "matmul" => Op::Matmul {
             epilogue: crate::op::Epilogue::from_name(get("epilogue")?).ok_or("unknown epilogue")?,
             tf32: boolean("tf32")?,
+            residual: if a.contains_key("residual") { boolean("residual")? } else { false },
         },
         "extern" => Op::Extern { target: get("target")?.to_string(), outputs: int("outputs")? as u32 },
         "extern_out" => Op::ExternOut { index: int("index")? as u32, strides: exprs("strides")? },

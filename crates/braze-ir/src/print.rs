@@ -61,7 +61,9 @@ pub fn op_attrs(op: &Op) -> String {
             let flat: Vec<i64> = pads.iter().flat_map(|&(a, b)| [a, b]).collect();
             format!("pads={} value={}", list(&flat), fmt_lit(*value))
         }
-        Op::Matmul { epilogue, tf32 } => format!("epilogue={} tf32={tf32}", epilogue.name()),
+        Op::Matmul { epilogue, tf32, residual } => {
+            format!("epilogue={} tf32={tf32}{}", epilogue.name(), if *residual { " residual=true" } else { "" })
+        }
         Op::Extern { target, outputs } => format!("target=\"{target}\" outputs={outputs}"),
         Op::ExternOut { index, strides } => format!("index={index} strides={}", list(strides)),
     }

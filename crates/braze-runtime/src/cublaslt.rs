@@ -132,13 +132,15 @@ pub struct Operand {
     pub batch_stride: i64,
 }
 
-/// `out[b] = epilogue(a[b] @ b[b] + bias)`, row-major, `out` contiguous.
+/// `out[b] = epilogue(a[b] @ b[b] + bias + residual[b])`, row-major, `out` contiguous; the
+/// residual is cuBLASLt's C operand (beta = 1), row-major with its own row stride.
 #[derive(Clone, Debug)]
 pub struct MatmulSpec {
     pub name: String,
     pub a: Operand,
     pub b: Operand,
     pub bias: Option<(u32, i64)>,
+    pub residual: Option<Operand>,
     pub out: u32,
     pub batch: u64,
     pub dtype: DType,
@@ -151,6 +153,8 @@ pub struct Prepared {
     desc: Desc,
     la: Desc,
     lb: Desc,
+    /// C's layout (the residual's, else D's) and D's.
+    lc: Desc,
     ld: Desc,
     /// Algorithms by the byte alignment of (cuBLASLt A, B, C, D) they were chosen for.
     algos: Mutex<Vec<([u32; 4], Algo)>>,
@@ -172,6 +176,9 @@ impl Drop for Prepared {
                 (l.desc_destroy)(self.desc);
                 for d in [self.la, self.lb, self.ld] {
                     (l.layout_destroy)(d);
+                }
+                if self.lc != self.ld {
+                    (l.layout_destroy)(self.lc);
                 }
             }
         }
@@ -225,6 +232,14 @@ pub fn prepare(spec: MatmulSpec) -> Result<Prepared, RuntimeError> {
     let (br, bc, bld, bt) = colmajor(&spec.b)?;
     let (ar, ac, ald, at) = colmajor(&spec.a)?;
     let (m, n) = (spec.a.rows, spec.b.cols);
+    // The residual must be D's column-major N x M untransposed (row-major M x N rows).
+    let c_ld = match &spec.residual {
+        Some(r) => match colmajor(r)? {
+            (rows, cols, cld, false) if (rows, cols) == (n, m) => Some(cld),
+            _ => return Err(RuntimeError::Environment(format!("{}: residual layout rs={} cs={} not supported", spec.name, r.rs, r.cs))),
+        },
+        None => None,
+    };
     let mut desc: Desc = std::ptr::null_mut();
     // SAFETY: descriptor set-up with values of the documented types.
     unsafe {
@@ -245,7 +260,11 @@ pub fn prepare(spec: MatmulSpec) -> Result<Prepared, RuntimeError> {
     let la = layout(l, ty, br, bc, bld, spec.batch, spec.b.batch_stride)?;
     let lb = layout(l, ty, ar, ac, ald, spec.batch, spec.a.batch_stride)?;
     let ld = layout(l, ty, n, m, n as i64, spec.batch, (m * n) as i64)?;
-    let p = Prepared { spec, desc, la, lb, ld, algos: Mutex::new(Vec::new()), call: Mutex::new(()) };
+    let lc = match (&spec.residual, c_ld) {
+        (Some(r), Some(cld)) => layout(l, ty, n, m, cld, spec.batch, r.batch_stride)?,
+        _ => ld,
+    };
+    let p = Prepared { spec, desc, la, lb, lc, ld, algos: Mutex::new(Vec::new()), call: Mutex::new(()) };
     // Chosen for 256-byte aligned operands (PyTorch's allocations); calls with less aligned
     // pointers (views at an offset) pick again.
     p.algo_for([256; 4])?;
@@ -280,7 +299,7 @@ impl Prepared {
                 }
             }
             if st == 0 {
-                st = (l.heuristic)(h, self.desc, self.la, self.lb, self.ld, self.ld, pref, 1, res.as_mut_ptr(), &mut count);
+                st = (l.heuristic)(h, self.desc, self.la, self.lb, self.lc, self.ld, pref, 1, res.as_mut_ptr(), &mut count);
             }
             (l.pref_destroy)(pref);
             ok(st, "heuristic")?;
@@ -299,7 +318,7 @@ impl Prepared {
         let s = &self.spec;
         let es = s.dtype.size() as i64;
         let at = |o: &Operand| (ptrs[o.buf as usize] as i64 + o.offset * es) as usize as *const c_void;
-        let (alpha, beta) = (1.0f32, 0.0f32);
+        let (alpha, beta) = (1.0f32, if s.residual.is_some() { 1.0f32 } else { 0.0 });
         let _call = self.call.lock().unwrap_or_else(|e| e.into_inner());
         // SAFETY: pointers come from live PyTorch tensors laid out as the spec says.
         unsafe {
@@ -308,12 +327,13 @@ impl Prepared {
                 ok((l.desc_set)(self.desc, DESC_BIAS_POINTER, &p as *const *const c_void as *const c_void, 8), "bias pointer")?;
             }
             let d = ptrs[s.out as usize] as *mut c_void;
+            let c = s.residual.as_ref().map_or(d as *const c_void, at);
             let (pa, pb) = (at(&s.b), at(&s.a));
-            let align = [alignment(pa as usize), alignment(pb as usize), alignment(d as usize), alignment(d as usize)];
+            let align = [alignment(pa as usize), alignment(pb as usize), alignment(c as usize), alignment(d as usize)];
             let algo = self.algo_for(align)?;
             let st = (l.matmul)(
                 h, self.desc, &alpha as *const f32 as *const c_void, pa, self.la, pb, self.lb,
-                &beta as *const f32 as *const c_void, d, self.ld, d, self.ld, &algo, workspace as *mut c_void, WORKSPACE, stream as *mut c_void,
+                &beta as *const f32 as *const c_void, c, self.lc, d, self.ld, &algo, workspace as *mut c_void, WORKSPACE, stream as *mut c_void,
             );
             ok(st, &format!("matmul {}", s.name))
         }

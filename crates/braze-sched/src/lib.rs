@@ -21,10 +21,11 @@ impl std::fmt::Display for Schedule {
         for s in &self.steps {
             match s {
                 Step::Kernel(k) => write!(f, "{}", self.kernels[*k])?,
-                Step::Matmul { a, b, bias, out, node } => {
+                Step::Matmul { a, b, bias, residual, out, node } => {
                     let v = |a: &Access| format!("buf{}{}", a.buf, if a.view.is_some() { "(view)" } else { "" });
                     let bias = bias.as_ref().map(|x| format!(" + {}", v(x))).unwrap_or_default();
-                    writeln!(f, "matmul {node}: buf{out} = {} @ {}{bias}", v(a), v(b))?
+                    let res = residual.as_ref().map(|x| format!(" + {}", v(x))).unwrap_or_default();
+                    writeln!(f, "matmul {node}: buf{out} = {} @ {}{bias}{res}", v(a), v(b))?
                 }
                 Step::Extern { target, args, outs, .. } => {
                     let a: Vec<String> = args.iter().map(|a| format!("buf{}{}", a.buf, if a.view.is_some() { "(view)" } else { "" })).collect();

@@ -58,7 +58,7 @@ pub enum Step {
     /// Run kernel `n`.
     Kernel(usize),
     /// A matrix product by the vendor library: `out = epilogue(a @ b + bias)`.
-    Matmul { node: NodeId, a: Access, b: Access, bias: Option<Access>, out: BufId },
+    Matmul { node: NodeId, a: Access, b: Access, bias: Option<Access>, residual: Option<Access>, out: BufId },
     /// Call ATen op `target` (extern node `node`) on `args`; its results fill `outs`
     /// (`UNUSED` for results nothing reads).
     Extern { node: NodeId, target: String, args: Vec<Access>, outs: Vec<BufId> },
@@ -140,11 +140,15 @@ pub fn schedule(g: &Graph) -> Result<Schedule, SchedError> {
                 need_access(&mut stored, i, any_view);
             }
         }
-        if matches!(node.op, Op::Matmul { .. }) {
+        if let Op::Matmul { residual, .. } = node.op {
             // Operands must be matrices the library can read: a unit stride in one of the
-            // last two dims.
-            for &i in &node.inputs {
+            // last two dims; the residual (cuBLASLt's C) row-major like the result.
+            let n = node.inputs.len() - usize::from(residual);
+            for &i in &node.inputs[..n] {
                 need_access(&mut stored, i, matmul_operand_ok);
+            }
+            if residual {
+                need_access(&mut stored, node.inputs[n], residual_operand_ok);
             }
         }
     }
@@ -236,8 +240,11 @@ pub fn schedule(g: &Graph) -> Result<Schedule, SchedError> {
             steps.push(Step::Kernel(kernels.len()));
             kernels.push(kern);
         } else if let Some(e) = e.filter(|&e| matches!(g.node(e).op, Op::Matmul { .. })) {
+            let Op::Matmul { residual, .. } = g.node(e).op else { unreachable!() };
             let ins = &g.node(e).inputs;
-            steps.push(Step::Matmul { node: e, a: access(ins[0]), b: access(ins[1]), bias: ins.get(2).map(|&b| access(b)), out: buf_of[e.index()].unwrap() });
+            let n = ins.len() - usize::from(residual);
+            let residual = residual.then(|| access(ins[n]));
+            steps.push(Step::Matmul { node: e, a: access(ins[0]), b: access(ins[1]), bias: ins[..n].get(2).map(|&b| access(b)), residual, out: buf_of[e.index()].unwrap() });
         } else if let Some(e) = e {
             let Op::Extern { target, outputs } = &g.node(e).op else { unreachable!() };
             let mut outs = vec![UNUSED; *outputs as usize];
@@ -255,6 +262,13 @@ pub fn schedule(g: &Graph) -> Result<Schedule, SchedError> {
     let outputs: Vec<Access> = g.outputs.iter().map(|&o| access(o)).collect();
     let frees = plan_frees(&buffers, &kernels, &steps, &outputs);
     Ok(Schedule { buffers, kernels, steps, outputs, frees, log })
+}
+
+/// A view the library can read as the C operand: row-major rows (unit last stride), rows
+/// not overlapping.
+fn residual_operand_ok(v: &View) -> bool {
+    let r = v.sizes.len();
+    r >= 1 && (v.strides[r - 1].is_const(1) || v.sizes[r - 1].is_const(1)) && !(r >= 2 && v.strides[r - 2].is_const(0) && !v.sizes[r - 2].is_const(1))
 }
 
 /// A strided view the matrix library can read: a unit stride (or size 1) in one of the last
@@ -383,8 +397,8 @@ fn plan_frees(buffers: &[Buffer], kernels: &[Kernel], steps: &[Step], outputs: &
                     last[b.id as usize] = Some(s);
                 }
             }
-            Step::Matmul { a, b, bias, out, .. } => {
-                for x in [Some(a), Some(b), bias.as_ref()].into_iter().flatten() {
+            Step::Matmul { a, b, bias, residual, out, .. } => {
+                for x in [Some(a), Some(b), bias.as_ref(), residual.as_ref()].into_iter().flatten() {
                     last[x.buf as usize] = Some(s);
                 }
                 if last[*out as usize].is_none() {
