@@ -2,14 +2,16 @@
 //!
 //! - `relu(matmul(a, b[, bias]))` becomes one matmul whose epilogue applies the relu.
 //! - `matmul(a, b[, bias]) + r`, with `r` of the result's shape and dtype (a residual
-//!   connection), becomes one matmul that adds `r` as cuBLASLt's C operand (beta = 1).
+//!   connection), becomes one matmul that adds `r` as cuBLASLt's C operand (beta = 1); also
+//!   through a reshape of the matmul's result (`linear` on 3-d input: `view(addmm) + r`),
+//!   where `r` is reshaped to the matmul's shape and the sum back.
 //!
-//! Both only when the matmul's one user is that op and the matmul is not a graph output (and
-//! a residual stored with its own strides has unit stride along rows). Every
-//! other activation is left to the pointwise kernels that follow the matmul.
+//! Each only when the matmul (and the reshape) has that op as its one user and is not a graph
+//! output, and a residual stored with its own strides has unit stride along rows. Every other
+//! activation is left to the pointwise kernels that follow the matmul.
 
 use crate::dce::dce;
-use braze_ir::{BinaryOp, Epilogue, Graph, Node, NodeId, Op, UnaryOp};
+use braze_ir::{BinaryOp, Epilogue, Graph, NodeId, Op, UnaryOp};
 
 /// Whether a node that is stored as it is (an input or extern result, with its own strides)
 /// has row-major rows, as cuBLASLt's C operand needs. Other nodes are made so by the
@@ -26,39 +28,57 @@ fn rows_unit_stride(g: &Graph, r: NodeId) -> bool {
 
 pub fn matmul_epilogue(g: &Graph) -> Graph {
     let users = g.users();
-    let mut out = g.clone();
-    // A plain matmul that only `id` uses.
-    let fusable = |m: NodeId, id: NodeId| match g.node(m).op {
-        Op::Matmul { epilogue: Epilogue::None, tf32, residual: false } => {
-            (users[m.index()].iter().all(|&u| u == id) && !g.outputs.contains(&m)).then_some(tf32)
-        }
+    // `n` feeds only `u` and is not a graph output.
+    let only_user = |n: NodeId, u: NodeId| users[n.index()].iter().all(|&x| x == u) && !g.outputs.contains(&n);
+    // A plain matmul (no epilogue yet): its tf32 flag.
+    let plain = |m: NodeId| match g.node(m).op {
+        Op::Matmul { epilogue: Epilogue::None, tf32, residual: false } => Some(tf32),
         _ => None,
     };
+    let mut out = Graph::new(&g.name);
+    let mut map: Vec<NodeId> = Vec::with_capacity(g.nodes.len());
     for id in g.ids() {
-        match g.node(id).op {
+        let n = g.node(id);
+        let mapped = |map: &[NodeId], ids: &[NodeId]| ids.iter().map(|i| map[i.index()]).collect::<Vec<_>>();
+        let mut new = None;
+        match n.op {
             Op::Unary(UnaryOp::Relu) => {
-                let m = g.node(id).inputs[0];
-                if let Some(tf32) = fusable(m, id) {
+                let m = n.inputs[0];
+                if let (Some(tf32), true) = (plain(m), only_user(m, id)) {
                     let op = Op::Matmul { epilogue: Epilogue::Relu, tf32, residual: false };
-                    out.nodes[id.index()] = Node { op, inputs: g.node(m).inputs.clone(), ty: g.node(id).ty.clone() };
+                    new = out.add(op, mapped(&map, &g.node(m).inputs)).ok();
                 }
             }
             Op::Binary(BinaryOp::Add) => {
-                let (x, y) = (g.node(id).inputs[0], g.node(id).inputs[1]);
-                for (m, r) in [(x, y), (y, x)] {
-                    let Some(tf32) = fusable(m, id) else { continue };
-                    if m == r || g.ty(r).shape != g.ty(m).shape || g.ty(r).dtype != g.ty(m).dtype || g.ty(id) != g.ty(m) || !rows_unit_stride(g, r) {
+                let (x, y) = (n.inputs[0], n.inputs[1]);
+                for (p, r) in [(x, y), (y, x)] {
+                    // The matmul, directly or under a reshape.
+                    let (m, reshaped) = match &g.node(p).op {
+                        Op::Reshape(_) if only_user(p, id) => (g.node(p).inputs[0], true),
+                        _ => (p, false),
+                    };
+                    let Some(tf32) = plain(m).filter(|_| only_user(m, if reshaped { p } else { id })) else { continue };
+                    if m == r || p == r || g.ty(r) != g.ty(id) || g.ty(p) != g.ty(id) || !rows_unit_stride(g, r) {
                         continue;
                     }
-                    let mut inputs = g.node(m).inputs.clone();
-                    inputs.push(r);
-                    let op = Op::Matmul { epilogue: Epilogue::None, tf32, residual: true };
-                    out.nodes[id.index()] = Node { op, inputs, ty: g.node(id).ty.clone() };
+                    let mshape = g.ty(m).shape.clone();
+                    let c = if reshaped { out.add(Op::Reshape(mshape), vec![map[r.index()]]).ok() } else { Some(map[r.index()]) };
+                    let Some(c) = c else { continue };
+                    let mut ins = mapped(&map, &g.node(m).inputs);
+                    ins.push(c);
+                    let Ok(mm) = out.add(Op::Matmul { epilogue: Epilogue::None, tf32, residual: true }, ins) else { continue };
+                    new = if reshaped { out.add(Op::Reshape(g.ty(id).shape.clone()), vec![mm]).ok() } else { Some(mm) };
                     break;
                 }
             }
             _ => {}
         }
+        let new = match new {
+            Some(v) if out.ty(v) == g.ty(id) => v,
+            _ => out.add_typed(n.op.clone(), mapped(&map, &n.inputs), n.ty.clone()),
+        };
+        map.push(new);
     }
+    out.outputs = g.outputs.iter().map(|o| map[o.index()]).collect();
     dce(&out)
 }
