@@ -73,6 +73,7 @@ pub enum Module {
 }
 
 impl Module {
+    #[allow(clippy::too_many_arguments)] // the Python runtime's call, argument for argument
     /// Runs items `lo..hi` with buffer pointers by id (arena buffers filled in from `arena`),
     /// size symbols, and, for CUDA, PyTorch's current stream.
     ///
@@ -105,6 +106,12 @@ impl Module {
     }
 }
 
+/// One buffer of the plan: (kind, input index or -1, dtype, shape expr ids, stride expr ids).
+pub type BufferRow = (String, i64, String, Vec<usize>, Vec<usize>);
+/// One step of the plan: ("kernels", lo, hi, "", [], []) or ("extern", node, 0, target,
+/// args, outs).
+pub type StepRow = (String, u32, u32, String, Vec<AccessT>, Vec<u32>);
+
 /// A compiled graph's plan: what the Python runtime follows, and what the logs show.
 /// Sizes, strides and offsets are ids into `exprs`, evaluated per call for dynamic shapes.
 #[derive(Clone, Debug)]
@@ -119,10 +126,8 @@ pub struct Plan {
     pub fusion_log: Vec<String>,
     /// (name, roots) per kernel.
     pub kernels: Vec<(String, Vec<String>)>,
-    /// (kind, input index or -1, dtype, shape expr ids, stride expr ids) per buffer.
-    pub buffers: Vec<(String, i64, String, Vec<usize>, Vec<usize>)>,
-    /// ("kernels", lo, hi, [], []) or ("extern", node, target, args, outs) per step.
-    pub steps: Vec<(String, u32, u32, String, Vec<AccessT>, Vec<u32>)>,
+    pub buffers: Vec<BufferRow>,
+    pub steps: Vec<StepRow>,
     pub frees: Vec<Vec<u32>>,
     /// Temp buffers first written by each step (allocated just before it).
     pub allocs: Vec<Vec<u32>>,
@@ -271,7 +276,7 @@ pub fn compile(g: Graph, target: Target, check_cuda: bool, check_arch: &str) -> 
             for st in &sched.steps {
                 match st {
                     Step::Kernel(k) => items.push(Item::Kernel(*k)),
-                    Step::Matmul { node, a, b, bias, residual, out } => items.push(Item::Matmul(prepare_matmul(&opt, &sched, *node, [a, b], bias.as_ref(), residual.as_ref(), *out)?)),
+                    Step::Matmul { node, a, b, bias, residual, out } => items.push(Item::Matmul(Box::new(prepare_matmul(&opt, &sched, *node, [a, b], bias.as_ref(), residual.as_ref(), *out)?))),
                     Step::Extern { .. } => {}
                 }
             }

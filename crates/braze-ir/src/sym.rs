@@ -195,11 +195,8 @@ impl Expr {
     pub fn syms(&self, out: &mut Vec<u32>) {
         for a in self.atoms() {
             match a {
-                Atom::Sym(s) => {
-                    if !out.contains(s) {
-                        out.push(*s)
-                    }
-                }
+                Atom::Sym(s) if !out.contains(s) => out.push(*s),
+                Atom::Sym(_) => {}
                 Atom::FloorDiv(x, y) | Atom::Mod(x, y) => {
                     x.syms(out);
                     y.syms(out);

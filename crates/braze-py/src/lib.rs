@@ -193,13 +193,13 @@ impl Compiled {
 
     /// (kind, input index or -1, dtype, shape expr ids, stride expr ids) per buffer.
     #[getter]
-    fn buffers(&self) -> Vec<(String, i64, String, Vec<usize>, Vec<usize>)> {
+    fn buffers(&self) -> Vec<braze_driver::BufferRow> {
         self.plan.buffers.clone()
     }
 
     /// ("kernels", lo, hi, "", [], []) or ("extern", node, 0, target, args, outs) per step.
     #[getter]
-    fn steps(&self) -> Vec<(String, u32, u32, String, Vec<AccessT>, Vec<u32>)> {
+    fn steps(&self) -> Vec<braze_driver::StepRow> {
         self.plan.steps.clone()
     }
 
@@ -262,6 +262,7 @@ impl Compiled {
     /// `syms`; CUDA kernels are launched on `stream` (PyTorch's current stream); buffers in
     /// the arena get their pointers from `arena`.
     #[pyo3(signature = (lo, hi, ptrs, syms, stream=0, arena=0))]
+    #[allow(clippy::too_many_arguments)] // the Python runtime's call, argument for argument
     fn run(&self, py: Python<'_>, lo: usize, hi: usize, ptrs: Vec<usize>, syms: Vec<i64>, stream: usize, arena: usize) -> PyResult<()> {
         let m = self.module.as_ref().ok_or_else(|| InternalError::new_err("no kernels"))?;
         let mut ptrs = ptrs;

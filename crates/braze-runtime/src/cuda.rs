@@ -222,7 +222,7 @@ pub use braze_codegen::cuda::Launch as LaunchSpec;
 /// One thing a CUDA module runs, in order: a generated kernel or a library matmul.
 pub enum Item {
     Kernel(usize),
-    Matmul(crate::cublaslt::Prepared),
+    Matmul(Box<crate::cublaslt::Prepared>),
 }
 
 pub struct CudaModule {

@@ -411,7 +411,7 @@ pub fn lower(cx: &Ctx, me: usize, dom: &Domain, roots: &[NodeId]) -> Result<Kern
         let need = deps.iter().map(|d| pass_of.get(d).copied().ok_or_else(|| Illegal(format!("{r} needs {d} first")))).collect::<Result<Vec<_>, _>>()?;
         let slot = match (matches!(g.node(r).op, Op::Reduce { .. }), level) {
             (true, _) | (false, Level::Row) => Some(need.iter().map(|p| p + 1).max().unwrap_or(0)),
-            (false, Level::Outer) => need.iter().max().map(|p| *p),
+            (false, Level::Outer) => need.iter().max().copied(),
         };
         if matches!(g.node(r).op, Op::Reduce { .. }) {
             pass_of.insert(r, slot.unwrap());

@@ -54,6 +54,7 @@ pub struct Access {
 }
 
 #[derive(Clone, Debug, PartialEq)]
+#[allow(clippy::large_enum_variant)] // a handful per graph; boxing buys nothing
 pub enum Step {
     /// Run kernel `n`.
     Kernel(usize),

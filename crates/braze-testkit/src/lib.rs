@@ -6,8 +6,11 @@
 use braze_ir::Graph;
 use std::path::Path;
 
+/// What a filetest runs: `(steps, graph)` to the text output, or an error.
+pub type Runner<'a> = &'a dyn Fn(&[&str], Graph) -> Result<String, String>;
+
 /// Runs every case in every `.bz` file of `dir`; `run(steps, graph)` produces the output.
-pub fn run_filetests(dir: &Path, run: &dyn Fn(&[&str], Graph) -> Result<String, String>) {
+pub fn run_filetests(dir: &Path, run: Runner) {
     let bless = std::env::var("BLESS").is_ok();
     let mut failures = Vec::new();
     let mut count = 0;
