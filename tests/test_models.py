@@ -123,16 +123,17 @@ def test_matmul_epilogues(device, dtype):
         pytest.skip("half matmuls on CPU are ATen's")
     F = torch.nn.functional
 
-    def f(x, w1, b1, w2, b2, r, rt, w3, r3):
+    def f(x, w1, b1, w2, b2, r, rt, w3, r3, p, q, rb):
         h = F.gelu(F.linear(x, w1, b1), approximate="tanh")
         y = F.linear(h, w2, b2) + r
         z = rt.t() + F.linear(h, w2)
         e = F.gelu(F.linear(x, w1))
         v = F.linear(h.view(2, 24, 64), w3, b2) + r3  # 3-d linear: a reshape between
-        return h, y, z, e, v
+        u = torch.bmm(p, q) + rb  # batched: the residual has a batch stride
+        return h, y, z, e, v, u
 
     g = lambda *s: torch.randn(*s, device=device, dtype=dtype)
-    args = (g(48, 32), g(64, 32) * 0.3, g(64), g(32, 64) * 0.3, g(32), g(48, 32), g(32, 48), g(32, 64) * 0.3, g(2, 24, 32))
+    args = (g(48, 32), g(64, 32) * 0.3, g(64), g(32, 64) * 0.3, g(32), g(48, 32), g(32, 48), g(32, 64) * 0.3, g(2, 24, 32), g(3, 5, 7), g(3, 7, 6), g(3, 5, 6))
     tol = {"rtol": 5e-5, "atol": 5e-5} if dtype == torch.float32 else {"rtol": 1e-2, "atol": 1e-2}
     prec = torch.backends.cuda.matmul.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -150,7 +151,7 @@ def test_matmul_epilogues(device, dtype):
     assert rec["status"] == "compiled"
     if device == "cuda":
         sched = rec["schedule"]
-        assert sched.count("matmul %") == 5, sched
+        assert sched.count("matmul %") == 6, sched
         # Kernels: the transposed residual's copy and the exact gelu; the tanh gelu and both
         # residual adds are inside matmuls.
         assert len(rec["kernels"]) == 2, rec["kernels"]
