@@ -3,7 +3,8 @@
 For each workload it prints median time per call, speedup over eager, kernels per call,
 first-call (trace + compile) time and max error against eager, all measured in one run:
 eager and compiled calls are interleaved, GPU work is timed with CUDA events, the first call
-is timed separately with cold caches (a fresh braze cache directory, Inductor's caches off).
+is timed in a fresh process per backend with cold caches (a fresh braze cache directory,
+Inductor's caches off), after Dynamo's one-time set-up.
 Uses the GPU when there is one, otherwise the CPU (with smaller sizes, named in the table).
 """
 from __future__ import annotations
@@ -13,6 +14,7 @@ import gc
 import json
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -94,6 +96,47 @@ def make_step(model, inputs, train, fn):
     return infer
 
 
+def warm_dynamo(device):
+    """Dynamo's and AOTAutograd's one-time set-up (imports, first trace), paid before any
+    first call is timed, so it is no backend's cost."""
+    torch.compile(lambda x: torch.sin(x) + 1, backend="aot_eager")(torch.randn(8, device=device))
+    torch._dynamo.reset()
+
+
+def first_call(name, be, device):
+    """The cold first call (trace + compile + run) of one workload under one backend, in this
+    process; returns seconds and, for braze, its compile stages."""
+    warm_dynamo(device)
+    torch.manual_seed(0)
+    model, inputs, shape, train = dict(workloads(device))[name]()
+    make_step(model, inputs, train, model)()  # what eager needs once (CUDA context, cuBLAS)
+    step = make_step(model, inputs, train, torch.compile(model, backend=be))
+    n0 = len(braze.stats.records)
+    gc.collect()
+    sync(device)
+    t = time.perf_counter()
+    step()
+    sync(device)
+    res = {"first_call_s": time.perf_counter() - t}
+    if be == "braze":
+        stages = {}
+        for r in braze.stats.records[n0:]:
+            for k, v in r.get("times", {}).items():
+                stages[k] = stages.get(k, 0.0) + v
+        res["stages"] = stages
+    return res
+
+
+def first_call_subprocess(name, be, device):
+    cmd = [sys.executable, "-m", "braze.bench", "--first-call", name, "--backend", be, "--device", str(device)]
+    p = subprocess.run(cmd, capture_output=True, text=True)
+    for line in reversed(p.stdout.splitlines()):
+        if line.startswith("FIRST_CALL "):
+            return json.loads(line[len("FIRST_CALL "):])
+    print(f"first call of {name} under {be} failed:\n{p.stderr[-2000:]}", file=sys.stderr)
+    return {}
+
+
 def run_workload(name, build, device, reps, backends):
     torch.manual_seed(0)
     model, inputs, shape, train = build()
@@ -103,32 +146,23 @@ def run_workload(name, build, device, reps, backends):
     first = {"eager": 0.0}
     err = {"eager": 0.0}
     kernels = {}
-    # braze compiles first: TorchInductor's first compile starts a pool of compile worker
-    # processes that keep the host's cores busy for seconds after it returns, which would slow
-    # whichever compiler runs next.
-    for be in sorted(backends, key=lambda b: b != "braze"):
+    for be in backends:
+        # The cold first call is measured in a fresh process per backend: in this one, an
+        # earlier TorchInductor compile leaves compile-worker processes busy for seconds and
+        # slows whatever compiles next (braze's NVRTC stage measured 10x slower after it).
+        cold = first_call_subprocess(name, be, device)
+        first[be] = cold.get("first_call_s", float("nan"))
         torch._dynamo.reset()
         compiled = torch.compile(model, backend=be)
         step = make_step(model, inputs, train, compiled)
         n0 = len(braze.stats.records)
-        # The previous workloads' garbage is collected first, so that no backend's first call
-        # pays a collection it did not cause.
-        gc.collect()
-        sync(device)
-        t = time.perf_counter()
         out = step()
-        sync(device)
-        first[be] = time.perf_counter() - t
         err[be] = (out.detach().float() - ref).abs().max().item()
         if be == "braze":
             recs = braze.stats.records[n0:]
             kernels[be] = sum(len(r.get("kernels", [])) + sum(r.get("externs", {}).values()) for r in recs)
             kernels["braze_eager_graphs"] = sum(r["status"] == "eager" for r in recs)
-            stages = {}
-            for r in recs:
-                for k, v in r.get("times", {}).items():
-                    stages[k] = stages.get(k, 0.0) + v
-            kernels["braze_stages"] = stages
+            kernels["braze_stages"] = cold.get("stages")
         steps[be] = step
     for s in steps.values():  # warm up
         for _ in range(3):
@@ -196,6 +230,8 @@ def main(argv=None):
     p.add_argument("--only", help="comma-separated workload names to run")
     p.add_argument("--no-inductor", action="store_true", help="skip TorchInductor")
     p.add_argument("--no-overhead", action="store_true", help="skip the host-overhead table")
+    p.add_argument("--first-call", help=argparse.SUPPRESS)  # internal: one cold first call
+    p.add_argument("--backend", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     device = torch.device(args.device)
     # Cold first calls for everyone: Inductor's on-disk caches off (the environment variable
@@ -205,15 +241,14 @@ def main(argv=None):
     inductor_config.force_disable_caches = True
     if device.type == "cuda":
         torch.set_float32_matmul_precision("high")
+    if args.first_call:
+        print("FIRST_CALL " + json.dumps(first_call(args.first_call, args.backend, device)), flush=True)
+        return []
     reps = args.reps or (50 if device.type == "cuda" else 15)
     backends = ["braze"] if args.no_inductor else ["inductor", "braze"]
     rows = []
     card = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU ({os.cpu_count()} cores)"
     print(f"braze {braze.__version__} | torch {torch.__version__} | {card} | {time.strftime('%Y-%m-%d')}", flush=True)
-    # Dynamo's and AOTAutograd's one-time set-up (imports, first trace) is paid here, not by
-    # whichever compiler's first call comes first.
-    torch.compile(lambda x: torch.sin(x) + 1, backend="aot_eager")(torch.randn(8, device=device))
-    torch._dynamo.reset()
     for name, build in workloads(device):
         if args.only and name not in args.only.split(","):
             continue

@@ -280,6 +280,7 @@ pub fn compile(g: Graph, target: Target, check_cuda: bool, check_arch: &str) -> 
                     Step::Extern { .. } => {}
                 }
             }
+            lap("cublaslt", &mut times);
             let m = if items.is_empty() {
                 None
             } else {
@@ -289,9 +290,10 @@ pub fn compile(g: Graph, target: Target, check_cuda: bool, check_arch: &str) -> 
                     let (c, cached) = braze_runtime::cuda::compile_cubin(&source, &arch, version).map_err(DriverError::from)?;
                     (Some(c), cached)
                 };
+                lap("nvrtc", &mut times);
                 Some(Module::Cuda(CudaModule::load(cubin.as_deref(), ordinal, launches, items, cached).map_err(DriverError::from)?))
             };
-            lap("nvrtc", &mut times);
+            lap("load", &mut times);
             (source, m)
         }
     };
