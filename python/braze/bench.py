@@ -137,7 +137,7 @@ def first_call_subprocess(name, be, device):
     return {}
 
 
-def run_workload(name, build, device, reps, backends):
+def run_workload(name, build, device, reps, backends, cold):
     torch.manual_seed(0)
     model, inputs, shape, train = build()
     eager_step = make_step(model, inputs, train, model)
@@ -147,11 +147,7 @@ def run_workload(name, build, device, reps, backends):
     err = {"eager": 0.0}
     kernels = {}
     for be in backends:
-        # The cold first call is measured in a fresh process per backend: in this one, an
-        # earlier TorchInductor compile leaves compile-worker processes busy for seconds and
-        # slows whatever compiles next (braze's NVRTC stage measured 10x slower after it).
-        cold = first_call_subprocess(name, be, device)
-        first[be] = cold.get("first_call_s", float("nan"))
+        first[be] = cold[be].get("first_call_s", float("nan"))
         torch._dynamo.reset()
         compiled = torch.compile(model, backend=be)
         step = make_step(model, inputs, train, compiled)
@@ -162,7 +158,7 @@ def run_workload(name, build, device, reps, backends):
             recs = braze.stats.records[n0:]
             kernels[be] = sum(len(r.get("kernels", [])) + sum(r.get("externs", {}).values()) for r in recs)
             kernels["braze_eager_graphs"] = sum(r["status"] == "eager" for r in recs)
-            kernels["braze_stages"] = cold.get("stages")
+            kernels["braze_stages"] = cold[be].get("stages")
         steps[be] = step
     for s in steps.values():  # warm up
         for _ in range(3):
@@ -249,10 +245,16 @@ def main(argv=None):
     rows = []
     card = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU ({os.cpu_count()} cores)"
     print(f"braze {braze.__version__} | torch {torch.__version__} | {card} | {time.strftime('%Y-%m-%d')}", flush=True)
-    for name, build in workloads(device):
-        if args.only and name not in args.only.split(","):
-            continue
-        rows += run_workload(name, build, device, reps, backends)
+    todo = [(n, b) for n, b in workloads(device) if not args.only or n in args.only.split(",")]
+    # Cold first calls, each in a fresh process, all before anything compiles here, braze's
+    # before Inductor's: an Inductor compile leaves compile-worker processes busy for seconds
+    # afterwards, which slowed a compile that followed it tenfold (braze's NVRTC stage).
+    cold = {n: {} for n, _ in todo}
+    for be in sorted(backends, key=lambda b: b != "braze"):
+        for name, _ in todo:
+            cold[name][be] = first_call_subprocess(name, be, device)
+    for name, build in todo:
+        rows += run_workload(name, build, device, reps, backends, cold[name])
         print(f"  done: {name}", file=sys.stderr, flush=True)
     hdr = f"{'workload':22} {'shape':28} {'backend':9} {'median ms':>10} {'vs eager':>9} {'kernels':>8} {'first call s':>13} {'max err':>9}"
     print(hdr)
