@@ -96,6 +96,7 @@ class CompiledGraph:
             # building a Stream object per call).
             raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
             self.raw_stream = raw if raw is not None else (lambda i: torch.cuda.current_stream(i).cuda_stream)
+        self.empty = _allocator(self.device)
         self.ext_calls = {}
         for s in self.steps:
             if s[0] == "extern":
@@ -161,13 +162,13 @@ class CompiledGraph:
         device = self.device
         stream = self.raw_stream(self.device_index) if self.cuda else 0
         # One allocation for the buffers only braze's kernels touch ([Note: arena]).
-        arena = torch.empty(self.arena_bytes, dtype=torch.uint8, device=device) if self.arena_bytes else None
+        empty = self.empty
+        arena = empty((self.arena_bytes,), (1,), torch.uint8) if self.arena_bytes else None
         arena_ptr = arena.data_ptr() if arena is not None else 0
         run = self.c.run
-        empty = torch.empty_strided
         for kind, allocs, frees, a, b in plan:
             for buf, shape, stride, dtype in allocs:
-                bufs[buf] = empty(shape, stride, dtype=dtype, device=device)
+                bufs[buf] = empty(shape, stride, dtype)
             if kind == 0:
                 run(a, b, [0 if t is None else t.data_ptr() for t in bufs], syms, stream, arena_ptr)
             else:
@@ -201,6 +202,19 @@ class CompiledGraph:
             else:
                 res.append(v)
         return res
+
+def _allocator(device):
+    """(shape, stride, dtype) -> new tensor on `device`. PyTorch's own fast allocators (what
+    Inductor's generated code calls: no argument parsing) where they exist and the device is
+    unambiguous; torch.empty_strided otherwise."""
+    guards = getattr(getattr(torch._C, "_dynamo", None), "guards", None)
+    if device.type == "cpu" and hasattr(guards, "_empty_strided_cpu"):
+        return guards._empty_strided_cpu
+    # _empty_strided_cuda allocates on the current device: used only when there is one.
+    if device.type == "cuda" and hasattr(guards, "_empty_strided_cuda") and torch.cuda.device_count() == 1:
+        return guards._empty_strided_cuda
+    return lambda shape, stride, dtype: torch.empty_strided(shape, stride, dtype=dtype, device=device)
+
 
 def _arg_builder(call, resolver):
     """A function (tensors, syms) -> (args, kwargs) for an extern call. Calls whose only
