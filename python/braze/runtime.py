@@ -155,11 +155,7 @@ class CompiledGraph:
         tensor_args = self.tensor_args_of(args)
         # Graph inputs, in the layout the kernels were compiled for.
         for b, idx, shape, stride in inputs:
-            t = tensor_args[idx]
-            if t.stride() != stride and not _same_layout(t, shape, stride):
-                t = torch.empty_strided(shape, stride, dtype=t.dtype, device=t.device).copy_(t)
-            bufs[b] = t
-        device = self.device
+            bufs[b] = _in_layout(tensor_args[idx], shape, stride)
         stream = self.raw_stream(self.device_index) if self.cuda else 0
         # One allocation for the buffers only braze's kernels touch ([Note: arena]).
         empty = self.empty
@@ -180,9 +176,7 @@ class CompiledGraph:
                     t = r
                     for k in path:
                         t = t[k]
-                    if t.stride() != stride and not _same_layout(t, shape, stride):
-                        t = torch.empty_strided(shape, stride, dtype=t.dtype, device=t.device).copy_(t)
-                    bufs[o] = t
+                    bufs[o] = _in_layout(t, shape, stride)
             for buf in frees:
                 bufs[buf] = None
         outs = []
@@ -202,6 +196,7 @@ class CompiledGraph:
             else:
                 res.append(v)
         return res
+
 
 def _allocator(device):
     """(shape, stride, dtype) -> new tensor on `device`. PyTorch's own fast allocators (what
@@ -247,6 +242,13 @@ def _arg_builder(call, resolver):
     def slow(tensors, syms):
         return sub(call.args, tensors, syms), sub(call.kwargs, tensors, syms)
     return slow
+
+
+def _in_layout(t, shape, stride):
+    """`t`, or a copy of it laid out with `stride` when its layout differs."""
+    if t.stride() != stride and not _same_layout(t, shape, stride):
+        return torch.empty_strided(shape, stride, dtype=t.dtype, device=t.device).copy_(t)
+    return t
 
 
 def _same_layout(t, shape, strides):

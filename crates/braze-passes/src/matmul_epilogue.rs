@@ -35,11 +35,11 @@ pub fn matmul_epilogue(g: &Graph) -> Graph {
         Op::Matmul { epilogue: Epilogue::None, tf32, residual: false } => Some(tf32),
         _ => None,
     };
+    let mapped = |map: &[NodeId], ids: &[NodeId]| ids.iter().map(|i| map[i.index()]).collect::<Vec<_>>();
     let mut out = Graph::new(&g.name);
     let mut map: Vec<NodeId> = Vec::with_capacity(g.nodes.len());
     for id in g.ids() {
         let n = g.node(id);
-        let mapped = |map: &[NodeId], ids: &[NodeId]| ids.iter().map(|i| map[i.index()]).collect::<Vec<_>>();
         let mut new = None;
         match n.op {
             Op::Unary(UnaryOp::Relu) => {

@@ -232,10 +232,11 @@ pub fn prepare(spec: MatmulSpec) -> Result<Prepared, RuntimeError> {
     let (br, bc, bld, bt) = colmajor(&spec.b)?;
     let (ar, ac, ald, at) = colmajor(&spec.a)?;
     let (m, n) = (spec.a.rows, spec.b.cols);
-    // The residual must be D's column-major N x M untransposed (row-major M x N rows).
-    let c_ld = match &spec.residual {
+    // The residual must be D's column-major N x M untransposed (row-major M x N rows): its
+    // leading dim and batch stride.
+    let c_layout = match &spec.residual {
         Some(r) => match colmajor(r)? {
-            (rows, cols, cld, false) if (rows, cols) == (n, m) => Some(cld),
+            (rows, cols, cld, false) if (rows, cols) == (n, m) => Some((cld, r.batch_stride)),
             _ => return Err(RuntimeError::Environment(format!("{}: residual layout rs={} cs={} not supported", spec.name, r.rs, r.cs))),
         },
         None => None,
@@ -260,9 +261,9 @@ pub fn prepare(spec: MatmulSpec) -> Result<Prepared, RuntimeError> {
     let la = layout(l, ty, br, bc, bld, spec.batch, spec.b.batch_stride)?;
     let lb = layout(l, ty, ar, ac, ald, spec.batch, spec.a.batch_stride)?;
     let ld = layout(l, ty, n, m, n as i64, spec.batch, (m * n) as i64)?;
-    let lc = match (&spec.residual, c_ld) {
-        (Some(r), Some(cld)) => layout(l, ty, n, m, cld, spec.batch, r.batch_stride)?,
-        _ => ld,
+    let lc = match c_layout {
+        Some((cld, batch_stride)) => layout(l, ty, n, m, cld, spec.batch, batch_stride)?,
+        None => ld,
     };
     let p = Prepared { spec, desc, la, lb, lc, ld, algos: Mutex::new(Vec::new()), call: Mutex::new(()) };
     // Chosen for 256-byte aligned operands (PyTorch's allocations); calls with less aligned
