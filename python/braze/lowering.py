@@ -829,14 +829,20 @@ def _log_softmax(L, node, x, dim, half_to_float):
     return L.cast(L.op("sub", sh, L.op("log", s)), od)
 
 
-@register(A("_softmax_backward_data"))
-def _softmax_bw(L, node, g, y, dim, input_dtype):
+def _softmax_bw_operands(L, node, g, y, dim, what):
+    """(out dtype, grad, output, dim) of a (log_)softmax backward, computed in the accumulation
+    dtype."""
     od = out_dtype(node)
     ct = _acc_dtype(od)
     gg, yy = L.tensor(g, ct), L.tensor(y, ct)
     if L.rank(gg) == 0:
-        raise Unsupported("0-dim softmax backward")
-    d = _norm_dim(dim, L.rank(gg))
+        raise Unsupported(f"0-dim {what} backward")
+    return od, gg, yy, _norm_dim(dim, L.rank(gg))
+
+
+@register(A("_softmax_backward_data"))
+def _softmax_bw(L, node, g, y, dim, input_dtype):
+    od, gg, yy, d = _softmax_bw_operands(L, node, g, y, dim, "softmax")
     gy = L.op("mul", gg, yy)
     s = _reduce(L, "sum", gy, [d], True)
     return L.cast(L.op("sub", gy, L.op("mul", yy, s)), od)
@@ -844,12 +850,7 @@ def _softmax_bw(L, node, g, y, dim, input_dtype):
 
 @register(A("_log_softmax_backward_data"))
 def _log_softmax_bw(L, node, g, y, dim, input_dtype):
-    od = out_dtype(node)
-    ct = _acc_dtype(od)
-    gg, yy = L.tensor(g, ct), L.tensor(y, ct)
-    if L.rank(gg) == 0:
-        raise Unsupported("0-dim log_softmax backward")
-    d = _norm_dim(dim, L.rank(gg))
+    od, gg, yy, d = _softmax_bw_operands(L, node, g, y, dim, "log_softmax")
     s = _reduce(L, "sum", gg, [d], True)
     return L.cast(L.op("sub", gg, L.op("mul", L.op("exp", yy), s)), od)
 
