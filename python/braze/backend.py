@@ -7,6 +7,7 @@ names the reason; single ops braze does not lower run through their ATen kernels
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import sys
@@ -16,6 +17,7 @@ import warnings
 import torch
 
 from . import _core, cuda
+from . import autograd as direct
 from .config import Config
 from .decomp import decomposition_table
 from .lowering import Unsupported, lower_graph
@@ -36,10 +38,12 @@ class Stats:
         self.extern_ops = {}
         self.lowered_ops = {}
         self.records = []  # one dict per compiled or fallen-back graph (used by explain)
+        self.direct_graphs = 0  # Dynamo graphs run without AOTAutograd's runtime wrappers
+        self.aot_wrapped = []  # (graph names, why AOTAutograd's wrappers were kept)
 
     def __repr__(self):
         return (f"braze.Stats(graphs_compiled={self.graphs_compiled}, graphs_eager={self.graphs_eager}, "
-                f"kernels={self.kernels}, extern_ops={self.extern_ops})")
+                f"kernels={self.kernels}, extern_ops={self.extern_ops}, direct_graphs={self.direct_graphs})")
 
 
 stats = Stats()
@@ -82,7 +86,10 @@ def compile_fx_graph(gm: torch.fx.GraphModule, example_inputs, *, cfg: Config, k
             raise
         if cfg.on_unsupported == "warn":
             warnings.warn(f"braze: graph {name} runs eagerly: {reason}", stacklevel=2)
-        return _eager(gm)
+        fn = _eager(gm)
+        direct.record(kind, name, fn, gm)
+        return fn
+    direct.record(kind, name, fn, gm)
     stats.graphs_compiled += 1
     stats.kernels += len(compiled.kernels)
     for op, n in lowered.fallbacks.items():
@@ -122,7 +129,30 @@ def braze_backend(gm: torch.fx.GraphModule, example_inputs, mode=None, options=N
         if isinstance(t, torch.Tensor) and t.is_cuda:
             cuda.start_warm_up(t.device.index if t.device.index is not None else torch.cuda.current_device())
             break
-    return _aot_backend(cfg)(gm, example_inputs)
+    cap = direct.Capture(example_inputs)
+    with cap, _backward_ahead_of_time(cfg):
+        compiled = _aot_backend(cfg)(gm, example_inputs)
+    fn = direct.direct_path(cap, gm) if cfg.direct_autograd else None
+    if fn is None and cfg.direct_autograd:
+        stats.aot_wrapped.append((cap.names, cap.why))
+        _log(cfg, "graph", f"{', '.join(cap.names)}: AOTAutograd's runtime wrappers kept", cap.why)
+    runtime = "direct" if fn is not None else f"AOTAutograd's wrappers ({cap.why or 'option direct_autograd=False'})"
+    for r in stats.records[-len(cap.names):] if cap.names else []:
+        if r["name"] in cap.names:
+            r["runtime"] = runtime
+    if fn is not None:
+        stats.direct_graphs += 1
+        return fn
+    return compiled
+
+
+def _backward_ahead_of_time(cfg: Config):
+    """AOTAutograd compiles a backward graph at its first use unless told otherwise; the
+    direct autograd path needs it compiled with the forward."""
+    fc = torch._functorch.config
+    if cfg.direct_autograd and hasattr(fc, "force_non_lazy_backward_lowering"):
+        return fc.patch(force_non_lazy_backward_lowering=True)
+    return contextlib.nullcontext()
 
 
 @functools.lru_cache(None)

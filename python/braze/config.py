@@ -21,6 +21,8 @@ OPTIONS = {
     "logs": "list (or comma-separated string) of logs to print: " + ", ".join(LOGS),
     "on_unsupported": "what to do with a graph braze cannot compile: 'warn' (run eagerly, warn), 'silent', or 'error'",
     "decompose": "bool: apply braze's decomposition table in AOTAutograd (default True)",
+    "direct_autograd": "bool: run graphs without mutation, aliasing, subclasses or RNG state through braze's own "
+                       "autograd.Function instead of AOTAutograd's runtime wrappers (default True)",
 }
 
 
@@ -34,6 +36,7 @@ class Config:
     logs: frozenset = frozenset()
     on_unsupported: str = "warn"
     decompose: bool = True
+    direct_autograd: bool = True
 
     @staticmethod
     def make(mode=None, options=None) -> "Config":
@@ -57,4 +60,8 @@ class Config:
         decompose = options.get("decompose", True)
         if not isinstance(decompose, bool):
             raise BrazeConfigError("braze: option 'decompose' must be a bool")
-        return Config(mode=mode, logs=frozenset(logs), on_unsupported=on_unsupported, decompose=decompose)
+        direct_autograd = options.get("direct_autograd", True)
+        if not isinstance(direct_autograd, bool):
+            raise BrazeConfigError("braze: option 'direct_autograd' must be a bool")
+        return Config(mode=mode, logs=frozenset(logs), on_unsupported=on_unsupported, decompose=decompose,
+                      direct_autograd=direct_autograd)

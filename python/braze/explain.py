@@ -2,7 +2,8 @@
 
 Reports Dynamo's graphs and graph breaks (with reasons), then, per graph braze compiled,
 its kernels (with the ops each fuses), the ops that ran through ATen, and the compile time
-of each stage; graphs that ran eagerly are listed with the reason.
+of each stage, and whether it runs through braze's direct autograd path or AOTAutograd's
+runtime wrappers (and why); graphs that ran eagerly are listed with the reason.
 """
 from __future__ import annotations
 
@@ -27,6 +28,8 @@ class ExplainOutput:
             t = g["times"]
             stages = ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in t.items())
             lines.append(f"graph {g['name']}: {len(g['kernels'])} kernel(s); compile: {stages}{' (cached)' if g['cached'] else ''}")
+            if "runtime" in g:
+                lines.append(f"  runs through {g['runtime']}")
             for name, roots in g["kernels"]:
                 lines.append(f"  kernel {name} (stores {', '.join(roots)})")
             for op, n in g["externs"].items():

@@ -1,0 +1,136 @@
+"""braze's direct autograd path (python/braze/autograd.py): graphs AOTAutograd's metadata
+proves simple run through braze's own autograd.Function; every other graph keeps
+AOTAutograd's runtime wrappers. Both give eager's values and gradients."""
+import pytest
+import torch
+
+import braze
+
+
+def compiled(fn, **kw):
+    return torch.compile(fn, backend="braze", **kw)
+
+
+def grads_match(f, inputs, cf, loss=lambda outs: sum((o.float() * torch.randn_like(o.float())).sum() for o in outs)):
+    """Runs f eagerly and compiled on copies of `inputs`, backpropagates the same random
+    weighting of the differentiable outputs, compares outputs and every input's gradient."""
+    ins = [x.detach().clone().requires_grad_(x.requires_grad) for x in inputs]
+    ins2 = [x.detach().clone().requires_grad_(x.requires_grad) for x in inputs]
+    out, out2 = f(*ins), cf(*ins2)
+    out = out if isinstance(out, tuple) else (out,)
+    out2 = out2 if isinstance(out2, tuple) else (out2,)
+    for a, b in zip(out2, out):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+        assert a.requires_grad == b.requires_grad
+    diff = [i for i, o in enumerate(out) if o.requires_grad]
+    torch.manual_seed(1)
+    loss([out[i] for i in diff]).backward()
+    torch.manual_seed(1)
+    loss([out2[i] for i in diff]).backward()
+    for x, x2 in zip(ins, ins2):
+        if x.requires_grad:
+            torch.testing.assert_close(x2.grad, x.grad, rtol=1e-4, atol=1e-4)
+    return out2
+
+
+def _mlp(x, w1, b1, w2):
+    return torch.nn.functional.gelu(x @ w1 + b1) @ w2
+
+
+def _mlp_inputs(device):
+    return [torch.randn(8, 16, device=device, requires_grad=True), torch.randn(16, 32, device=device, requires_grad=True),
+            torch.randn(32, device=device, requires_grad=True), torch.randn(32, 16, device=device, requires_grad=True)]
+
+
+def test_training_graph_runs_direct(device):
+    torch._dynamo.reset()
+    n = braze.stats.direct_graphs
+    out = grads_match(_mlp, _mlp_inputs(device), compiled(_mlp))
+    assert type(out[0].grad_fn).__name__ == "_BrazeFunctionBackward"
+    assert braze.stats.direct_graphs == n + 1
+    assert {r.get("runtime") for r in braze.stats.records[-2:]} == {"direct"}
+
+
+def test_option_keeps_aot_wrappers(device):
+    torch._dynamo.reset()
+    out = grads_match(_mlp, _mlp_inputs(device), compiled(_mlp, options={"direct_autograd": False}))
+    assert type(out[0].grad_fn).__name__ == "CompiledFunctionBackward"
+
+
+def test_inference_graph_runs_direct(device):
+    torch._dynamo.reset()
+    ins = [x.detach() for x in _mlp_inputs(device)]
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(_mlp)(*ins), _mlp(*ins), rtol=1e-4, atol=1e-4)
+    assert braze.stats.records[-1]["runtime"] == "direct"
+
+
+def test_non_differentiable_and_unused_outputs(device):
+    def f(x, w):
+        y = torch.tanh(x @ w)
+        return y, y.argmax(-1), (x.detach() * 2).sum(-1), y.sum(-1)
+
+    torch._dynamo.reset()
+    ins = [torch.randn(6, 5, device=device, requires_grad=True), torch.randn(5, 7, device=device, requires_grad=True)]
+    out = grads_match(f, ins, compiled(f))
+    assert out[1].dtype == torch.int64 and not out[1].requires_grad and not out[2].requires_grad
+    # Only the first output feeds the loss: the last one's gradient is materialized as zeros.
+    ins2 = [x.detach().clone().requires_grad_(True) for x in ins]
+    compiled(f)(*ins2)[0].sum().backward()
+    ins[0].grad = ins[1].grad = None
+    f(*ins)[0].sum().backward()
+    torch.testing.assert_close(ins2[0].grad, ins[0].grad, rtol=1e-4, atol=1e-4)
+
+
+def test_gradient_with_other_layout(device):
+    """A tangent whose strides differ from the layout the backward was compiled for."""
+    torch._dynamo.reset()
+    ins = _mlp_inputs(device)
+    cf = compiled(_mlp)
+    ins2 = [x.detach().clone().requires_grad_(True) for x in ins]
+    g = torch.randn(16, 8, device=device).t()
+    _mlp(*ins).backward(g)
+    cf(*ins2).backward(g)
+    for x, x2 in zip(ins, ins2):
+        torch.testing.assert_close(x2.grad, x.grad, rtol=1e-4, atol=1e-4)
+
+
+def test_retain_graph_and_double_backward(device):
+    torch._dynamo.reset()
+    ins = _mlp_inputs(device)
+    out = compiled(_mlp)(*ins)
+    out.sum().backward(retain_graph=True)
+    first = ins[1].grad.clone()
+    out.sum().backward()
+    torch.testing.assert_close(ins[1].grad, 2 * first)
+    x = torch.randn(4, 3, device=device, requires_grad=True)
+    y = compiled(lambda t: torch.sin(t) * t)(x)
+    (g,) = torch.autograd.grad(y.sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError):
+        g.sum().backward()
+
+
+def _mutates_input(x, w, counter):
+    counter.add_(1)
+    return torch.sin(x @ w) * counter
+
+
+def _returns_view_of_input(x, w):
+    return torch.cos(x @ w), x.t()
+
+
+def _returns_view_of_intermediate(x, w):
+    y = torch.sin(x @ w)
+    return y, y.view(-1)
+
+
+@pytest.mark.parametrize("fn", [_mutates_input, _returns_view_of_input, _returns_view_of_intermediate])
+def test_aot_wrappers_kept_where_needed(fn, device):
+    torch._dynamo.reset()
+    x = torch.randn(5, 4, device=device, requires_grad=True)
+    w = torch.randn(4, 3, device=device, requires_grad=True)
+    ins = [x, w] + ([torch.zeros((), device=device)] if fn is _mutates_input else [])
+    n = len(braze.stats.aot_wrapped)
+    grads_match(fn, ins, compiled(fn))
+    assert len(braze.stats.aot_wrapped) == n + 1, braze.stats.aot_wrapped[n:]
+    assert braze.stats.records[-1]["runtime"].startswith("AOTAutograd's wrappers (")
