@@ -1,6 +1,7 @@
 """Chrome traces (CPU + CUDA) of a few calls of the TinyBlock training step, eager and braze,
 written to $OUT (or /tmp). Read them with chrome://tracing or benchmarks/trace_summary.py.
-Usage: python benchmarks/trace_steps.py"""
+Usage: python benchmarks/trace_steps.py (env BRAZE_TRACE_WORKLOADS, BRAZE_TRACE_BACKENDS:
+comma-separated names)"""
 import os
 
 import torch
@@ -13,9 +14,9 @@ torch.set_float32_matmul_precision("high")
 out = os.environ.get("OUT", "/tmp")
 dev = torch.device("cuda")
 for name, build in workloads(dev):
-    if name not in ("TinyBlock train step", "TinyBlock inference"):
+    if name not in os.environ.get("BRAZE_TRACE_WORKLOADS", "TinyBlock train step,TinyBlock inference").split(","):
         continue
-    for be in ("eager", "braze", "inductor"):
+    for be in os.environ.get("BRAZE_TRACE_BACKENDS", "eager,braze,inductor").split(","):
         torch.manual_seed(0)
         model, inputs, shape, train = build()
         torch._dynamo.reset()
