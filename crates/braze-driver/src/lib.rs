@@ -5,7 +5,7 @@
 //! returns the [`Plan`] the Python runtime follows and the loaded [`Module`]. The Python
 //! binding (braze-py) only converts these to Python objects.
 
-use braze_ir::{Expr, Graph, NodeId, Op};
+use braze_ir::{Expr, Graph, Op};
 use braze_runtime::cpu::CpuModule;
 use braze_runtime::cublaslt::{MatmulSpec, Operand};
 use braze_runtime::cuda::{CudaModule, Item};
@@ -166,15 +166,9 @@ impl ExprTable {
 }
 
 /// A matmul step's operands as cuBLASLt operands (static layouts only).
-fn prepare_matmul(
-    g: &Graph,
-    sched: &braze_sched::Schedule,
-    node: NodeId,
-    [a, b]: [&Access; 2],
-    bias: Option<&Access>,
-    residual: Option<&Access>,
-    out: u32,
-) -> Result<braze_runtime::cublaslt::Prepared, DriverError> {
+fn prepare_matmul(g: &Graph, sched: &braze_sched::Schedule, step: &Step, ordinal: i32) -> Result<braze_runtime::cublaslt::Prepared, DriverError> {
+    let Step::Matmul { node, a, b, bias, residual, out } = step else { return Err(DriverError::Internal("not a matmul step".into())) };
+    let (node, out, bias, residual) = (*node, *out, bias.as_ref(), residual.as_ref());
     let c = |e: &Expr| e.as_const().ok_or_else(|| unsupported("matmul with symbolic sizes"));
     let operand = |x: &Access| -> Result<Operand, DriverError> {
         let buf = &sched.buffers[x.buf as usize];
@@ -221,7 +215,7 @@ fn prepare_matmul(
         tf32,
         epilogue,
     };
-    braze_runtime::cublaslt::prepare(spec).map_err(DriverError::from)
+    braze_runtime::cublaslt::prepare(spec, Some(ordinal)).map_err(DriverError::from)
 }
 
 pub fn compile(g: Graph, target: Target, check_cuda: bool, check_arch: &str) -> Result<(Plan, Option<Module>), DriverError> {
@@ -276,7 +270,7 @@ pub fn compile(g: Graph, target: Target, check_cuda: bool, check_arch: &str) -> 
             for st in &sched.steps {
                 match st {
                     Step::Kernel(k) => items.push(Item::Kernel(*k)),
-                    Step::Matmul { node, a, b, bias, residual, out } => items.push(Item::Matmul(Box::new(prepare_matmul(&opt, &sched, *node, [a, b], bias.as_ref(), residual.as_ref(), *out)?))),
+                    Step::Matmul { .. } => items.push(Item::Matmul(Box::new(prepare_matmul(&opt, &sched, st, ordinal)?))),
                     Step::Extern { .. } => {}
                 }
             }

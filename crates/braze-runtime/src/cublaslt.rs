@@ -11,6 +11,7 @@ use crate::RuntimeError;
 use braze_ir::{DType, Epilogue};
 use libloading::Library;
 use std::ffi::{c_int, c_void};
+use std::collections::HashMap;
 use std::sync::{Mutex, OnceLock};
 
 type Status = c_int;
@@ -70,6 +71,21 @@ const OP_T: c_int = 1;
 
 /// Workspace bytes handed to cuBLASLt.
 pub const WORKSPACE: usize = 32 << 20;
+
+/// How many of the heuristic's algorithms are timed when a matmul is prepared.
+const TUNE_CANDIDATES: usize = 8;
+
+/// Algorithms already chosen by timing, by `Prepared::tune_key` (one per distinct matmul in
+/// the process: a model's repeated layers are timed once).
+fn tuned() -> &'static Mutex<HashMap<String, Algo>> {
+    static T: OnceLock<Mutex<HashMap<String, Algo>>> = OnceLock::new();
+    T.get_or_init(|| Mutex::new(HashMap::new()))
+}
+
+/// Timing is on unless `BRAZE_MATMUL_TUNE=0`.
+fn tuning_enabled() -> bool {
+    std::env::var("BRAZE_MATMUL_TUNE").map(|v| v != "0").unwrap_or(true)
+}
 
 static LT: OnceLock<Result<Lt, String>> = OnceLock::new();
 static HANDLE: OnceLock<Result<usize, String>> = OnceLock::new();
@@ -223,7 +239,7 @@ fn layout(l: &Lt, ty: c_int, rows: u64, cols: u64, ld: i64, batch: u64, stride: 
 }
 
 /// Creates descriptors and picks an algorithm (cuBLASLt's heuristic) for one matmul.
-pub fn prepare(spec: MatmulSpec) -> Result<Prepared, RuntimeError> {
+pub fn prepare(spec: MatmulSpec, tune_on: Option<i32>) -> Result<Prepared, RuntimeError> {
     let l = lt()?;
     handle()?;
     let ty = data_type(spec.dtype)?;
@@ -266,9 +282,14 @@ pub fn prepare(spec: MatmulSpec) -> Result<Prepared, RuntimeError> {
         None => ld,
     };
     let p = Prepared { spec, desc, la, lb, lc, ld, algos: Mutex::new(Vec::new()), call: Mutex::new(()) };
-    // Chosen for 256-byte aligned operands (PyTorch's allocations); calls with less aligned
-    // pointers (views at an offset) pick again.
-    p.algo_for([256; 4])?;
+    // Chosen for 256-byte aligned operands (PyTorch's allocations), timed on the device when
+    // `tune_on` names one; calls with less aligned pointers (views at an offset) pick again.
+    match tune_on {
+        Some(ordinal) if tuning_enabled() => p.tune(ordinal)?,
+        _ => {
+            p.algo_for([256; 4])?;
+        }
+    }
     Ok(p)
 }
 
@@ -278,16 +299,14 @@ fn alignment(addr: usize) -> u32 {
 }
 
 impl Prepared {
-    /// An algorithm that works for operands with (at least) these alignments.
-    fn algo_for(&self, align: [u32; 4]) -> Result<Algo, RuntimeError> {
-        let mut cache = self.algos.lock().unwrap();
-        if let Some((_, a)) = cache.iter().find(|(al, _)| al.iter().zip(&align).all(|(x, y)| x <= y)) {
-            return Ok(*a);
-        }
+    /// Up to `n` algorithms cuBLASLt's heuristic offers for operands with these alignments,
+    /// its favourite first.
+    fn heuristic(&self, align: [u32; 4], n: usize) -> Result<Vec<Algo>, RuntimeError> {
         let l = lt()?;
         let h = handle()?;
         let mut pref: Desc = std::ptr::null_mut();
-        let mut res = [HeuristicResult { algo: Algo { data: [0; 8] }, workspace_size: 0, state: 0, waves: 0.0, reserved: [0; 4] }];
+        let empty = HeuristicResult { algo: Algo { data: [0; 8] }, workspace_size: 0, state: 0, waves: 0.0, reserved: [0; 4] };
+        let mut res = vec![empty; n.max(1)];
         let mut count: c_int = 0;
         // SAFETY: heuristic query over this matmul's descriptors.
         unsafe {
@@ -300,20 +319,117 @@ impl Prepared {
                 }
             }
             if st == 0 {
-                st = (l.heuristic)(h, self.desc, self.la, self.lb, self.lc, self.ld, pref, 1, res.as_mut_ptr(), &mut count);
+                st = (l.heuristic)(h, self.desc, self.la, self.lb, self.lc, self.ld, pref, res.len() as c_int, res.as_mut_ptr(), &mut count);
             }
             (l.pref_destroy)(pref);
             ok(st, "heuristic")?;
         }
-        if count < 1 || res[0].state != 0 {
+        let algos: Vec<Algo> = res[..count.max(0) as usize].iter().filter(|r| r.state == 0).map(|r| r.algo).collect();
+        if algos.is_empty() {
             return Err(RuntimeError::Environment(format!("cuBLASLt has no algorithm for {}", self.spec.name)));
         }
-        cache.push((align, res[0].algo));
-        Ok(res[0].algo)
+        Ok(algos)
+    }
+
+    /// An algorithm that works for operands with (at least) these alignments.
+    fn algo_for(&self, align: [u32; 4]) -> Result<Algo, RuntimeError> {
+        let mut cache = self.algos.lock().unwrap();
+        if let Some((_, a)) = cache.iter().find(|(al, _)| al.iter().zip(&align).all(|(x, y)| x <= y)) {
+            return Ok(*a);
+        }
+        let a = self.heuristic(align, 1)?[0];
+        cache.push((align, a));
+        Ok(a)
+    }
+
+    /// Bytes each buffer the matmul touches needs, by buffer id (0 for buffers it does not).
+    fn extents(&self) -> Vec<usize> {
+        let s = &self.spec;
+        let es = s.dtype.size();
+        let mut need: Vec<usize> = Vec::new();
+        let mut touch = |buf: u32, elems: i64| {
+            let b = buf as usize;
+            if need.len() <= b {
+                need.resize(b + 1, 0);
+            }
+            need[b] = need[b].max(elems.max(0) as usize * es);
+        };
+        let span = |o: &Operand| o.offset + (s.batch as i64 - 1) * o.batch_stride + (o.rows as i64 - 1) * o.rs + (o.cols as i64 - 1) * o.cs + 1;
+        touch(s.a.buf, span(&s.a));
+        touch(s.b.buf, span(&s.b));
+        if let Some(r) = &s.residual {
+            touch(r.buf, span(r));
+        }
+        if let Some((buf, off)) = s.bias {
+            touch(buf, off + s.b.cols as i64);
+        }
+        touch(s.out, (s.batch * s.a.rows * s.b.cols) as i64);
+        need
+    }
+
+    /// Times the heuristic's candidates for 256-byte aligned operands on device `ordinal` and
+    /// keeps the fastest (the heuristic's favourite is not always it: on the H100 it picked a
+    /// 128x128 tile for TinyBlock's second linear where a 128x256 one runs in 3/4 of the time).
+    fn tune(&self, ordinal: i32) -> Result<(), RuntimeError> {
+        let cands = self.heuristic([256; 4], TUNE_CANDIDATES)?;
+        let best = if cands.len() == 1 {
+            cands[0]
+        } else {
+            let key = self.tune_key();
+            let known = tuned().lock().unwrap().get(&key).copied();
+            match known {
+                Some(a) => a,
+                None => {
+                    let mut sizes = self.extents();
+                    let nbuf = sizes.len();
+                    sizes.push(WORKSPACE);
+                    let times = crate::cuda::time_candidates(ordinal, &sizes, cands.len(), &mut |i, ptrs, stream| {
+                        self.launch(&ptrs[..nbuf], stream, ptrs[nbuf], &cands[i])
+                    })?;
+                    let (i, t) = times.iter().enumerate().fold((0, f64::INFINITY), |b, (i, &t)| if t < b.1 { (i, t) } else { b });
+                    if !t.is_finite() {
+                        return Err(RuntimeError::Environment(format!("{}: no cuBLASLt algorithm ran", self.spec.name)));
+                    }
+                    tuned().lock().unwrap().insert(key, cands[i]);
+                    cands[i]
+                }
+            }
+        };
+        self.algos.lock().unwrap().push(([256; 4], best));
+        Ok(())
+    }
+
+    /// What decides the best algorithm: the descriptors' contents.
+    fn tune_key(&self) -> String {
+        let s = &self.spec;
+        let o = |o: &Operand| (o.rows, o.cols, o.rs, o.cs, o.batch_stride, o.offset);
+        format!(
+            "{:?} {} {:?} {} {:?} {:?} {:?} {}",
+            s.dtype,
+            s.tf32,
+            s.epilogue,
+            s.bias.is_some(),
+            o(&s.a),
+            o(&s.b),
+            s.residual.as_ref().map(o),
+            s.batch
+        )
     }
 
     /// Runs the matmul on `stream` with buffer pointers by id.
     pub fn run(&self, ptrs: &[usize], stream: usize, workspace: usize) -> Result<(), RuntimeError> {
+        let s = &self.spec;
+        let es = s.dtype.size() as i64;
+        let at = |o: &Operand| (ptrs[o.buf as usize] as i64 + o.offset * es) as usize;
+        let d = ptrs[s.out as usize];
+        let c = s.residual.as_ref().map_or(d, at);
+        let align = [alignment(at(&s.b)), alignment(at(&s.a)), alignment(c), alignment(d)];
+        let algo = self.algo_for(align)?;
+        self.launch(ptrs, stream, workspace, &algo)
+    }
+
+    /// One `cublasLtMatmul` with algorithm `algo`.
+    fn launch(&self, ptrs: &[usize], stream: usize, workspace: usize, algo: &Algo) -> Result<(), RuntimeError> {
         let l = lt()?;
         let h = handle()?;
         let s = &self.spec;
@@ -321,7 +437,7 @@ impl Prepared {
         let at = |o: &Operand| (ptrs[o.buf as usize] as i64 + o.offset * es) as usize as *const c_void;
         let (alpha, beta) = (1.0f32, if s.residual.is_some() { 1.0f32 } else { 0.0 });
         let _call = self.call.lock().unwrap_or_else(|e| e.into_inner());
-        // SAFETY: pointers come from live PyTorch tensors laid out as the spec says.
+        // SAFETY: pointers come from live device buffers laid out as the spec says.
         unsafe {
             if let Some((buf, off)) = s.bias {
                 let p = (ptrs[buf as usize] as i64 + off * es) as usize as *const c_void;
@@ -330,11 +446,9 @@ impl Prepared {
             let d = ptrs[s.out as usize] as *mut c_void;
             let c = s.residual.as_ref().map_or(d as *const c_void, at);
             let (pa, pb) = (at(&s.b), at(&s.a));
-            let align = [alignment(pa as usize), alignment(pb as usize), alignment(c as usize), alignment(d as usize)];
-            let algo = self.algo_for(align)?;
             let st = (l.matmul)(
                 h, self.desc, &alpha as *const f32 as *const c_void, pa, self.la, pb, self.lb,
-                &beta as *const f32 as *const c_void, c, self.lc, d, self.ld, &algo, workspace as *mut c_void, WORKSPACE, stream as *mut c_void,
+                &beta as *const f32 as *const c_void, c, self.lc, d, self.ld, algo, workspace as *mut c_void, WORKSPACE, stream as *mut c_void,
             );
             ok(st, &format!("matmul {}", s.name))
         }

@@ -21,6 +21,7 @@ type CuContext = *mut c_void;
 type CuModule = *mut c_void;
 type CuFunction = *mut c_void;
 type CuStream = *mut c_void;
+type CuEvent = *mut c_void;
 
 struct Nvrtc {
     _lib: Library,
@@ -45,6 +46,15 @@ struct Driver {
     load: unsafe extern "C" fn(*mut CuModule, *const c_void) -> CuResult,
     get_fn: unsafe extern "C" fn(*mut CuFunction, CuModule, *const c_char) -> CuResult,
     mem_alloc: unsafe extern "C" fn(*mut u64, usize) -> CuResult,
+    mem_free: unsafe extern "C" fn(u64) -> CuResult,
+    memset_d8: unsafe extern "C" fn(u64, u8, usize) -> CuResult,
+    stream_create: unsafe extern "C" fn(*mut CuStream, c_uint) -> CuResult,
+    stream_destroy: unsafe extern "C" fn(CuStream) -> CuResult,
+    event_create: unsafe extern "C" fn(*mut CuEvent, c_uint) -> CuResult,
+    event_record: unsafe extern "C" fn(CuEvent, CuStream) -> CuResult,
+    event_sync: unsafe extern "C" fn(CuEvent) -> CuResult,
+    event_elapsed: unsafe extern "C" fn(*mut f32, CuEvent, CuEvent) -> CuResult,
+    event_destroy: unsafe extern "C" fn(CuEvent) -> CuResult,
     launch: unsafe extern "C" fn(CuFunction, c_uint, c_uint, c_uint, c_uint, c_uint, c_uint, c_uint, CuStream, *mut *mut c_void, *mut *mut c_void) -> CuResult,
     error_string: unsafe extern "C" fn(CuResult, *mut *const c_char) -> CuResult,
 }
@@ -90,6 +100,15 @@ pub fn init_driver(path: &str) -> Result<(), RuntimeError> {
             get_fn: sym!(lib, b"cuModuleGetFunction"),
             launch: sym!(lib, b"cuLaunchKernel"),
             mem_alloc: sym!(lib, b"cuMemAlloc_v2"),
+            mem_free: sym!(lib, b"cuMemFree_v2"),
+            memset_d8: sym!(lib, b"cuMemsetD8_v2"),
+            stream_create: sym!(lib, b"cuStreamCreate"),
+            stream_destroy: sym!(lib, b"cuStreamDestroy_v2"),
+            event_create: sym!(lib, b"cuEventCreate"),
+            event_record: sym!(lib, b"cuEventRecord"),
+            event_sync: sym!(lib, b"cuEventSynchronize"),
+            event_elapsed: sym!(lib, b"cuEventElapsedTime"),
+            event_destroy: sym!(lib, b"cuEventDestroy_v2"),
             error_string: sym!(lib, b"cuGetErrorString"),
             _lib: lib,
         };
@@ -214,6 +233,87 @@ pub fn device_info(ordinal: i32) -> Result<(String, i32), RuntimeError> {
         check(d, (d.attribute)(&mut sms, 16, dev), "multiprocessor count")?;
         Ok((format!("sm_{major}{minor}"), sms))
     }
+}
+
+/// Enqueues candidate `i` over the tuning buffers on a stream: `(i, buffers, stream)`.
+pub type CandidateRun<'a> = dyn FnMut(usize, &[usize], usize) -> Result<(), RuntimeError> + 'a;
+
+/// Times `candidates` ways of doing one piece of GPU work and returns each one's seconds per
+/// run (infinite where a run failed). `run(i, buffers, stream)` enqueues candidate `i` on
+/// `stream` over fresh device buffers of `sizes` bytes (filled with a small finite value),
+/// private to the tuning: nothing PyTorch has in flight is touched. Used at compile time on
+/// device `ordinal` to pick among cuBLASLt's algorithms.
+pub fn time_candidates(
+    ordinal: i32,
+    sizes: &[usize],
+    candidates: usize,
+    run: &mut CandidateRun,
+) -> Result<Vec<f64>, RuntimeError> {
+    const WARM: usize = 2;
+    const REPS: usize = 5;
+    let d = driver()?;
+    let mut bufs: Vec<u64> = Vec::new();
+    let mut stream: CuStream = std::ptr::null_mut();
+    let mut ev: [CuEvent; 2] = [std::ptr::null_mut(); 2];
+    // SAFETY: driver API as documented; everything created here is destroyed before return.
+    let result = unsafe {
+        (|| -> Result<Vec<f64>, RuntimeError> {
+            let mut dev: CuDevice = 0;
+            let mut ctx: CuContext = std::ptr::null_mut();
+            check(d, (d.device_get)(&mut dev, ordinal), "cuDeviceGet")?;
+            check(d, (d.retain)(&mut ctx, dev), "cuDevicePrimaryCtxRetain")?;
+            check(d, (d.ctx_set)(ctx), "cuCtxSetCurrent")?;
+            for &n in sizes {
+                let mut p: u64 = 0;
+                check(d, (d.mem_alloc)(&mut p, n.max(256)), "cuMemAlloc (tuning)")?;
+                bufs.push(p);
+                check(d, (d.memset_d8)(p, 0x3c, n.max(256)), "cuMemsetD8 (tuning)")?;
+            }
+            check(d, (d.stream_create)(&mut stream, 1), "cuStreamCreate")?;
+            for e in ev.iter_mut() {
+                check(d, (d.event_create)(e, 0), "cuEventCreate")?;
+            }
+            let ptrs: Vec<usize> = bufs.iter().map(|&p| p as usize).collect();
+            let mut times = Vec::with_capacity(candidates);
+            for i in 0..candidates {
+                let mut go = || -> Result<f64, RuntimeError> {
+                    for _ in 0..WARM {
+                        run(i, &ptrs, stream as usize)?;
+                    }
+                    check(d, (d.event_record)(ev[0], stream), "cuEventRecord")?;
+                    for _ in 0..REPS {
+                        run(i, &ptrs, stream as usize)?;
+                    }
+                    check(d, (d.event_record)(ev[1], stream), "cuEventRecord")?;
+                    check(d, (d.event_sync)(ev[1]), "cuEventSynchronize")?;
+                    let mut ms = 0f32;
+                    check(d, (d.event_elapsed)(&mut ms, ev[0], ev[1]), "cuEventElapsedTime")?;
+                    Ok(ms as f64 * 1e-3 / REPS as f64)
+                };
+                times.push(go().unwrap_or(f64::INFINITY));
+            }
+            Ok(times)
+        })()
+    };
+    // SAFETY: the stream is drained before its buffers are freed.
+    unsafe {
+        if !ev[1].is_null() {
+            (d.event_record)(ev[1], stream);
+            (d.event_sync)(ev[1]);
+        }
+        for e in ev {
+            if !e.is_null() {
+                (d.event_destroy)(e);
+            }
+        }
+        if !stream.is_null() {
+            (d.stream_destroy)(stream);
+        }
+        for p in bufs {
+            (d.mem_free)(p);
+        }
+    }
+    result
 }
 
 /// What a kernel takes and how it is launched, as the CUDA emitter described it.
