@@ -154,6 +154,15 @@ pub struct Compiled {
 
 #[pymethods]
 impl Compiled {
+    /// Runs launched as a captured CUDA graph so far ([Note: replay] in braze-runtime).
+    #[getter]
+    fn replays(&self) -> usize {
+        match self.module.as_ref() {
+            Some(braze_driver::Module::Cuda(m)) => m.replays.load(std::sync::atomic::Ordering::Relaxed),
+            _ => 0,
+        }
+    }
+
     #[getter]
     fn graph_before(&self) -> String {
         self.plan.graph_before.clone()

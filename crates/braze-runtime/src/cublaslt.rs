@@ -367,11 +367,16 @@ impl Prepared {
         need
     }
 
-    /// Times the heuristic's candidates for 256-byte aligned operands on device `ordinal` and
+    /// Times the heuristic's candidates for operands aligned as PyTorch allocates them on device `ordinal` and
     /// keeps the fastest (the heuristic's favourite is not always it: on the H100 it picked a
     /// 128x128 tile for TinyBlock's second linear where a 128x256 one runs in 3/4 of the time).
     fn tune(&self, ordinal: i32) -> Result<(), RuntimeError> {
-        let cands = self.heuristic([256; 4], TUNE_CANDIDATES)?;
+        // Buffers are 256-byte aligned; a view at an offset is aligned as its offset is.
+        let s = &self.spec;
+        let es = s.dtype.size();
+        let off = |o: &Operand| alignment(o.offset as usize * es);
+        let align = [off(&s.b), off(&s.a), s.residual.as_ref().map_or(256, off), 256];
+        let cands = self.heuristic(align, TUNE_CANDIDATES)?;
         let best = if cands.len() == 1 {
             cands[0]
         } else {
@@ -395,7 +400,7 @@ impl Prepared {
                 }
             }
         };
-        self.algos.lock().unwrap().push(([256; 4], best));
+        self.algos.lock().unwrap().push((align, best));
         Ok(())
     }
 

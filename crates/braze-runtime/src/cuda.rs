@@ -22,6 +22,8 @@ type CuModule = *mut c_void;
 type CuFunction = *mut c_void;
 type CuStream = *mut c_void;
 type CuEvent = *mut c_void;
+type CuGraph = *mut c_void;
+type CuGraphExec = *mut c_void;
 
 struct Nvrtc {
     _lib: Library,
@@ -55,6 +57,13 @@ struct Driver {
     event_sync: unsafe extern "C" fn(CuEvent) -> CuResult,
     event_elapsed: unsafe extern "C" fn(*mut f32, CuEvent, CuEvent) -> CuResult,
     event_destroy: unsafe extern "C" fn(CuEvent) -> CuResult,
+    begin_capture: unsafe extern "C" fn(CuStream, c_int) -> CuResult,
+    end_capture: unsafe extern "C" fn(CuStream, *mut CuGraph) -> CuResult,
+    is_capturing: unsafe extern "C" fn(CuStream, *mut c_int) -> CuResult,
+    graph_instantiate: unsafe extern "C" fn(*mut CuGraphExec, CuGraph, u64) -> CuResult,
+    graph_destroy: unsafe extern "C" fn(CuGraph) -> CuResult,
+    graph_exec_destroy: unsafe extern "C" fn(CuGraphExec) -> CuResult,
+    graph_launch: unsafe extern "C" fn(CuGraphExec, CuStream) -> CuResult,
     launch: unsafe extern "C" fn(CuFunction, c_uint, c_uint, c_uint, c_uint, c_uint, c_uint, c_uint, CuStream, *mut *mut c_void, *mut *mut c_void) -> CuResult,
     error_string: unsafe extern "C" fn(CuResult, *mut *const c_char) -> CuResult,
 }
@@ -109,6 +118,13 @@ pub fn init_driver(path: &str) -> Result<(), RuntimeError> {
             event_sync: sym!(lib, b"cuEventSynchronize"),
             event_elapsed: sym!(lib, b"cuEventElapsedTime"),
             event_destroy: sym!(lib, b"cuEventDestroy_v2"),
+            begin_capture: sym!(lib, b"cuStreamBeginCapture_v2"),
+            end_capture: sym!(lib, b"cuStreamEndCapture"),
+            is_capturing: sym!(lib, b"cuStreamIsCapturing"),
+            graph_instantiate: sym!(lib, b"cuGraphInstantiateWithFlags"),
+            graph_destroy: sym!(lib, b"cuGraphDestroy"),
+            graph_exec_destroy: sym!(lib, b"cuGraphExecDestroy"),
+            graph_launch: sym!(lib, b"cuGraphLaunch"),
             error_string: sym!(lib, b"cuGetErrorString"),
             _lib: lib,
         };
@@ -332,6 +348,53 @@ pub struct CudaModule {
     pub specs: Vec<LaunchSpec>,
     pub items: Vec<Item>,
     pub cached: bool,
+    graphs: std::sync::Mutex<Replays>,
+    /// Runs launched as a captured graph (for tests and stats).
+    pub replays: std::sync::atomic::AtomicUsize,
+}
+
+/// [Note: replay] A run of items whose buffer pointers and sizes are exactly those of the
+/// previous run of the same items is captured once into a CUDA graph; from then on a run with
+/// those pointers launches the graph (one launch instead of one per kernel and matmul). In a
+/// training or inference loop PyTorch's caching allocator hands out the same blocks every
+/// iteration, so the steady state replays. Pointers are compared on every call, so a replay
+/// touches exactly the memory the plain launches would. Off with `BRAZE_CUDA_GRAPHS=0`, and
+/// never while the caller's stream is itself being captured.
+#[derive(Default)]
+struct Replays {
+    /// The key of the last plain run: seen twice in a row, it is captured.
+    last: Vec<u64>,
+    /// Captured runs by key, most recent last.
+    execs: Vec<(Vec<u64>, usize)>,
+    /// Capture failed once: run plainly from then on.
+    off: bool,
+    /// The private stream captures are recorded on.
+    stream: usize,
+}
+
+/// How many captured pointer sets a module keeps (a loop that alternates between a few sets,
+/// e.g. gradients kept across steps, still replays).
+const MAX_REPLAYS: usize = 4;
+
+fn replay_enabled() -> bool {
+    static ON: OnceLock<bool> = OnceLock::new();
+    *ON.get_or_init(|| std::env::var("BRAZE_CUDA_GRAPHS").map(|v| v != "0").unwrap_or(true))
+}
+
+impl Drop for CudaModule {
+    fn drop(&mut self) {
+        let Ok(d) = driver() else { return };
+        let r = self.graphs.get_mut().unwrap_or_else(|e| e.into_inner());
+        // SAFETY: executables in flight are freed by the driver when they complete.
+        unsafe {
+            for (_, e) in r.execs.drain(..) {
+                (d.graph_exec_destroy)(e as CuGraphExec);
+            }
+            if r.stream != 0 {
+                (d.stream_destroy)(r.stream as CuStream);
+            }
+        }
+    }
 }
 
 /// cuBLASLt's workspace: one device allocation for the process.
@@ -375,12 +438,93 @@ impl CudaModule {
                 check(d, (d.get_fn)(&mut f, module, name.as_ptr()), &format!("kernel {}", s.name))?;
                 fns.push(f);
             }
-            Ok(CudaModule { _module: module, ctx, fns, specs, items, cached })
+            Ok(CudaModule { _module: module, ctx, fns, specs, items, cached, graphs: Default::default(), replays: Default::default() })
         }
     }
 
-    /// Runs items `lo..hi` (kernels and matmuls) on `stream`.
+    /// Runs items `lo..hi` (kernels and matmuls) on `stream`, replaying a captured CUDA graph
+    /// when this run's pointers were seen before ([Note: replay]).
     pub fn run_items(&self, lo: usize, hi: usize, ptrs: &[usize], syms: &[i64], stream: usize) -> Result<(), RuntimeError> {
+        if hi - lo < 2 || !replay_enabled() {
+            return self.launch_items(lo, hi, ptrs, syms, stream);
+        }
+        let d = driver()?;
+        let mut key: Vec<u64> = Vec::with_capacity(2 + ptrs.len() + syms.len());
+        key.extend([lo as u64, hi as u64]);
+        key.extend(ptrs.iter().map(|&p| p as u64));
+        key.extend(syms.iter().map(|&s| s as u64));
+        let mut r = self.graphs.lock().unwrap_or_else(|e| e.into_inner());
+        if r.off {
+            drop(r);
+            return self.launch_items(lo, hi, ptrs, syms, stream);
+        }
+        let mut capturing: c_int = 0;
+        // SAFETY: a query on the caller's stream (an error, e.g. the legacy stream during
+        // another stream's global capture, counts as capturing).
+        let rc = unsafe { (d.is_capturing)(stream as CuStream, &mut capturing) };
+        if rc != 0 || capturing != 0 {
+            drop(r);
+            return self.launch_items(lo, hi, ptrs, syms, stream);
+        }
+        if let Some(i) = r.execs.iter().position(|(k, _)| *k == key) {
+            let exec = r.execs[i].1;
+            self.replays.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            // SAFETY: the graph was captured from these items with exactly these pointers.
+            return unsafe { check(d, (d.graph_launch)(exec as CuGraphExec, stream as CuStream), "cuGraphLaunch") };
+        }
+        if r.last != key {
+            r.last = key;
+            drop(r);
+            return self.launch_items(lo, hi, ptrs, syms, stream);
+        }
+        match self.capture(&mut r, lo, hi, ptrs, syms) {
+            Ok(exec) => {
+                if r.execs.len() == MAX_REPLAYS {
+                    let (_, old) = r.execs.remove(0);
+                    // SAFETY: freed by the driver once any launch of it completes.
+                    unsafe { (d.graph_exec_destroy)(old as CuGraphExec) };
+                }
+                r.execs.push((key, exec));
+                self.replays.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                // SAFETY: as above.
+                unsafe { check(d, (d.graph_launch)(exec as CuGraphExec, stream as CuStream), "cuGraphLaunch") }
+            }
+            Err(_) => {
+                r.off = true;
+                drop(r);
+                self.launch_items(lo, hi, ptrs, syms, stream)
+            }
+        }
+    }
+
+    /// Records items `lo..hi` on the module's private stream into an executable graph.
+    fn capture(&self, r: &mut Replays, lo: usize, hi: usize, ptrs: &[usize], syms: &[i64]) -> Result<usize, RuntimeError> {
+        let d = driver()?;
+        // SAFETY: capture on a stream only this module uses; the capture is always ended.
+        unsafe {
+            if r.stream == 0 {
+                let mut s: CuStream = std::ptr::null_mut();
+                check(d, (d.stream_create)(&mut s, 1), "cuStreamCreate")?;
+                r.stream = s as usize;
+            }
+            let s = r.stream as CuStream;
+            // Thread-local mode: other threads' allocations do not invalidate this capture.
+            check(d, (d.begin_capture)(s, 1), "cuStreamBeginCapture")?;
+            let launched = self.launch_items(lo, hi, ptrs, syms, r.stream);
+            let mut graph: CuGraph = std::ptr::null_mut();
+            let ended = check(d, (d.end_capture)(s, &mut graph), "cuStreamEndCapture");
+            launched?;
+            ended?;
+            let mut exec: CuGraphExec = std::ptr::null_mut();
+            let inst = check(d, (d.graph_instantiate)(&mut exec, graph, 0), "cuGraphInstantiate");
+            (d.graph_destroy)(graph);
+            inst?;
+            Ok(exec as usize)
+        }
+    }
+
+    /// Launches items `lo..hi` one by one on `stream`.
+    fn launch_items(&self, lo: usize, hi: usize, ptrs: &[usize], syms: &[i64], stream: usize) -> Result<(), RuntimeError> {
         for it in &self.items[lo..hi] {
             match it {
                 Item::Kernel(k) => self.run(*k, *k + 1, ptrs, syms, stream)?,
