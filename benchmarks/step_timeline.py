@@ -63,6 +63,8 @@ _in_layout = runtime._in_layout
 
 
 def _in_layout_timed(t, shape, stride):
+    if t.stride() != stride:
+        mark(f"relayout of an input {tuple(shape)} starts")
     r = _in_layout(t, shape, stride)
     if r is not t:
         mark(f"relaid out an input {tuple(shape)}")

@@ -175,3 +175,20 @@ def _spy_graphs(monkeypatch):
         made.append(self)
     monkeypatch.setattr(runtime.CompiledGraph, "__init__", keep)
     return made
+
+
+def test_backward_called_inside_a_compiled_function(device):
+    """Dynamo breaks the graph at .backward() and runs it from compiled code, where its
+    frame hook is active: braze's backward must run (untraced) and give eager's gradients."""
+    torch._dynamo.reset()
+
+    def train_step(x, w1, b1, w2):
+        loss = _mlp(x, w1, b1, w2).sum()
+        loss.backward()
+        return loss.detach()
+
+    ins = _mlp_inputs(device)
+    ins2 = [x.detach().clone().requires_grad_(True) for x in ins]
+    torch.testing.assert_close(compiled(train_step)(*ins2), train_step(*ins), rtol=1e-4, atol=1e-4)
+    for x, x2 in zip(ins, ins2):
+        torch.testing.assert_close(x2.grad, x.grad, rtol=1e-4, atol=1e-4)

@@ -158,14 +158,19 @@ def _training_path(fw, fw_gm, meta, bw, bw_gm):
     return run
 
 
+_eval_frame_callback = torch._C._dynamo.eval_frame.get_eval_frame_callback
+
+
 class _Plan:
-    __slots__ = ("fw", "bw", "n_out", "nondiff", "bw_args")
+    __slots__ = ("fw", "bw", "bw_no_dynamo", "n_out", "nondiff", "bw_args")
 
     def __init__(self, fw, bw, n_out, nondiff, bw_args):
-        # The backward runs from the autograd engine, maybe inside a frame Dynamo would try
-        # to trace: it must never be traced (AOTAutograd disables Dynamo the same way).
+        # The backward runs from the autograd engine, maybe on a thread where Dynamo is
+        # active (a backward called inside a compiled function): there it must not be traced
+        # (AOTAutograd disables Dynamo the same way). Elsewhere it is called directly.
         self.fw = fw
-        self.bw = torch._dynamo.disable(bw)
+        self.bw = bw
+        self.bw_no_dynamo = torch._dynamo.disable(bw)
         self.n_out = n_out
         self.nondiff = nondiff
         self.bw_args = bw_args
@@ -189,4 +194,6 @@ class _BrazeFunction(torch.autograd.Function):
         plan = ctx.plan
         saved = ctx.saved_tensors
         args = [saved[i] if i >= 0 else grads[-1 - i] for i in plan.bw_args]
-        return (None, *plan.bw(args))
+        cb = _eval_frame_callback()
+        bw = plan.bw if cb is None or cb is False else plan.bw_no_dynamo
+        return (None, *bw(args))

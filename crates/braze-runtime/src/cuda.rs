@@ -353,8 +353,8 @@ pub struct CudaModule {
     pub replays: std::sync::atomic::AtomicUsize,
 }
 
-/// [Note: replay] A run of items whose buffer pointers and sizes are exactly those of the
-/// previous run of the same items is captured once into a CUDA graph; from then on a run with
+/// [Note: replay] A run of items whose buffer pointers and sizes are exactly those of one of
+/// the latest runs of the same items is captured once into a CUDA graph; from then on a run with
 /// those pointers launches the graph (one launch instead of one per kernel and matmul). In a
 /// training or inference loop PyTorch's caching allocator hands out the same blocks every
 /// iteration, so the steady state replays. Pointers are compared on every call, so a replay
@@ -362,8 +362,10 @@ pub struct CudaModule {
 /// never while the caller's stream is itself being captured.
 #[derive(Default)]
 struct Replays {
-    /// The key of the last plain run: seen twice in a row, it is captured.
-    last: Vec<u64>,
+    /// Keys of the latest plain runs: a key seen again is captured (a loop whose outputs
+    /// alternate between two buffer sets, the previous step's still alive, repeats every
+    /// other call).
+    recent: Vec<Vec<u64>>,
     /// Captured runs by key, most recent last.
     execs: Vec<(Vec<u64>, usize)>,
     /// Capture failed once: run plainly from then on.
@@ -472,8 +474,13 @@ impl CudaModule {
             // SAFETY: the graph was captured from these items with exactly these pointers.
             return unsafe { check(d, (d.graph_launch)(exec as CuGraphExec, stream as CuStream), "cuGraphLaunch") };
         }
-        if r.last != key {
-            r.last = key;
+        if let Some(i) = r.recent.iter().position(|k| *k == key) {
+            r.recent.remove(i);
+        } else {
+            if r.recent.len() == MAX_REPLAYS {
+                r.recent.remove(0);
+            }
+            r.recent.push(key);
             drop(r);
             return self.launch_items(lo, hi, ptrs, syms, stream);
         }
