@@ -59,19 +59,17 @@ def _call_timed(self, args):
     return r
 
 
-_in_layout = runtime._in_layout
+_relayout = runtime.CompiledGraph._relayout
 
 
-def _in_layout_timed(t, shape, stride):
-    if t.stride() != stride:
-        mark(f"relayout of an input {tuple(shape)} starts")
-    r = _in_layout(t, shape, stride)
-    if r is not t:
-        mark(f"relaid out an input {tuple(shape)}")
+def _relayout_timed(self, t, shape, stride, stream):
+    mark(f"relayout of an input {tuple(shape)} starts")
+    r = _relayout(self, t, shape, stride, stream)
+    mark(f"relaid out an input {tuple(shape)}")
     return r
 
 
-runtime._in_layout = _in_layout_timed
+runtime.CompiledGraph._relayout = _relayout_timed
 runtime.CompiledGraph.__init__ = _init_timed
 runtime.CompiledGraph.__call__ = _call_timed
 _fw, _bw = direct._BrazeFunction.forward, direct._BrazeFunction.backward

@@ -415,3 +415,13 @@ def test_cuda_graph_replay(device, monkeypatch):
     for i in range(6):  # two buffer sets in turn, then a fresh one each call
         y = others[i % 2] if i < 4 else torch.randn(64, 32, device=device)
         torch.testing.assert_close(c(y, w), f(y, w))
+
+
+def test_relayout_kernels_compile():
+    """The GPU copy of inputs into their compiled layout is a fixed NVRTC source: it must
+    compile (checked wherever NVRTC is found, GPU or not)."""
+    from braze import cuda
+
+    if not cuda.nvrtc_available():
+        pytest.skip("NVRTC not found")
+    assert braze._core.nvrtc_compile(braze._core.relayout_source(), "sm_90") > 0

@@ -9,6 +9,7 @@ import re
 
 import torch
 
+from . import _core
 from .lowering import DTYPES, ExternCall, Ref, SymRef, Unsupported
 
 _TORCH_DTYPES = {v: k for k, v in DTYPES.items()}
@@ -109,6 +110,16 @@ class CompiledGraph:
             self.static = self._layouts(compiled.eval([]))
             self.static_plan = self._plan(*self.static)
 
+    def _relayout(self, t, shape, stride, stream):
+        """A copy of input `t` laid out with `stride`: on the GPU one braze kernel launched
+        from Rust (PyTorch's copy_ of an expanded or transposed view costs far more host
+        time), elsewhere PyTorch's copy."""
+        if self.cuda and t.get_device() == self.device_index and t.dim() <= 8:
+            out = self.empty(shape, stride, t.dtype)
+            _core.relayout(self.device_index, t.data_ptr(), t.stride(), out.data_ptr(), stride, shape, t.element_size(), stream)
+            return out
+        return torch.empty_strided(shape, stride, dtype=t.dtype, device=t.device).copy_(t)
+
     def _layouts(self, vals):
         shapes = [tuple(vals[i] for i in b[3]) for b in self.bufs]
         strides = [tuple(vals[i] for i in b[4]) for b in self.bufs]
@@ -153,10 +164,13 @@ class CompiledGraph:
             inputs, plan, out_plan, simple = self.static_plan
         bufs = [None] * self.n_bufs
         tensor_args = self.tensor_args_of(args)
+        stream = self.raw_stream(self.device_index) if self.cuda else 0
         # Graph inputs, in the layout the kernels were compiled for.
         for b, idx, shape, stride in inputs:
-            bufs[b] = _in_layout(tensor_args[idx], shape, stride)
-        stream = self.raw_stream(self.device_index) if self.cuda else 0
+            t = tensor_args[idx]
+            if t.stride() != stride and not _same_layout(t, shape, stride):
+                t = self._relayout(t, shape, stride, stream)
+            bufs[b] = t
         # One allocation for the buffers only braze's kernels touch ([Note: arena]).
         empty = self.empty
         arena = empty((self.arena_bytes,), (1,), torch.uint8) if self.arena_bytes else None

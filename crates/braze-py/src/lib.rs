@@ -139,6 +139,20 @@ fn nvrtc_warm_up(py: Python<'_>, arch: &str) -> PyResult<()> {
     py.detach(move || braze_runtime::cuda::warm_up(&arch)).map_err(runtime_err)
 }
 
+/// Copies a strided tensor into another layout on the GPU (one kernel launch on `stream`):
+/// graph inputs whose strides differ from the compiled ones.
+#[pyfunction]
+#[allow(clippy::too_many_arguments)]
+fn relayout(device: i32, src: usize, src_strides: Vec<i64>, dst: usize, dst_strides: Vec<i64>, shape: Vec<i64>, elem: usize, stream: usize) -> PyResult<()> {
+    braze_runtime::cuda::relayout::relayout(device, src, &src_strides, dst, &dst_strides, &shape, elem, stream).map_err(runtime_err)
+}
+
+/// The CUDA source of the relayout kernels (for the check that it compiles).
+#[pyfunction]
+fn relayout_source() -> &'static str {
+    braze_runtime::cuda::relayout::SOURCE
+}
+
 /// Compiles CUDA source with NVRTC for `arch` (a check; returns the cubin's size).
 #[pyfunction]
 fn nvrtc_compile(source: &str, arch: &str) -> PyResult<usize> {
@@ -291,6 +305,8 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(cuda_init, m)?)?;
     m.add_function(wrap_pyfunction!(nvrtc_compile, m)?)?;
     m.add_function(wrap_pyfunction!(nvrtc_warm_up, m)?)?;
+    m.add_function(wrap_pyfunction!(relayout, m)?)?;
+    m.add_function(wrap_pyfunction!(relayout_source, m)?)?;
     m.add("Unsupported", m.py().get_type::<Unsupported>())?;
     m.add("InternalError", m.py().get_type::<InternalError>())?;
     m.add("EnvironmentError_", m.py().get_type::<EnvironmentError_>())?;

@@ -8,6 +8,8 @@
 //! points braze uses are resolved. NVRTC works without a GPU, which is how CI checks that
 //! every generated kernel compiles.
 
+pub mod relayout;
+
 use crate::cache::{cache_dir, key};
 use crate::RuntimeError;
 use libloading::Library;
@@ -200,8 +202,10 @@ pub fn compile_cubin(source: &str, arch: &str, version: &str) -> Result<(Vec<u8>
 
 /// Compiles a one-line kernel so that NVRTC's first-use cost (about a quarter of a second:
 /// its compiler libraries load and initialize) is paid ahead of the first real compile.
+/// Also builds the relayout kernels' cubin (a disk-cache hit after the first process).
 pub fn warm_up(arch: &str) -> Result<(), RuntimeError> {
-    nvrtc_build("extern \"C\" __global__ void braze_warm_up() {}", &nvrtc_options(arch), arch).map(|_| ())
+    nvrtc_build("extern \"C\" __global__ void braze_warm_up() {}", &nvrtc_options(arch), arch)?;
+    compile_cubin(relayout::SOURCE, arch, env!("CARGO_PKG_VERSION")).map(|_| ())
 }
 
 /// One NVRTC compilation (no cache).
