@@ -388,15 +388,21 @@ impl Prepared {
                     let mut sizes = self.extents();
                     let nbuf = sizes.len();
                     sizes.push(WORKSPACE);
-                    let times = crate::cuda::time_candidates(ordinal, &sizes, cands.len(), &mut |i, ptrs, stream| {
+                    let timed = crate::cuda::time_candidates(ordinal, &sizes, cands.len(), &mut |i, ptrs, stream| {
                         self.launch(&ptrs[..nbuf], stream, ptrs[nbuf], &cands[i])
-                    })?;
-                    let (i, t) = times.iter().enumerate().fold((0, f64::INFINITY), |b, (i, &t)| if t < b.1 { (i, t) } else { b });
-                    if !t.is_finite() {
-                        return Err(RuntimeError::Environment(format!("{}: no cuBLASLt algorithm ran", self.spec.name)));
+                    });
+                    // Timing is an optimization: without it (no memory left for the scratch
+                    // buffers, say) the heuristic's favourite is used and nothing is cached.
+                    match timed {
+                        Ok(times) => {
+                            let (i, t) = times.iter().enumerate().fold((0, f64::INFINITY), |b, (i, &t)| if t < b.1 { (i, t) } else { b });
+                            if t.is_finite() {
+                                tuned().lock().unwrap().insert(key, cands[i]);
+                            }
+                            cands[i]
+                        }
+                        Err(_) => cands[0],
                     }
-                    tuned().lock().unwrap().insert(key, cands[i]);
-                    cands[i]
                 }
             }
         };

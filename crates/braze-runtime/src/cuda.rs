@@ -275,13 +275,16 @@ pub fn time_candidates(
     let mut bufs: Vec<u64> = Vec::new();
     let mut stream: CuStream = std::ptr::null_mut();
     let mut ev: [CuEvent; 2] = [std::ptr::null_mut(); 2];
-    // SAFETY: driver API as documented; everything created here is destroyed before return.
+    let mut prev: CuContext = std::ptr::null_mut();
+    // SAFETY: driver API as documented; everything created here is destroyed before return,
+    // and the thread's current context is restored.
     let result = unsafe {
         (|| -> Result<Vec<f64>, RuntimeError> {
             let mut dev: CuDevice = 0;
             let mut ctx: CuContext = std::ptr::null_mut();
             check(d, (d.device_get)(&mut dev, ordinal), "cuDeviceGet")?;
             check(d, (d.retain)(&mut ctx, dev), "cuDevicePrimaryCtxRetain")?;
+            check(d, (d.ctx_get)(&mut prev), "cuCtxGetCurrent")?;
             check(d, (d.ctx_set)(ctx), "cuCtxSetCurrent")?;
             for &n in sizes {
                 let mut p: u64 = 0;
@@ -331,6 +334,9 @@ pub fn time_candidates(
         }
         for p in bufs {
             (d.mem_free)(p);
+        }
+        if !prev.is_null() {
+            (d.ctx_set)(prev);
         }
     }
     result
