@@ -106,13 +106,16 @@ def _not_simple(cap, gm):
     n_in = sum(1 for n in fw_gm.graph.nodes if n.op == "placeholder")
     if n_in != len(cap.example_inputs):
         return "AOTAutograd changed the inputs (deduplicated or synthetic bases)"
-    if any(i.mutates_data or i.mutates_metadata for i in meta.input_info):
-        return "the graph mutates an input"
-    for o in meta.output_info:
-        if o.output_type.name != "non_alias" or not issubclass(o.raw_type, torch.Tensor):
-            return "an output aliases an input or an intermediate, or is not a tensor"
-    if meta.num_intermediate_bases or meta.tokens or meta.is_rng_op_functionalized or getattr(meta, "num_outputs_rng_offset", 0):
-        return "the graph has intermediate bases, effect tokens or functionalized RNG"
+    try:
+        if any(i.mutates_data or i.mutates_metadata for i in meta.input_info):
+            return "the graph mutates an input"
+        for o in meta.output_info:
+            if o.output_type.name != "non_alias" or not issubclass(o.raw_type, torch.Tensor):
+                return "an output aliases an input or an intermediate, or is not a tensor"
+        if meta.num_intermediate_bases or meta.tokens or meta.is_rng_op_functionalized or getattr(meta, "num_outputs_rng_offset", 0):
+            return "the graph has intermediate bases, effect tokens or functionalized RNG"
+    except AttributeError as e:  # metadata of a PyTorch version this was not written for
+        return f"AOTAutograd's metadata lacks {e.name!r}"
     return None
 
 
@@ -158,7 +161,8 @@ def _training_path(fw, fw_gm, meta, bw, bw_gm):
     return run
 
 
-_eval_frame_callback = torch._C._dynamo.eval_frame.get_eval_frame_callback
+# Older PyTorch lacks the query: then the backward always goes through torch._dynamo.disable.
+_eval_frame_callback = getattr(torch._C._dynamo.eval_frame, "get_eval_frame_callback", lambda: True)
 
 
 class _Plan:
