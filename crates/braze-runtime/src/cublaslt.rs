@@ -75,6 +75,11 @@ pub const WORKSPACE: usize = 32 << 20;
 /// How many of the heuristic's algorithms are timed when a matmul is prepared.
 const TUNE_CANDIDATES: usize = 8;
 
+/// Matmuls smaller than this many multiply-adds (about a microsecond of tensor-core work) are
+/// not timed: launch cost dominates them, and the heuristic's favourite keeps their rounding
+/// (summation order) what it always was.
+const TUNE_MIN_MACS: f64 = (1u64 << 28) as f64;
+
 /// Algorithms already chosen by timing, by `Prepared::tune_key` (one per distinct matmul in
 /// the process: a model's repeated layers are timed once).
 fn tuned() -> &'static Mutex<HashMap<String, Algo>> {
@@ -376,7 +381,8 @@ impl Prepared {
         let es = s.dtype.size();
         let off = |o: &Operand| alignment(o.offset as usize * es);
         let align = [off(&s.b), off(&s.a), s.residual.as_ref().map_or(256, off), 256];
-        let cands = self.heuristic(align, TUNE_CANDIDATES)?;
+        let macs = s.batch as f64 * s.a.rows as f64 * s.a.cols as f64 * s.b.cols as f64;
+        let cands = self.heuristic(align, if macs < TUNE_MIN_MACS { 1 } else { TUNE_CANDIDATES })?;
         let best = if cands.len() == 1 {
             cands[0]
         } else {
