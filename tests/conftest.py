@@ -32,3 +32,18 @@ def device():
 def _fresh_dynamo():
     torch._dynamo.reset()
     yield
+
+
+@pytest.fixture
+def compiled_graphs(monkeypatch):
+    """The CompiledGraph objects braze makes during the test, in order."""
+    from braze import runtime
+
+    made = []
+    init = runtime.CompiledGraph.__init__
+
+    def keep(self, *a):
+        init(self, *a)
+        made.append(self)
+    monkeypatch.setattr(runtime.CompiledGraph, "__init__", keep)
+    return made

@@ -136,7 +136,7 @@ def test_aot_wrappers_kept_where_needed(fn, device):
     assert braze.stats.records[-1]["runtime"].startswith("AOTAutograd's wrappers (")
 
 
-def test_training_loop_matches_eager(device, monkeypatch):
+def test_training_loop_matches_eager(device, compiled_graphs):
     """Several training steps, compiled against eager: parameters change in place between steps
     (the same pointers with new values, which is what CUDA-graph replays see) and the
     gradients are dropped each step, as in a real loop."""
@@ -145,7 +145,7 @@ def test_training_loop_matches_eager(device, monkeypatch):
     ref = [x.detach().clone().requires_grad_(True) for x in _mlp_inputs(device)]
     mine = [x.detach().clone().requires_grad_(True) for x in ref]
     cf = compiled(_mlp)
-    graphs = _spy_graphs(monkeypatch)
+    graphs = compiled_graphs
     g = torch.randn(8, 16, device=device)
     for step in range(8):
         out2 = cf(*mine)
@@ -164,20 +164,6 @@ def test_training_loop_matches_eager(device, monkeypatch):
         # Both graphs (forward and backward) run several items: once their buffers repeat
         # they replay.
         assert all(g.c.replays >= 3 for g in graphs), [(g.name, g.c.replays) for g in graphs]
-
-
-def _spy_graphs(monkeypatch):
-    """The CompiledGraph objects braze makes from now on (until the test ends)."""
-    from braze import runtime
-
-    made = []
-    init = runtime.CompiledGraph.__init__
-
-    def keep(self, *a):
-        init(self, *a)
-        made.append(self)
-    monkeypatch.setattr(runtime.CompiledGraph, "__init__", keep)
-    return made
 
 
 def test_backward_called_inside_a_compiled_function(device):

@@ -386,20 +386,11 @@ def test_long_row_reductions(device):
         torch.testing.assert_close(o, r, rtol=1e-4, atol=1e-2)
 
 
-def test_cuda_graph_replay(device, monkeypatch):
+def test_cuda_graph_replay(device, compiled_graphs):
     """A graph called again with the same buffers replays a captured CUDA graph; new values
     in those buffers, new buffers, and alternating buffer sets all give eager's results."""
     if device != "cuda":
         pytest.skip("CUDA graphs: GPU only")
-    from braze import runtime
-
-    made = []
-    init = runtime.CompiledGraph.__init__
-
-    def keep(self, *a):
-        init(self, *a)
-        made.append(self)
-    monkeypatch.setattr(runtime.CompiledGraph, "__init__", keep)
 
     def f(x, w):
         return torch.relu(x @ w) * torch.sigmoid(x).sum(-1, keepdim=True)
@@ -410,7 +401,7 @@ def test_cuda_graph_replay(device, monkeypatch):
     for i in range(5):
         x.copy_(torch.randn_like(x))  # same pointer, new values: a replay must read them
         torch.testing.assert_close(c(x, w), f(x, w))
-    (g,) = made
+    (g,) = compiled_graphs
     assert g.c.replays >= 3
     for i in range(6):  # two buffer sets in turn, then a fresh one each call
         y = others[i % 2] if i < 4 else torch.randn(64, 32, device=device)

@@ -167,6 +167,25 @@ fn check(d: &Driver, rc: CuResult, what: &str) -> Result<(), RuntimeError> {
     Err(RuntimeError::Launch(format!("{what}: {msg}")))
 }
 
+/// Makes device `ordinal`'s primary context (retained) current on this thread; returns it and
+/// the context that was current before.
+///
+/// # Safety
+/// Driver calls only; the caller decides whether to restore the previous context.
+unsafe fn make_primary_current(d: &Driver, ordinal: i32) -> Result<(CuContext, CuContext), RuntimeError> {
+    let mut dev: CuDevice = 0;
+    let mut ctx: CuContext = std::ptr::null_mut();
+    let mut prev: CuContext = std::ptr::null_mut();
+    // SAFETY: plain driver calls with out-pointers to locals.
+    unsafe {
+        check(d, (d.device_get)(&mut dev, ordinal), "cuDeviceGet")?;
+        check(d, (d.retain)(&mut ctx, dev), "cuDevicePrimaryCtxRetain")?;
+        check(d, (d.ctx_get)(&mut prev), "cuCtxGetCurrent")?;
+        check(d, (d.ctx_set)(ctx), "cuCtxSetCurrent")?;
+    }
+    Ok((ctx, prev))
+}
+
 /// NVRTC's version, e.g. (13, 0).
 pub fn nvrtc_version() -> Result<(i32, i32), RuntimeError> {
     let n = nvrtc()?;
@@ -280,12 +299,7 @@ pub fn time_candidates(
     // and the thread's current context is restored.
     let result = unsafe {
         (|| -> Result<Vec<f64>, RuntimeError> {
-            let mut dev: CuDevice = 0;
-            let mut ctx: CuContext = std::ptr::null_mut();
-            check(d, (d.device_get)(&mut dev, ordinal), "cuDeviceGet")?;
-            check(d, (d.retain)(&mut ctx, dev), "cuDevicePrimaryCtxRetain")?;
-            check(d, (d.ctx_get)(&mut prev), "cuCtxGetCurrent")?;
-            check(d, (d.ctx_set)(ctx), "cuCtxSetCurrent")?;
+            prev = make_primary_current(d, ordinal)?.1;
             for &n in sizes {
                 let mut p: u64 = 0;
                 check(d, (d.mem_alloc)(&mut p, n.max(256)), "cuMemAlloc (tuning)")?;
@@ -432,14 +446,10 @@ impl CudaModule {
     /// Loads a cubin into device `ordinal`'s primary context and resolves the kernels.
     pub fn load(cubin: Option<&[u8]>, ordinal: i32, specs: Vec<LaunchSpec>, items: Vec<Item>, cached: bool) -> Result<CudaModule, RuntimeError> {
         let d = driver()?;
-        let mut dev: CuDevice = 0;
-        let mut ctx: CuContext = std::ptr::null_mut();
         let mut module: CuModule = std::ptr::null_mut();
         // SAFETY: driver API used as documented; the cubin outlives cuModuleLoadData.
         unsafe {
-            check(d, (d.device_get)(&mut dev, ordinal), "cuDeviceGet")?;
-            check(d, (d.retain)(&mut ctx, dev), "cuDevicePrimaryCtxRetain")?;
-            check(d, (d.ctx_set)(ctx), "cuCtxSetCurrent")?;
+            let (ctx, _) = make_primary_current(d, ordinal)?;
             if let Some(cubin) = cubin {
                 check(d, (d.load)(&mut module, cubin.as_ptr() as *const c_void), "cuModuleLoadData")?;
             }

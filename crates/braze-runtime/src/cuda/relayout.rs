@@ -5,7 +5,7 @@
 //! (TensorIterator set-up), this costs one kernel launch. The kernel is one fixed source,
 //! compiled by NVRTC once per architecture (and cached on disk like every module).
 
-use super::{check, compile_cubin, device_info, driver, CuContext, CuDevice, CuFunction, CuModule, CuStream};
+use super::{check, compile_cubin, device_info, driver, make_primary_current, CuContext, CuFunction, CuModule, CuStream};
 use crate::RuntimeError;
 use std::collections::HashMap;
 use std::ffi::{c_uint, c_void, CString};
@@ -63,14 +63,10 @@ fn load(ordinal: i32) -> Result<Loaded, RuntimeError> {
     let d = driver()?;
     let (arch, sms) = device_info(ordinal)?;
     let (cubin, _) = compile_cubin(SOURCE, &arch, env!("CARGO_PKG_VERSION"))?;
-    let mut dev: CuDevice = 0;
-    let mut ctx: CuContext = std::ptr::null_mut();
     let mut module: CuModule = std::ptr::null_mut();
     // SAFETY: driver API as documented; the cubin outlives cuModuleLoadData.
     unsafe {
-        check(d, (d.device_get)(&mut dev, ordinal), "cuDeviceGet")?;
-        check(d, (d.retain)(&mut ctx, dev), "cuDevicePrimaryCtxRetain")?;
-        check(d, (d.ctx_set)(ctx), "cuCtxSetCurrent")?;
+        let (ctx, _) = make_primary_current(d, ordinal)?;
         check(d, (d.load)(&mut module, cubin.as_ptr() as *const c_void), "cuModuleLoadData (relayout)")?;
         let mut fns: [CuFunction; 4] = [std::ptr::null_mut(); 4];
         for (f, bytes) in fns.iter_mut().zip([1, 2, 4, 8]) {
