@@ -110,6 +110,12 @@ class CompiledGraph:
             self.static = self._layouts(compiled.eval([]))
             self.static_plan = self._plan(*self.static)
 
+    def _in_layout(self, t, shape, stride, stream):
+        """`t`, or a copy of it laid out with `stride` when its layout differs."""
+        if t.stride() != stride and not _same_layout(t, shape, stride):
+            return self._relayout(t, shape, stride, stream)
+        return t
+
     def _relayout(self, t, shape, stride, stream):
         """A copy of input `t` laid out with `stride`: on the GPU one braze kernel launched
         from Rust (PyTorch's copy_ of an expanded or transposed view costs far more host
@@ -167,10 +173,7 @@ class CompiledGraph:
         stream = self.raw_stream(self.device_index) if self.cuda else 0
         # Graph inputs, in the layout the kernels were compiled for.
         for b, idx, shape, stride in inputs:
-            t = tensor_args[idx]
-            if t.stride() != stride and not _same_layout(t, shape, stride):
-                t = self._relayout(t, shape, stride, stream)
-            bufs[b] = t
+            bufs[b] = self._in_layout(tensor_args[idx], shape, stride, stream)
         # One allocation for the buffers only braze's kernels touch ([Note: arena]).
         empty = self.empty
         arena = empty((self.arena_bytes,), (1,), torch.uint8) if self.arena_bytes else None
@@ -190,7 +193,7 @@ class CompiledGraph:
                     t = r
                     for k in path:
                         t = t[k]
-                    bufs[o] = _in_layout(t, shape, stride)
+                    bufs[o] = self._in_layout(t, shape, stride, stream)
             for buf in frees:
                 bufs[buf] = None
         outs = []
@@ -256,13 +259,6 @@ def _arg_builder(call, resolver):
     def slow(tensors, syms):
         return sub(call.args, tensors, syms), sub(call.kwargs, tensors, syms)
     return slow
-
-
-def _in_layout(t, shape, stride):
-    """`t`, or a copy of it laid out with `stride` when its layout differs."""
-    if t.stride() != stride and not _same_layout(t, shape, stride):
-        return torch.empty_strided(shape, stride, dtype=t.dtype, device=t.device).copy_(t)
-    return t
 
 
 def _same_layout(t, shape, strides):

@@ -382,38 +382,35 @@ impl Prepared {
         let off = |o: &Operand| alignment(o.offset as usize * es);
         let align = [off(&s.b), off(&s.a), s.residual.as_ref().map_or(256, off), 256];
         let macs = s.batch as f64 * s.a.rows as f64 * s.a.cols as f64 * s.b.cols as f64;
-        let cands = self.heuristic(align, if macs < TUNE_MIN_MACS { 1 } else { TUNE_CANDIDATES })?;
-        let best = if cands.len() == 1 {
-            cands[0]
-        } else {
-            let key = self.tune_key();
-            let known = tuned().lock().unwrap().get(&key).copied();
-            match known {
-                Some(a) => a,
-                None => {
-                    let mut sizes = self.extents();
-                    let nbuf = sizes.len();
-                    sizes.push(WORKSPACE);
-                    let timed = crate::cuda::time_candidates(ordinal, &sizes, cands.len(), &mut |i, ptrs, stream| {
-                        self.launch(&ptrs[..nbuf], stream, ptrs[nbuf], &cands[i])
-                    });
-                    // Timing is an optimization: without it (no memory left for the scratch
-                    // buffers, say) the heuristic's favourite is used and nothing is cached.
-                    match timed {
-                        Ok(times) => {
-                            let (i, t) = times.iter().enumerate().fold((0, f64::INFINITY), |b, (i, &t)| if t < b.1 { (i, t) } else { b });
-                            if t.is_finite() {
-                                tuned().lock().unwrap().insert(key, cands[i]);
-                            }
-                            cands[i]
-                        }
-                        Err(_) => cands[0],
-                    }
-                }
-            }
-        };
+        let best = if macs < TUNE_MIN_MACS { self.heuristic(align, 1)?[0] } else { self.fastest(ordinal, align)? };
         self.algos.lock().unwrap().push((align, best));
         Ok(())
+    }
+
+    /// The fastest of the heuristic's candidates on device `ordinal`, remembered per
+    /// `tune_key`. Timing is an optimization: without it (no memory left for the scratch
+    /// buffers, say) the heuristic's favourite is used and nothing is remembered.
+    fn fastest(&self, ordinal: i32, align: [u32; 4]) -> Result<Algo, RuntimeError> {
+        let key = self.tune_key();
+        if let Some(a) = tuned().lock().unwrap().get(&key) {
+            return Ok(*a);
+        }
+        let cands = self.heuristic(align, TUNE_CANDIDATES)?;
+        if cands.len() == 1 {
+            return Ok(cands[0]);
+        }
+        let mut sizes = self.extents();
+        let nbuf = sizes.len();
+        sizes.push(WORKSPACE);
+        let timed = crate::cuda::time_candidates(ordinal, &sizes, cands.len(), &mut |i, ptrs, stream| {
+            self.launch(&ptrs[..nbuf], stream, ptrs[nbuf], &cands[i])
+        });
+        let Ok(times) = timed else { return Ok(cands[0]) };
+        let (i, t) = times.iter().enumerate().fold((0, f64::INFINITY), |b, (i, &t)| if t < b.1 { (i, t) } else { b });
+        if t.is_finite() {
+            tuned().lock().unwrap().insert(key, cands[i]);
+        }
+        Ok(cands[i])
     }
 
     /// What decides the best algorithm: the descriptors' contents.

@@ -186,6 +186,22 @@ unsafe fn make_primary_current(d: &Driver, ordinal: i32) -> Result<(CuContext, C
     Ok((ctx, prev))
 }
 
+/// Makes `ctx` current on this thread if none is (a thread PyTorch never used CUDA on).
+///
+/// # Safety
+/// Driver calls only.
+unsafe fn ensure_current(d: &Driver, ctx: CuContext) -> Result<(), RuntimeError> {
+    let mut cur: CuContext = std::ptr::null_mut();
+    // SAFETY: plain driver calls with an out-pointer to a local.
+    unsafe {
+        (d.ctx_get)(&mut cur);
+        if cur.is_null() {
+            check(d, (d.ctx_set)(ctx), "cuCtxSetCurrent")?;
+        }
+    }
+    Ok(())
+}
+
 /// NVRTC's version, e.g. (13, 0).
 pub fn nvrtc_version() -> Result<(i32, i32), RuntimeError> {
     let n = nvrtc()?;
@@ -467,61 +483,65 @@ impl CudaModule {
     /// Runs items `lo..hi` (kernels and matmuls) on `stream`, replaying a captured CUDA graph
     /// when this run's pointers were seen before ([Note: replay]).
     pub fn run_items(&self, lo: usize, hi: usize, ptrs: &[usize], syms: &[i64], stream: usize) -> Result<(), RuntimeError> {
-        if hi - lo < 2 || !replay_enabled() {
-            return self.launch_items(lo, hi, ptrs, syms, stream);
+        match self.replayable(lo, hi, ptrs, syms, stream) {
+            Some(exec) => {
+                let d = driver()?;
+                self.replays.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                // SAFETY: the graph was captured from these items with exactly these pointers.
+                unsafe { check(d, (d.graph_launch)(exec as CuGraphExec, stream as CuStream), "cuGraphLaunch") }
+            }
+            None => self.launch_items(lo, hi, ptrs, syms, stream),
         }
-        let d = driver()?;
-        let mut key: Vec<u64> = Vec::with_capacity(2 + ptrs.len() + syms.len());
-        key.extend([lo as u64, hi as u64]);
-        key.extend(ptrs.iter().map(|&p| p as u64));
-        key.extend(syms.iter().map(|&s| s as u64));
+    }
+
+    /// The captured graph to launch for this run (capturing it now if its pointers were seen
+    /// in one of the latest runs), or None to launch the items one by one.
+    fn replayable(&self, lo: usize, hi: usize, ptrs: &[usize], syms: &[i64], stream: usize) -> Option<usize> {
+        if hi - lo < 2 || !replay_enabled() {
+            return None;
+        }
+        let d = driver().ok()?;
         let mut r = self.graphs.lock().unwrap_or_else(|e| e.into_inner());
         if r.off {
-            drop(r);
-            return self.launch_items(lo, hi, ptrs, syms, stream);
+            return None;
         }
         let mut capturing: c_int = 0;
         // SAFETY: a query on the caller's stream (an error, e.g. the legacy stream during
         // another stream's global capture, counts as capturing).
         let rc = unsafe { (d.is_capturing)(stream as CuStream, &mut capturing) };
         if rc != 0 || capturing != 0 {
-            drop(r);
-            return self.launch_items(lo, hi, ptrs, syms, stream);
+            return None;
         }
-        if let Some(i) = r.execs.iter().position(|(k, _)| *k == key) {
-            let exec = r.execs[i].1;
-            self.replays.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-            // SAFETY: the graph was captured from these items with exactly these pointers.
-            return unsafe { check(d, (d.graph_launch)(exec as CuGraphExec, stream as CuStream), "cuGraphLaunch") };
+        let mut key: Vec<u64> = Vec::with_capacity(2 + ptrs.len() + syms.len());
+        key.extend([lo as u64, hi as u64]);
+        key.extend(ptrs.iter().map(|&p| p as u64));
+        key.extend(syms.iter().map(|&s| s as u64));
+        if let Some((_, exec)) = r.execs.iter().find(|(k, _)| *k == key) {
+            return Some(*exec);
         }
-        if let Some(i) = r.recent.iter().position(|k| *k == key) {
-            r.recent.remove(i);
-        } else {
-            if r.recent.len() == MAX_REPLAYS {
-                r.recent.remove(0);
+        match r.recent.iter().position(|k| *k == key) {
+            Some(i) => {
+                r.recent.remove(i);
             }
-            r.recent.push(key);
-            drop(r);
-            return self.launch_items(lo, hi, ptrs, syms, stream);
-        }
-        match self.capture(&mut r, lo, hi, ptrs, syms) {
-            Ok(exec) => {
-                if r.execs.len() == MAX_REPLAYS {
-                    let (_, old) = r.execs.remove(0);
-                    // SAFETY: freed by the driver once any launch of it completes.
-                    unsafe { (d.graph_exec_destroy)(old as CuGraphExec) };
+            None => {
+                if r.recent.len() == MAX_REPLAYS {
+                    r.recent.remove(0);
                 }
-                r.execs.push((key, exec));
-                self.replays.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                // SAFETY: as above.
-                unsafe { check(d, (d.graph_launch)(exec as CuGraphExec, stream as CuStream), "cuGraphLaunch") }
-            }
-            Err(_) => {
-                r.off = true;
-                drop(r);
-                self.launch_items(lo, hi, ptrs, syms, stream)
+                r.recent.push(key);
+                return None;
             }
         }
+        let Ok(exec) = self.capture(&mut r, lo, hi, ptrs, syms) else {
+            r.off = true;
+            return None;
+        };
+        if r.execs.len() == MAX_REPLAYS {
+            let (_, old) = r.execs.remove(0);
+            // SAFETY: freed by the driver once any launch of it completes.
+            unsafe { (d.graph_exec_destroy)(old as CuGraphExec) };
+        }
+        r.execs.push((key, exec));
+        Some(exec)
     }
 
     /// Records items `lo..hi` on the module's private stream into an executable graph.
@@ -570,11 +590,7 @@ impl CudaModule {
         // SAFETY: launches with exactly the parameters each kernel was generated with; the
         // caller passes valid device pointers for every buffer the kernels touch.
         unsafe {
-            let mut cur: CuContext = std::ptr::null_mut();
-            (d.ctx_get)(&mut cur);
-            if cur.is_null() {
-                check(d, (d.ctx_set)(self.ctx), "cuCtxSetCurrent")?;
-            }
+            ensure_current(d, self.ctx)?;
             for k in lo..hi {
                 let s = &self.specs[k];
                 let mut vals: Vec<u64> = Vec::with_capacity(s.bufs.len() + s.syms.len());

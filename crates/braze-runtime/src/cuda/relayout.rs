@@ -5,7 +5,7 @@
 //! (TensorIterator set-up), this costs one kernel launch. The kernel is one fixed source,
 //! compiled by NVRTC once per architecture (and cached on disk like every module).
 
-use super::{check, compile_cubin, device_info, driver, make_primary_current, CuContext, CuFunction, CuModule, CuStream};
+use super::{check, compile_cubin, device_info, driver, ensure_current, make_primary_current, CuContext, CuFunction, CuModule, CuStream};
 use crate::RuntimeError;
 use std::collections::HashMap;
 use std::ffi::{c_uint, c_void, CString};
@@ -117,11 +117,7 @@ pub fn relayout(ordinal: i32, src: usize, src_strides: &[i64], dst: usize, dst_s
     // SAFETY: the kernel's parameters are exactly (src, dst, n, layout); the caller passes
     // live device buffers large enough for the layouts given.
     unsafe {
-        let mut cur: CuContext = std::ptr::null_mut();
-        (d.ctx_get)(&mut cur);
-        if cur.is_null() {
-            check(d, (d.ctx_set)(l.ctx), "cuCtxSetCurrent")?;
-        }
+        ensure_current(d, l.ctx)?;
         let rc = (d.launch)(l.fns[which], blocks, 1, 1, 256, 1, 1, 0, stream as CuStream, params.as_mut_ptr(), std::ptr::null_mut());
         check(d, rc, "launch of braze_relayout")
     }
