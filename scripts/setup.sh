@@ -13,7 +13,9 @@ if ! command -v cc >/dev/null 2>&1 && [ -z "${CC:-}" ]; then
   exit 1
 fi
 $PY -m pip install -q --upgrade pip >/dev/null 2>&1 || true
-$PY -m pip install -q "torch>=2.4" numpy expecttest pytest hypothesis "maturin>=1.5,<2"
+# Real model code for the model-zoo tests: transformers, timm and torchvision (resolved
+# together with torch so torchvision matches it).
+$PY -m pip install -q "torch>=2.4" torchvision transformers timm numpy expecttest pytest hypothesis "maturin>=1.5,<2"
 # Editable install: Python sources from python/, the Rust extension built in release mode.
 $PY -m pip install -q --no-build-isolation -e .
 $PY -c "import braze, torch; print('braze', braze.__version__, 'on torch', torch.__version__)"

@@ -14,6 +14,10 @@ if "BRAZE_CACHE_DIR" not in os.environ:
 # GPU), so a CUDA codegen error fails the suite on any machine.
 os.environ.setdefault("BRAZE_CHECK_CUDA", "1")
 
+# A graph braze would run eagerly fails its test: tests that exercise a deliberate fallback
+# say so with options={"on_unsupported": "warn"}.
+os.environ.setdefault("BRAZE_ON_UNSUPPORTED", "error")
+
 torch._dynamo.config.cache_size_limit = 64
 if hasattr(torch._dynamo.config, "recompile_limit"):
     torch._dynamo.config.recompile_limit = 64
@@ -30,8 +34,15 @@ def device():
 
 @pytest.fixture(autouse=True)
 def _fresh_dynamo():
+    """Each test starts with Dynamo's caches empty and braze's counters at zero (so a test
+    reads its own counts), and fails if a lowering raised anything but Unsupported."""
+    import braze
+
     torch._dynamo.reset()
+    braze.stats.reset()
     yield
+    errs = braze.stats.lowering_errors
+    assert not errs, f"braze lowering error in {errs[0][0]} ({errs[0][1]}):\n{errs[0][2]}"
 
 
 @pytest.fixture

@@ -299,10 +299,13 @@ def test_unsupported_dtype_falls_back():
         return (x * 2).abs()
 
     x = torch.randn(4, dtype=torch.complex64)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        torch.testing.assert_close(compiled(f)(x), f(x))
+    with pytest.warns(UserWarning, match="runs eagerly: Unsupported: dtype torch.complex64"):
+        torch.testing.assert_close(compiled(f, options={"on_unsupported": "warn"})(x), f(x))
     assert braze.stats.graphs_eager >= 1
+    # Under on_unsupported="error" (the suite's default) the same graph is an error.
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="complex64"):
+        compiled(f, options={"on_unsupported": "error"})(x)
 
 
 def test_unlowered_op_runs_through_aten():

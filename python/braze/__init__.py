@@ -17,15 +17,17 @@ __all__ = ["compile", "explain", "stats", "braze_backend", "BrazeConfigError", "
 
 
 def compile(model=None, *, mode=None, options=None, dynamic=None, fullgraph=False):
-    """``torch.compile(model, backend="braze", ...)``, with mode and options checked now."""
+    """``torch.compile(model, backend="braze", ...)``, with mode and options checked now.
+
+    Unlike ``torch.compile``, which refuses a ``mode`` together with ``options``, both may be
+    given: they are bound to braze's backend here rather than passed through Dynamo."""
+    import functools
+
     import torch
 
     Config.make(mode, options)  # fail early on a bad mode or option
-    kw = {"backend": "braze", "dynamic": dynamic, "fullgraph": fullgraph}
-    if mode is not None:
-        kw["mode"] = mode
-    if options is not None:
-        kw["options"] = options
+    backend = functools.partial(braze_backend, mode=mode, options=options)
+    kw = {"backend": backend, "dynamic": dynamic, "fullgraph": fullgraph}
     if model is None:
         return lambda m: torch.compile(m, **kw)
     return torch.compile(model, **kw)

@@ -40,6 +40,8 @@ class Stats:
         self.records = []  # one dict per compiled or fallen-back graph (used by explain)
         self.direct_graphs = 0  # Dynamo graphs run without AOTAutograd's runtime wrappers
         self.aot_wrapped = []  # (graph names, why AOTAutograd's wrappers were kept)
+        self.islands = {}  # op name -> calls run through PyTorch inside compiled graphs (HOPs, effects)
+        self.lowering_errors = []  # (graph name, op name, traceback): braze bugs, never hidden
 
     def __repr__(self):
         return (f"braze.Stats(graphs_compiled={self.graphs_compiled}, graphs_eager={self.graphs_eager}, "
@@ -96,8 +98,16 @@ def compile_fx_graph(gm: torch.fx.GraphModule, example_inputs, *, cfg: Config, k
         stats.extern_ops[op] = stats.extern_ops.get(op, 0) + n
     for op, n in lowered.lowered_ops.items():
         stats.lowered_ops[op] = stats.lowered_ops.get(op, 0) + n
+    for op, n in lowered.islands.items():
+        stats.islands[op] = stats.islands.get(op, 0) + n
+    for op, tb in lowered.bugs.items():
+        # A lowering that raised something other than Unsupported is a braze bug: the node ran
+        # through ATen, so results are right, but it is reported whatever on_unsupported says.
+        stats.lowering_errors.append((name, op, tb))
+        warnings.warn(f"braze: bug in the lowering of {op} (graph {name}); it runs through ATen:\n{tb}", stacklevel=2)
     times = {"lower": t1 - t0, **dict(compiled.times), "total": time.perf_counter() - t0}
     record.update(status="compiled", kernels=compiled.kernels, externs=dict(lowered.fallbacks), extern_reasons=dict(lowered.reasons), times=times,
+                  islands=dict(lowered.islands), constants=len(lowered.constants),
                   cached=compiled.cached, source=compiled.source, schedule=compiled.schedule)
     stats.records.append(record)
     _log(cfg, "graph", f"{name}: IR before passes", compiled.graph_before)

@@ -231,6 +231,9 @@ def main(argv=None):
     p.add_argument("--only", help="comma-separated workload names to run")
     p.add_argument("--no-inductor", action="store_true", help="skip TorchInductor")
     p.add_argument("--no-overhead", action="store_true", help="skip the host-overhead table")
+    p.add_argument("--suite", choices=("seed", "models"), default="seed",
+                   help="seed: the seed documents' workloads (default); models: GPT-2, Llama, BERT, ViT, ResNet-50 "
+                        "at real sizes, inference and training (small sizes on CPU)")
     p.add_argument("--first-call", help=argparse.SUPPRESS)  # internal: one cold first call
     p.add_argument("--backend", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -250,6 +253,15 @@ def main(argv=None):
     rows = []
     card = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU ({os.cpu_count()} cores)"
     print(f"braze {braze.__version__} | torch {torch.__version__} | {card} | {time.strftime('%Y-%m-%d')}", flush=True)
+    if args.suite == "models":
+        from .bench_models import run_models
+
+        only = set(args.only.split(",")) if args.only else None
+        rows = run_models(device, backends[::-1], args.reps or (20 if device.type == "cuda" else 3), only)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"torch": torch.__version__, "device": card, "braze": braze.__version__, "suite": "models", "rows": rows}, f, indent=1)
+        return rows
     todo = [(n, b) for n, b in workloads(device) if not args.only or n in args.only.split(",")]
     # Cold first calls, each in a fresh process, all before anything compiles here, braze's
     # before Inductor's: an Inductor compile leaves compile-worker processes busy for seconds

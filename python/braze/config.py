@@ -19,7 +19,8 @@ LOGS = ("graph", "fusion", "output_code", "schedule", "fallbacks")
 #: Options and what each does.
 OPTIONS = {
     "logs": "list (or comma-separated string) of logs to print: " + ", ".join(LOGS),
-    "on_unsupported": "what to do with a graph braze cannot compile: 'warn' (run eagerly, warn), 'silent', or 'error'",
+    "on_unsupported": "what to do with a graph braze cannot compile: 'warn' (run eagerly, warn), 'silent', or 'error' "
+                      "(default: $BRAZE_ON_UNSUPPORTED, else 'warn')",
     "decompose": "bool: apply braze's decomposition table in AOTAutograd (default True)",
     "direct_autograd": "bool: run graphs without mutation, aliasing, subclasses or RNG state through braze's own "
                        "autograd.Function instead of AOTAutograd's runtime wrappers (default True)",
@@ -54,9 +55,9 @@ class Config:
         bad = sorted(set(logs) - set(LOGS))
         if bad:
             raise BrazeConfigError(f"braze: unknown log(s) {bad}; valid logs are {', '.join(LOGS)}")
-        on_unsupported = options.get("on_unsupported", "warn")
+        on_unsupported = options.get("on_unsupported", os.environ.get("BRAZE_ON_UNSUPPORTED") or "warn")
         if on_unsupported not in ("warn", "silent", "error"):
-            raise BrazeConfigError("braze: option 'on_unsupported' must be 'warn', 'silent' or 'error'")
+            raise BrazeConfigError("braze: option 'on_unsupported' (or $BRAZE_ON_UNSUPPORTED) must be 'warn', 'silent' or 'error'")
         decompose = options.get("decompose", True)
         if not isinstance(decompose, bool):
             raise BrazeConfigError("braze: option 'decompose' must be a bool")

@@ -1,7 +1,8 @@
 """``braze.explain(fn)(*args)``: what braze did with a function.
 
 Reports Dynamo's graphs and graph breaks (with reasons), then, per graph braze compiled,
-its kernels (with the ops each fuses), the ops that ran through ATen, and the compile time
+its kernels (with the ops each fuses), the ops that ran through ATen, the islands that ran
+through PyTorch (higher-order operators, asserts), and the compile time
 of each stage, and whether it runs through braze's direct autograd path or AOTAutograd's
 runtime wrappers (and why); graphs that ran eagerly are listed with the reason.
 """
@@ -34,6 +35,8 @@ class ExplainOutput:
                 lines.append(f"  kernel {name} (stores {', '.join(roots)})")
             for op, n in g["externs"].items():
                 lines.append(f"  ATen: {op} x{n}")
+            for op, n in g.get("islands", {}).items():
+                lines.append(f"  PyTorch island: {op} x{n}")
         return "\n".join(lines)
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import operator
+import traceback
 from dataclasses import dataclass, field
 
 import torch
@@ -51,6 +52,17 @@ def sym_str(v) -> str:
     raise Unsupported(f"size {v!r}")
 
 
+def sym_value(v):
+    """A SymInt/SymFloat/SymBool as a Num when its value is known, else a SymRef."""
+    node = v.node
+    if isinstance(v, torch.SymInt) and hasattr(node, "maybe_as_int") and node.maybe_as_int() is not None:
+        return Num(node.maybe_as_int())
+    expr = node.expr
+    if getattr(expr, "is_number", False):
+        return Num(bool(expr) if isinstance(v, torch.SymBool) else (int(expr) if isinstance(v, torch.SymInt) else float(expr)))
+    return SymRef(str(expr).replace(" ", ""))
+
+
 def is_tensor_meta(v) -> bool:
     return isinstance(v, torch.Tensor)
 
@@ -72,8 +84,16 @@ class Ref:
 
 
 @dataclass(frozen=True)
+class Num:
+    """A Python number computed by a node (a size known at compile time): kept apart from IR
+    value ids, which are ints too."""
+    value: object
+
+
+@dataclass(frozen=True)
 class SymRef:
-    """A SymInt argument of an extern call, evaluated at run time."""
+    """A SymInt, SymFloat or SymBool value (an extern argument, a graph output), evaluated at
+    run time from the call's size symbols by ``_core.ScalarFn`` (Rust; no Python ``eval``)."""
     expr: str
 
 
@@ -90,6 +110,14 @@ class Lowered:
     # Per IR output: the FX output is a graph input itself (returned as that very tensor, as
     # eager returns it; an input reached through clone/alias ops is copied instead).
     passthrough: list = field(default_factory=list)
+    # Tensor constants (get_attr) braze passes as extra inputs after the graph's own, in order.
+    constants: list = field(default_factory=list)
+    # op name -> traceback of a lowering that raised something other than Unsupported: a braze
+    # bug. The node still runs (through ATen), but the bug is reported and fails the tests.
+    bugs: dict = field(default_factory=dict)
+    # op name -> count of calls run through PyTorch as islands: higher-order operators and
+    # calls that return no tensor (asserts, effects).
+    islands: dict = field(default_factory=dict)
 
 
 class Lowerer:
@@ -106,6 +134,10 @@ class Lowerer:
         self.reasons = {}
         self.device = None
         self.matmuls = {}  # ir id of a plain library matmul -> (tf32 text, operand ids)
+        self.n_in = 0  # IR inputs so far (graph tensor inputs, then constants)
+        self.constants = []
+        self.bugs = {}
+        self.islands = {}
 
     # ---- emitting IR -------------------------------------------------------------------
     def op(self, text: str, *ins: int) -> int:
@@ -147,6 +179,8 @@ class Lowerer:
         """An FX argument (node or Python number) as an IR value, cast to ``dtype``."""
         if isinstance(x, torch.fx.Node):
             v = self.env[x]
+            if isinstance(v, Num):
+                return self.tensor(v.value, dtype)
             if not isinstance(v, int):
                 if isinstance(v, SymRef):
                     raise Unsupported("SymInt used as a tensor")
@@ -163,6 +197,8 @@ class Lowerer:
             r = self.env.get(v)
             if isinstance(r, SymRef):
                 return r.expr
+            if isinstance(r, Num) and isinstance(r.value, int):
+                return str(r.value)
             raise Unsupported("size from a tensor")
         return sym_str(v)
 
@@ -170,9 +206,28 @@ class Lowerer:
         return "[" + ", ".join(self.size(v) for v in vs) + "]"
 
     # ---- the walk ------------------------------------------------------------------------
+    def constant(self, val: torch.Tensor) -> int:
+        """A tensor constant of the graph (get_attr): one element folds into the code as a
+        scalar; anything larger becomes an extra input, passed by the runtime every call."""
+        if isinstance(val, torch._subclasses.FakeTensor) or type(val) not in (torch.Tensor, torch.nn.Parameter):
+            raise Unsupported(f"constant of type {type(val).__name__}")
+        if val.layout != torch.strided:
+            raise Unsupported(f"constant with layout {val.layout}")
+        dt(val.dtype)
+        if val.numel() <= 1:
+            s = self.scalar(val.item() if val.numel() else 0, val.dtype)
+            return s if val.dim() == 0 else self.op(f"expand shape={self.sizes(val.shape)}", s)
+        check_tensor(val, self)
+        val = val.detach()
+        shape = [str(s) for s in val.shape]
+        strides = [str(s) for s in val.stride()]
+        i = self.b.input(self.n_in, dt(val.dtype), shape, strides)
+        self.n_in += 1
+        self.constants.append(val)
+        return i
+
     def run(self) -> Lowered:
         inputs = []
-        n_in = 0
         outputs = []
         passthrough = []
         for node in self.gm.graph.nodes:
@@ -182,14 +237,14 @@ class Lowerer:
                     check_tensor(val, self)
                     shape = [sym_str(s) for s in val.shape]
                     strides = [sym_str(s) for s in val.stride()]
-                    self.env[node] = self.b.input(n_in, dt(val.dtype), shape, strides)
+                    self.env[node] = self.b.input(self.n_in, dt(val.dtype), shape, strides)
                     inputs.append(("tensor", (val.dtype, shape, strides)))
-                    n_in += 1
-                elif isinstance(val, torch.SymInt):
-                    self.env[node] = SymRef(sym_str(val))
-                    inputs.append(("sym", sym_str(val)))
+                    self.n_in += 1
+                elif isinstance(val, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+                    self.env[node] = sym_value(val)
+                    inputs.append(("sym", str(val.node.expr).replace(" ", "")))
                 else:
-                    self.env[node] = val
+                    self.env[node] = Num(val) if isinstance(val, (int, float)) else val
                     inputs.append(("other", val))
             elif node.op == "call_function":
                 self.env[node] = self.lower_node(node)
@@ -203,19 +258,24 @@ class Lowerer:
                         passthrough.append(a.op == "placeholder")
                     elif isinstance(v, SymRef):
                         outputs.append(("sym", v.expr))
+                    elif isinstance(v, Num):
+                        outputs.append(("const", v.value))
                     elif isinstance(a, torch.fx.Node) and isinstance(v, (tuple, list)):
                         raise Unsupported("tuple output")
                     else:
                         outputs.append(("const", v))
                 self.b.set_outputs(outs)
             elif node.op == "get_attr":
-                raise Unsupported("get_attr in an aten graph")
+                val = _attr(self.gm, node.target)
+                # Tensors are constants; subgraphs of higher-order operators (GraphModules)
+                # and anything else are passed as they are to the calls that take them.
+                self.env[node] = self.constant(val) if isinstance(val, torch.Tensor) else val
         for node in self.gm.graph.nodes:
             v = node.meta.get("val")
             if node.op == "call_function" and is_tensor_meta(v):
                 check_tensor(v, self)
         return Lowered(self.b, self.externs, outputs, inputs, self.fallbacks, self.lowered_ops, self.reasons,
-                       self.device or torch.device("cpu"), passthrough)
+                       self.device or torch.device("cpu"), passthrough, self.constants, self.bugs, self.islands)
 
     def lower_node(self, node: torch.fx.Node):
         target = node.target
@@ -223,10 +283,10 @@ class Lowerer:
         if target is operator.getitem:
             src, k = node.args
             return self.env[src][k]
-        if isinstance(val, torch.SymInt) or isinstance(val, (int, float)) and not isinstance(val, bool) and not is_tensor_meta(val):
-            if isinstance(val, torch.SymInt):
-                return SymRef(sym_str(val))
-            return val
+        if isinstance(val, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+            return sym_value(val)
+        if isinstance(val, (int, float)) and not isinstance(val, bool) or isinstance(val, bool) and _is_sym_op(target):
+            return Num(val)
         fn = LOWERINGS.get(target) or LOWERINGS.get(getattr(target, "overloadpacket", None))
         if fn is not None:
             try:
@@ -235,8 +295,11 @@ class Lowerer:
                 name = op_name(target)
                 self.lowered_ops[name] = self.lowered_ops.get(name, 0) + 1
                 return out
-            except (Unsupported, KeyError, IndexError, TypeError, ValueError, AttributeError) as e:
+            except Unsupported as e:
                 self.reasons[op_name(target)] = f"{type(e).__name__}: {e}"
+            except Exception as e:  # a braze bug: reported, and the node runs through ATen
+                self.reasons[op_name(target)] = f"lowering error {type(e).__name__}: {e}"
+                self.bugs[op_name(target)] = traceback.format_exc()
         else:
             self.reasons.setdefault(op_name(target), "no lowering")
         return self.extern(node)
@@ -265,17 +328,26 @@ class Lowerer:
             raise Unsupported(f"cannot call {node.target}")
         operands = []
 
+        def ref(v):
+            # An IR value (int id) becomes a tensor operand; tuples (the results of another
+            # multi-output call) are walked; everything else is passed as it is.
+            if isinstance(v, bool) or v is None:
+                return v
+            if isinstance(v, Num):
+                return v.value
+            if isinstance(v, int):
+                operands.append(v)
+                return Ref(len(operands) - 1)
+            if isinstance(v, (list, tuple)):
+                return type(v)(ref(x) for x in v)
+            return v
+
         def sub(a):
             if isinstance(a, torch.fx.Node):
                 v = self.env[a]
-                if isinstance(v, SymRef):
+                if a.op == "get_attr" and not isinstance(v, int):
                     return v
-                if isinstance(v, int):
-                    operands.append(v)
-                    return Ref(len(operands) - 1)
-                if isinstance(v, (list, tuple)):
-                    raise Unsupported("tuple-valued operand")
-                return v
+                return ref(v)
             return a
 
         args = torch.fx.node.map_aggregate(node.args, sub)
@@ -292,13 +364,16 @@ class Lowerer:
                     walk(x, path + (k,))
 
         walk(val, ())
-        if not outs:
-            raise Unsupported(f"{name} returns no tensor")
+        island = not isinstance(node.target, torch._ops.OpOverload) or not outs
+        effect = not outs or _has_effect(node.target)
         # The key travels through the Rust passes as the extern's target name.
         key = f"{name}#{len(self.externs)}"
-        ids = self.b.extern_call(key, operands, outs)
+        ids = self.b.extern_call(key, operands, outs, effect)
         self.externs[key] = ExternCall(node.target, args, kwargs, paths, name)
-        self.fallbacks[name] = self.fallbacks.get(name, 0) + 1
+        if island:
+            self.islands[name] = self.islands.get(name, 0) + 1
+        else:
+            self.fallbacks[name] = self.fallbacks.get(name, 0) + 1
         if is_tensor_meta(val):
             return ids[0]
 
@@ -329,8 +404,43 @@ def check_tensor(v, lowerer=None):
 
 def op_name(target) -> str:
     if isinstance(target, torch._ops.OpOverload):
-        return f"aten.{target.overloadpacket.__name__}.{target._overloadname}"
+        ns = getattr(target, "namespace", "aten")
+        return f"{ns}.{target.overloadpacket.__name__}.{target._overloadname}"
+    if isinstance(target, torch._ops.HigherOrderOperator):
+        return f"higher_order.{target.name()}"
     return getattr(target, "__name__", str(target))
+
+
+def _attr(gm, target: str):
+    obj = gm
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+_SYM_OPS = {"sym_size", "sym_numel", "sym_stride", "sym_storage_offset", "sym_max", "sym_min", "sym_not",
+            "sym_float", "sym_int", "sym_ite", "sym_sum"}
+
+
+def _is_sym_op(target) -> bool:
+    """Python-level size arithmetic (operator.mul of SymInts, torch.sym_max, aten.sym_size):
+    the value is already known when it is a plain number."""
+    if isinstance(target, torch._ops.OpOverload):
+        return target.overloadpacket.__name__ in _SYM_OPS
+    mod = getattr(target, "__module__", "") or ""
+    return mod in ("_operator", "operator", "math", "builtins") or getattr(target, "__name__", "") in _SYM_OPS
+
+
+def _has_effect(target) -> bool:
+    """A call eager runs even when its results are unused: random ops (they advance the
+    generator), side-effecting ops and higher-order operators that carry effects or RNG state."""
+    if isinstance(target, torch._ops.OpOverload):
+        tags = getattr(target, "tags", ())
+        return torch.Tag.nondeterministic_seeded in tags or target._schema.is_mutable
+    if isinstance(target, torch._ops.HigherOrderOperator):
+        n = target.name()
+        return "rng" in n or "effects" in n or "auto_functionalized" in n or "print" in n
+    return True
 
 
 # ---- the lowering table -----------------------------------------------------------------
@@ -1062,4 +1172,9 @@ def _lit(value, dtype):
 
 
 def lower_graph(gm: torch.fx.GraphModule, name: str) -> Lowered:
-    return Lowerer(gm, name).run()
+    # AOTAutograd calls its compilers with its fake mode active; the graph's constants are
+    # real tensors and are read (item(), detach()) as such.
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    with unset_fake_temporarily():
+        return Lowerer(gm, name).run()

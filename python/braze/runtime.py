@@ -81,6 +81,8 @@ class CompiledGraph:
         self.dynamic = bool(needed)
         self.syms = SymResolver(self.input_nodes, needed)
         self.tensor_inputs = [i for i, (k, _) in enumerate(self.input_nodes) if k == "tensor"]
+        # Tensor constants of the graph follow its tensor inputs.
+        self.constants = list(lowered.constants)
         self.bufs = compiled.buffers
         self.steps = compiled.steps
         self.frees = compiled.frees
@@ -105,7 +107,11 @@ class CompiledGraph:
         self.n_bufs = len(self.bufs)
         self.arena_bytes = compiled.arena_bytes
         ti = self.tensor_inputs
-        self.tensor_args_of = (lambda args: args) if ti == list(range(len(ti))) else (lambda args: [args[i] for i in ti])
+        consts = self.constants
+        if consts:
+            self.tensor_args_of = lambda args: [*(args[i] for i in ti), *consts]
+        else:
+            self.tensor_args_of = (lambda args: args) if ti == list(range(len(ti))) else (lambda args: [args[i] for i in ti])
         if not self.dynamic:
             self.static = self._layouts(compiled.eval([]))
             self.static_plan = self._plan(*self.static)
@@ -268,7 +274,12 @@ def _same_layout(t, shape, strides):
     return all(a == b for a, b, n in zip(t.stride(), strides, shape) if n > 1)
 
 
+_SCALAR_FNS: dict = {}
+
+
 def _eval_sym(expr, resolver, syms):
-    py = _SYM.sub(lambda m: str(syms[int(m.group(1))]), expr)
-    py = py.replace("FloorDiv", "_fd").replace("PythonMod", "_md").replace("Mod", "_md")
-    return int(eval(py, {"_fd": lambda a, b: a // b, "_md": lambda a, b: a % b}))
+    """The value of a SymInt/SymFloat/SymBool expression for this call's symbols (in Rust)."""
+    fn = _SCALAR_FNS.get(expr)
+    if fn is None:
+        fn = _SCALAR_FNS[expr] = _core.ScalarFn(expr)
+    return fn(syms)

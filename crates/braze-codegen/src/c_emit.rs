@@ -110,6 +110,7 @@ impl Emitter<'_> {
             Stmt::Binary { dst, op, a, b } => decl(*dst, self.binary(*op, format!("t{a}"), format!("t{b}"), self.dt(*a))?),
             Stmt::Where { dst, c, a, b } => decl(*dst, sel(&format!("t{c}"), &format!("t{a}"), &format!("t{b}"), self.dt(*dst))),
             Stmt::Cast { dst, a } => decl(*dst, cast(&format!("t{a}"), self.dt(*a), self.dt(*dst))),
+            Stmt::Bounded { dst, a, hi } => decl(*dst, format!("bz_bounded(t{a}, {})", index(hi))),
             Stmt::Store { buf, index: i, value } => {
                 let v = format!("t{value}");
                 let from = self.dt(*value);

@@ -142,6 +142,10 @@ static inline uint16_t bz_f2bf(float x) {
 static inline float bz_round_bf(float x) { return bz_bf2f(bz_f2bf(x)); }
 static inline float bz_rem_float(float a, float b) { float r = fmodf(a, b); if (r != 0 && ((r < 0) != (b < 0))) r += b; return r; }
 static inline double bz_rem_double(double a, double b) { double r = fmod(a, b); if (r != 0 && ((r < 0) != (b < 0))) r += b; return r; }
+/* Set by a kernel that read an out-of-range index (gather, index_select, embedding); the
+   runtime reads and clears it after the kernels and raises, as eager does. */
+int braze_oob = 0;
+static inline int64_t bz_bounded(int64_t i, int64_t n) { if ((uint64_t)i >= (uint64_t)n) { braze_oob = 1; return 0; } return i; }
 static inline int64_t bz_floordiv_i64(int64_t a, int64_t b) { if (b == 0) return 0; int64_t q = a / b; if ((a % b != 0) && ((a < 0) != (b < 0))) q -= 1; return q; }
 static inline int64_t bz_rem_i64(int64_t a, int64_t b) { if (b == 0) return 0; int64_t r = a % b; if (r != 0 && ((r < 0) != (b < 0))) r += b; return r; }
 static inline int64_t bz_pow_i64(int64_t a, int64_t b) { int64_t r = 1; if (b < 0) return a == 1 ? 1 : (a == -1 ? ((b & 1) ? -1 : 1) : 0); while (b) { if (b & 1) r *= a; a *= a; b >>= 1; } return r; }

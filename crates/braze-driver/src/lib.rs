@@ -28,6 +28,9 @@ pub enum DriverError {
     /// A kernel or library call failed at run time; the message names it.
     #[error("{0}")]
     Launch(String),
+    /// A kernel read an index out of range.
+    #[error("{0}")]
+    OutOfRange(String),
 }
 
 impl From<RuntimeError> for DriverError {
@@ -36,6 +39,7 @@ impl From<RuntimeError> for DriverError {
             RuntimeError::Compile(m) => DriverError::Internal(m),
             RuntimeError::Environment(m) => DriverError::Environment(m),
             RuntimeError::Launch(m) => DriverError::Launch(m),
+            RuntimeError::OutOfRange(m) => DriverError::OutOfRange(m),
         }
     }
 }
@@ -93,8 +97,7 @@ impl Module {
                     return Err(DriverError::Internal("kernel range out of bounds".into()));
                 }
                 // SAFETY: guaranteed by the caller.
-                unsafe { m.run(lo, hi, ptrs, syms) };
-                Ok(())
+                Ok(unsafe { m.run(lo, hi, ptrs, syms) }?)
             }
             Module::Cuda(m) => {
                 if hi > m.items.len() || lo > hi {

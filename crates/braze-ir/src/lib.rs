@@ -16,6 +16,7 @@ pub mod infer;
 pub mod op;
 pub mod parse;
 pub mod print;
+pub mod scalar_expr;
 pub mod sym;
 pub mod verify;
 

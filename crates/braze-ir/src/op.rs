@@ -175,7 +175,9 @@ pub enum Op {
     Matmul { epilogue: Epilogue, tf32: bool, residual: bool },
     /// A call of the ATen op `target` (by name) on the operands; `outputs` results, each
     /// taken by an `ExternOut`. The runtime (Python) holds the non-tensor arguments.
-    Extern { target: String, outputs: u32 },
+    /// `effect`: the call must run even when nothing reads its results (random ops, asserts,
+    /// ops returning no tensor), so dead-code elimination keeps it.
+    Extern { target: String, outputs: u32, effect: bool },
     /// Result `index` of the `Extern` operand, laid out with `strides`.
     ExternOut { index: u32, strides: Vec<Expr> },
 }

@@ -286,7 +286,11 @@ fn build_op(name: &str, a: &BTreeMap<String, String>) -> Result<Op, String> {
             tf32: boolean("tf32")?,
             residual: if a.contains_key("residual") { boolean("residual")? } else { false },
         },
-        "extern" => Op::Extern { target: get("target")?.to_string(), outputs: int("outputs")? as u32 },
+        "extern" => Op::Extern {
+            target: get("target")?.to_string(),
+            outputs: int("outputs")? as u32,
+            effect: if a.contains_key("effect") { boolean("effect")? } else { false },
+        },
         "extern_out" => Op::ExternOut { index: int("index")? as u32, strides: exprs("strides")? },
         _ => {
             if let Some(u) = UnaryOp::from_name(name) {

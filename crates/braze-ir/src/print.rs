@@ -64,7 +64,7 @@ pub fn op_attrs(op: &Op) -> String {
         Op::Matmul { epilogue, tf32, residual } => {
             format!("epilogue={} tf32={tf32}{}", epilogue.name(), if *residual { " residual=true" } else { "" })
         }
-        Op::Extern { target, outputs } => format!("target=\"{target}\" outputs={outputs}"),
+        Op::Extern { target, outputs, effect } => format!("target=\"{target}\" outputs={outputs}{}", if *effect { " effect=true" } else { "" }),
         Op::ExternOut { index, strides } => format!("index={index} strides={}", list(strides)),
     }
 }

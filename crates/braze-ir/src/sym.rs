@@ -25,6 +25,10 @@ pub enum Atom {
     FloorDiv(Box<Expr>, Box<Expr>),
     /// `a % b`
     Mod(Box<Expr>, Box<Expr>),
+    /// `Max(a, b)` (sizes such as `Max(1, s0)` in dynamic-shape graphs)
+    Max(Box<Expr>, Box<Expr>),
+    /// `Min(a, b)`
+    Min(Box<Expr>, Box<Expr>),
 }
 
 /// A canonical integer polynomial over [`Atom`]s.
@@ -187,6 +191,30 @@ impl Expr {
         Some(Expr { terms: out })
     }
 
+    /// `Max(self, o)`, folded when the difference is a constant.
+    pub fn max_of(&self, o: &Expr) -> Expr {
+        match self.sub(o).as_const() {
+            Some(d) if d >= 0 => self.clone(),
+            Some(_) => o.clone(),
+            None => {
+                let (a, b) = if self <= o { (self, o) } else { (o, self) };
+                Expr::atom(Atom::Max(Box::new(a.clone()), Box::new(b.clone())))
+            }
+        }
+    }
+
+    /// `Min(self, o)`, folded when the difference is a constant.
+    pub fn min_of(&self, o: &Expr) -> Expr {
+        match self.sub(o).as_const() {
+            Some(d) if d <= 0 => self.clone(),
+            Some(_) => o.clone(),
+            None => {
+                let (a, b) = if self <= o { (self, o) } else { (o, self) };
+                Expr::atom(Atom::Min(Box::new(a.clone()), Box::new(b.clone())))
+            }
+        }
+    }
+
     pub fn atoms(&self) -> impl Iterator<Item = &Atom> {
         self.terms.keys().flat_map(|m| m.iter())
     }
@@ -197,7 +225,7 @@ impl Expr {
             match a {
                 Atom::Sym(s) if !out.contains(s) => out.push(*s),
                 Atom::Sym(_) => {}
-                Atom::FloorDiv(x, y) | Atom::Mod(x, y) => {
+                Atom::FloorDiv(x, y) | Atom::Mod(x, y) | Atom::Max(x, y) | Atom::Min(x, y) => {
                     x.syms(out);
                     y.syms(out);
                 }
@@ -210,7 +238,7 @@ impl Expr {
     pub fn uses_var(&self, v: u32) -> bool {
         self.atoms().any(|a| match a {
             Atom::Var(x) => *x == v,
-            Atom::FloorDiv(x, y) | Atom::Mod(x, y) => x.uses_var(v) || y.uses_var(v),
+            Atom::FloorDiv(x, y) | Atom::Mod(x, y) | Atom::Max(x, y) | Atom::Min(x, y) => x.uses_var(v) || y.uses_var(v),
             _ => false,
         })
     }
@@ -222,7 +250,7 @@ impl Expr {
         for (m, c) in &self.terms {
             let hits = m.iter().filter(|a| **a == Atom::Var(v)).count();
             let nested = m.iter().any(|a| match a {
-                Atom::FloorDiv(x, y) | Atom::Mod(x, y) => x.uses_var(v) || y.uses_var(v),
+                Atom::FloorDiv(x, y) | Atom::Mod(x, y) | Atom::Max(x, y) | Atom::Min(x, y) => x.uses_var(v) || y.uses_var(v),
                 _ => false,
             });
             if nested {
@@ -264,6 +292,8 @@ impl Expr {
                         }
                         x.eval(leaf)?.rem_euclid(d)
                     }
+                    Atom::Max(x, y) => x.eval(leaf)?.max(y.eval(leaf)?),
+                    Atom::Min(x, y) => x.eval(leaf)?.min(y.eval(leaf)?),
                     other => leaf(other)?,
                 };
                 p = p.checked_mul(v)?;
@@ -281,8 +311,13 @@ impl Expr {
         })
     }
 
-    /// Renders with a caller-supplied spelling for leaves; `/` and `%` for division.
+    /// Renders as C with a caller-supplied spelling for leaves: `/` and `%` for division,
+    /// conditional expressions for `Max` and `Min`.
     pub fn render(&self, leaf: &dyn Fn(&Atom) -> String) -> String {
+        self.render_as(leaf, true)
+    }
+
+    fn render_as(&self, leaf: &dyn Fn(&Atom) -> String, as_c: bool) -> String {
         if self.terms.is_empty() {
             return "0".into();
         }
@@ -296,8 +331,18 @@ impl Expr {
             let mut factors: Vec<String> = m
                 .iter()
                 .map(|a| match a {
-                    Atom::FloorDiv(x, y) => format!("({} / {})", x.render_factor(leaf), y.render_factor(leaf)),
-                    Atom::Mod(x, y) => format!("({} % {})", x.render_factor(leaf), y.render_factor(leaf)),
+                    Atom::FloorDiv(x, y) => format!("({} / {})", x.render_factor(leaf, as_c), y.render_factor(leaf, as_c)),
+                    Atom::Mod(x, y) => format!("({} % {})", x.render_factor(leaf, as_c), y.render_factor(leaf, as_c)),
+                    Atom::Max(x, y) | Atom::Min(x, y) => {
+                        let max = matches!(a, Atom::Max(..));
+                        let (p, q) = (x.render_as(leaf, as_c), y.render_as(leaf, as_c));
+                        match (as_c, max) {
+                            (true, true) => format!("(({p}) > ({q}) ? ({p}) : ({q}))"),
+                            (true, false) => format!("(({p}) < ({q}) ? ({p}) : ({q}))"),
+                            (false, true) => format!("Max({p}, {q})"),
+                            (false, false) => format!("Min({p}, {q})"),
+                        }
+                    }
                     other => leaf(other),
                 })
                 .collect();
@@ -318,8 +363,8 @@ impl Expr {
         parts.join(" ")
     }
 
-    fn render_factor(&self, leaf: &dyn Fn(&Atom) -> String) -> String {
-        let s = self.render(leaf);
+    fn render_factor(&self, leaf: &dyn Fn(&Atom) -> String, as_c: bool) -> String {
+        let s = self.render_as(leaf, as_c);
         if self.terms.len() > 1 || self.terms.values().any(|c| *c < 0) {
             format!("({s})")
         } else {
@@ -374,12 +419,15 @@ fn recombine_divmod(e: Expr) -> Expr {
 impl fmt::Display for Expr {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         // The text form spells floor division `//` so that it reads like Python.
-        let s = self.render(&|a| match a {
-            Atom::Sym(n) => format!("s{n}"),
-            Atom::Var(n) => format!("i{n}"),
-            Atom::Tmp(n) => format!("t{n}"),
-            _ => unreachable!(),
-        });
+        let s = self.render_as(
+            &|a| match a {
+                Atom::Sym(n) => format!("s{n}"),
+                Atom::Var(n) => format!("i{n}"),
+                Atom::Tmp(n) => format!("t{n}"),
+                _ => unreachable!(),
+            },
+            false,
+        );
         f.write_str(&s.replace(" / ", " // "))
     }
 }
@@ -412,6 +460,9 @@ fn lex(s: &str) -> Result<Vec<String>, String> {
             out.push(c[st..i].iter().collect());
         } else if ch == '/' && i + 1 < c.len() && c[i + 1] == '/' {
             out.push("//".into());
+            i += 2;
+        } else if ch == '*' && i + 1 < c.len() && c[i + 1] == '*' {
+            out.push("**".into());
             i += 2;
         } else if "+-*%(),".contains(ch) {
             out.push(ch.to_string());
@@ -470,7 +521,14 @@ impl P {
         if self.eat("-") {
             return Ok(self.unary()?.neg());
         }
-        self.atom()
+        let base = self.atom()?;
+        if self.eat("**") {
+            // sympy prints s0*s0 as s0**2: a constant natural power is a product.
+            let e = self.unary()?;
+            let n = e.as_const().filter(|n| (0..=16).contains(n)).ok_or_else(|| format!("power `**{e}` in a size expression"))?;
+            return Ok((0..n).fold(Expr::one(), |acc, _| acc.mul(&base)));
+        }
+        Ok(base)
     }
     fn atom(&mut self) -> Result<Expr, String> {
         let t = self.peek().ok_or("unexpected end of size expression")?.to_string();
@@ -482,7 +540,7 @@ impl P {
             }
             return Ok(e);
         }
-        if matches!(t.as_str(), "FloorDiv" | "Mod" | "PythonMod") {
+        if matches!(t.as_str(), "FloorDiv" | "Mod" | "PythonMod" | "Max" | "Min") {
             if !self.eat("(") {
                 return Err(format!("expected `(` after {t}"));
             }
@@ -494,7 +552,12 @@ impl P {
             if !self.eat(")") {
                 return Err("expected `)`".into());
             }
-            return Ok(if t == "FloorDiv" { a.floordiv(&b) } else { a.rem(&b) });
+            return Ok(match t.as_str() {
+                "FloorDiv" => a.floordiv(&b),
+                "Max" => a.max_of(&b),
+                "Min" => a.min_of(&b),
+                _ => a.rem(&b),
+            });
         }
         if let Ok(v) = t.parse::<i64>() {
             return Ok(Expr::constant(v));
@@ -528,6 +591,10 @@ mod tests {
         assert_eq!(parse_expr("FloorDiv(s1, 2)").unwrap().to_string(), "(s1 // 2)");
         assert_eq!(parse_expr("s0 - s0").unwrap(), Expr::zero());
         assert_eq!(parse_expr("s0*s1").unwrap().eval_syms(&[3, 5]), Some(15));
+        assert_eq!(parse_expr("Max(1, s0)").unwrap().eval_syms(&[0]), Some(1));
+        assert_eq!(parse_expr("Max(s0, s0 + 2)").unwrap(), parse_expr("s0 + 2").unwrap());
+        assert_eq!(parse_expr("Min(s0, s1)").unwrap().eval_syms(&[3, 5]), Some(3));
+        assert_eq!(parse_expr("2*s0**2*s1").unwrap(), parse_expr("2*s0*s0*s1").unwrap());
     }
 
     #[test]
@@ -543,7 +610,7 @@ mod tests {
 
     #[test]
     fn roundtrip_display() {
-        for s in ["s0", "2*s0 + 1", "s0*s1 - 3", "(s0 // 2)", "(i0 % 4)*8 + i1", "(i0 - 1) // 25", "(i0 + s0) % (s1 + 1)"] {
+        for s in ["s0", "2*s0 + 1", "s0*s1 - 3", "(s0 // 2)", "Max(1, s0)", "2*Min(s0, s1 + 1) - 1", "(i0 % 4)*8 + i1", "(i0 - 1) // 25", "(i0 + s0) % (s1 + 1)"] {
             let e = parse_expr(s).unwrap();
             assert_eq!(parse_expr(&e.to_string()).unwrap(), e, "{s}");
         }

@@ -1,6 +1,6 @@
 //! Dead-code elimination: removes every node that no output depends on. Inputs are kept
-//! (they are the graph's signature); nothing else is special, since every op, externs
-//! included, is free of side effects after functionalization.
+//! (they are the graph's signature), and so are externs marked `effect` (random ops, asserts,
+//! calls returning no tensor): eager runs them whether or not their results are read.
 
 use braze_ir::{Graph, NodeId, Op};
 
@@ -10,7 +10,7 @@ pub fn dce(g: &Graph) -> Graph {
         live[o.index()] = true;
     }
     for id in g.ids().rev() {
-        if matches!(g.node(id).op, Op::Input { .. }) {
+        if matches!(g.node(id).op, Op::Input { .. } | Op::Extern { effect: true, .. }) {
             live[id.index()] = true;
         }
         if live[id.index()] {

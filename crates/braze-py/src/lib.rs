@@ -56,13 +56,15 @@ impl GraphBuilder {
     }
 
     /// Adds a call of ATen op `target`; `outs` are (dtype, sizes, strides) of its results.
-    fn extern_call(&mut self, target: &str, inputs: Vec<u32>, outs: Vec<(String, Vec<String>, Vec<String>)>) -> PyResult<Vec<u32>> {
+    /// `effect`: the call runs even when nothing reads its results (random ops, asserts).
+    #[pyo3(signature = (target, inputs, outs, effect=false))]
+    fn extern_call(&mut self, target: &str, inputs: Vec<u32>, outs: Vec<(String, Vec<String>, Vec<String>)>, effect: bool) -> PyResult<Vec<u32>> {
         for &i in &inputs {
             if self.g.nodes.get(i as usize).and_then(|n| n.ty.as_ref()).is_none() {
                 return Err(unsupported(format!("extern operand %{i} is not a tensor")));
             }
         }
-        let e = self.g.add_typed(Op::Extern { target: target.to_string(), outputs: outs.len() as u32 }, inputs.into_iter().map(NodeId).collect(), None);
+        let e = self.g.add_typed(Op::Extern { target: target.to_string(), outputs: outs.len() as u32, effect }, inputs.into_iter().map(NodeId).collect(), None);
         let mut ids = Vec::new();
         for (k, (dt, shape, strides)) in outs.iter().enumerate() {
             let ty = TensorTy::new(dtype(dt)?, parse_exprs(shape)?);
@@ -115,6 +117,7 @@ fn driver_err(e: DriverError) -> PyErr {
         DriverError::Internal(m) => InternalError::new_err(m),
         DriverError::Environment(m) => EnvironmentError_::new_err(m),
         DriverError::Launch(m) => pyo3::exceptions::PyRuntimeError::new_err(m),
+        DriverError::OutOfRange(m) => pyo3::exceptions::PyIndexError::new_err(m),
     }
 }
 
@@ -298,10 +301,53 @@ impl Compiled {
     }
 }
 
+/// A scalar expression over size symbols (a SymInt, SymFloat or SymBool as PyTorch prints
+/// it), parsed once and evaluated per call from the call's symbol values.
+#[pyclass(module = "braze._core", frozen)]
+pub struct ScalarFn {
+    e: braze_ir::scalar_expr::ScalarExpr,
+    text: String,
+}
+
+#[pymethods]
+impl ScalarFn {
+    #[new]
+    fn new(text: &str) -> PyResult<Self> {
+        let e = braze_ir::scalar_expr::ScalarExpr::parse(text).map_err(unsupported)?;
+        Ok(ScalarFn { e, text: text.to_string() })
+    }
+
+    /// The size symbols it reads (`sN` -> N).
+    #[getter]
+    fn syms(&self) -> Vec<u32> {
+        let mut v = Vec::new();
+        self.e.syms(&mut v);
+        v.sort_unstable();
+        v.dedup();
+        v
+    }
+
+    /// Its value (int, float or bool) for the symbol values `syms`.
+    fn __call__(&self, py: Python<'_>, syms: Vec<i64>) -> PyResult<Py<PyAny>> {
+        use braze_ir::scalar_expr::Value;
+        let v = self.e.eval(&syms).map_err(|m| pyo3::exceptions::PyRuntimeError::new_err(format!("braze: evaluating `{}`: {m}", self.text)))?;
+        Ok(match v {
+            Value::Int(i) => i.into_pyobject(py)?.into_any().unbind(),
+            Value::Float(x) => x.into_pyobject(py)?.into_any().unbind(),
+            Value::Bool(b) => pyo3::types::PyBool::new(py, b).to_owned().into_any().unbind(),
+        })
+    }
+
+    fn __repr__(&self) -> String {
+        format!("ScalarFn({:?})", self.text)
+    }
+}
+
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<GraphBuilder>()?;
     m.add_class::<Compiled>()?;
+    m.add_class::<ScalarFn>()?;
     m.add_function(wrap_pyfunction!(cuda_init, m)?)?;
     m.add_function(wrap_pyfunction!(nvrtc_compile, m)?)?;
     m.add_function(wrap_pyfunction!(nvrtc_warm_up, m)?)?;

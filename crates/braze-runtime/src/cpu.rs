@@ -24,6 +24,9 @@ pub const LIBS: &[&str] = if cfg!(all(target_arch = "x86_64", target_os = "linux
 pub struct CpuModule {
     _lib: libloading::Library,
     fns: Vec<KernelFn>,
+    /// Address of the module's `braze_oob` flag (a C `int`): set by a kernel that read an
+    /// out-of-range index.
+    oob: Option<usize>,
     pub path: std::path::PathBuf,
     /// True when the module came from the disk cache.
     pub cached: bool,
@@ -83,7 +86,9 @@ impl CpuModule {
             let f: libloading::Symbol<KernelFn> = unsafe { lib.get(n.as_bytes()) }.map_err(|e| RuntimeError::Compile(format!("kernel {n} missing: {e}")))?;
             fns.push(*f);
         }
-        Ok(CpuModule { _lib: lib, fns, path: so, cached })
+        // SAFETY: `braze_oob` is an `int` defined by the generated prelude.
+        let oob = unsafe { lib.get::<*mut i32>(b"braze_oob") }.ok().map(|s| *s as usize);
+        Ok(CpuModule { _lib: lib, fns, oob, path: so, cached })
     }
 
     pub fn len(&self) -> usize {
@@ -99,10 +104,18 @@ impl CpuModule {
     /// # Safety
     /// `buffers[b]` must point to memory laid out as the schedule's buffer `b` for every
     /// buffer the kernels touch, and `sizes` must hold every size symbol they use.
-    pub unsafe fn run(&self, lo: usize, hi: usize, buffers: &[usize], sizes: &[i64]) {
+    pub unsafe fn run(&self, lo: usize, hi: usize, buffers: &[usize], sizes: &[i64]) -> Result<(), RuntimeError> {
         for f in &self.fns[lo..hi] {
             // SAFETY: guaranteed by the caller (see above).
             unsafe { f(buffers.as_ptr() as *const *mut c_void, sizes.as_ptr()) };
+            if let Some(addr) = self.oob {
+                // SAFETY: an aligned C `int` that lives as long as the library.
+                let flag = unsafe { &*(addr as *const std::sync::atomic::AtomicI32) };
+                if flag.swap(0, std::sync::atomic::Ordering::Relaxed) != 0 {
+                    return Err(RuntimeError::OutOfRange("index out of range in a gather, index_select or embedding".into()));
+                }
+            }
         }
+        Ok(())
     }
 }

@@ -34,4 +34,7 @@ pub enum RuntimeError {
     /// Something missing from the machine (no C compiler, unwritable cache).
     #[error("environment: {0}")]
     Environment(String),
+    /// A kernel read an index out of range (raised as eager raises it: IndexError).
+    #[error("{0}")]
+    OutOfRange(String),
 }

@@ -39,6 +39,10 @@ pub enum Stmt {
     Where { dst: Tmp, c: Tmp, a: Tmp, b: Tmp },
     /// `dst = a` converted to dst's dtype.
     Cast { dst: Tmp, a: Tmp },
+    /// `dst = a`, an index read from memory into a dim of size `hi` (gather, index_select,
+    /// embedding). Out of range it is an error, as in eager: the CPU flags it (the runtime
+    /// raises after the kernels) and reads index 0; the GPU traps. Never a wild access.
+    Bounded { dst: Tmp, a: Tmp, hi: Expr },
     /// `buf[index] = value` (converted to the buffer's dtype).
     Store { buf: BufId, index: Expr, value: Tmp },
 }
@@ -105,7 +109,7 @@ impl Kernel {
         let all = self.prelude.iter().chain(self.passes.iter().flat_map(|p| p.body.iter().chain(&p.after)));
         for s in all {
             match s {
-                Stmt::Load { index, .. } | Stmt::Store { index, .. } | Stmt::Index { index, .. } => index.syms(&mut out),
+                Stmt::Load { index, .. } | Stmt::Store { index, .. } | Stmt::Index { index, .. } | Stmt::Bounded { hi: index, .. } => index.syms(&mut out),
                 Stmt::InRange { index, lo, hi, .. } => {
                     index.syms(&mut out);
                     lo.syms(&mut out);
@@ -137,6 +141,7 @@ impl fmt::Display for Stmt {
             Stmt::Binary { dst, op, a, b } => write!(f, "t{dst} = {} t{a}, t{b}", op.name()),
             Stmt::Where { dst, c, a, b } => write!(f, "t{dst} = where t{c}, t{a}, t{b}"),
             Stmt::Cast { dst, a } => write!(f, "t{dst} = cast t{a}"),
+            Stmt::Bounded { dst, a, hi } => write!(f, "t{dst} = bounded t{a} < {hi}"),
             Stmt::Store { buf, index, value } => write!(f, "store buf{buf}[{index}] = t{value}"),
         }
     }

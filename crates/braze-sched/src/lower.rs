@@ -184,8 +184,10 @@ impl Builder<'_, '_> {
         r
     }
 
-    fn as_index(&mut self, t: Tmp) -> Expr {
+    /// An index read from memory, used in a dim of size `hi`: widened to i64 and checked.
+    fn as_index(&mut self, t: Tmp, hi: Expr) -> Expr {
         let t = if self.tmp_dtypes[t as usize] == DType::I64 { t } else { self.emit(DType::I64, |dst| Stmt::Cast { dst, a: t }) };
+        let t = self.emit(DType::I64, |dst| Stmt::Bounded { dst, a: t, hi });
         Expr::tmp(t)
     }
 
@@ -274,13 +276,13 @@ impl Builder<'_, '_> {
             Op::IndexSelect { dim } => {
                 let j = self.value(ins[1], &[idx[*dim].clone()])?;
                 let mut i = idx.to_vec();
-                i[*dim] = self.as_index(j);
+                i[*dim] = self.as_index(j, g.ty(ins[0]).shape[*dim].clone());
                 self.value(ins[0], &i)?
             }
             Op::Gather { dim } => {
                 let j = self.value(ins[1], idx)?;
                 let mut i = idx.to_vec();
-                i[*dim] = self.as_index(j);
+                i[*dim] = self.as_index(j, g.ty(ins[0]).shape[*dim].clone());
                 self.value(ins[0], &i)?
             }
             Op::Cat { dim } => {

@@ -247,7 +247,7 @@ pub fn schedule(g: &Graph) -> Result<Schedule, SchedError> {
             let residual = residual.then(|| access(ins[n]));
             steps.push(Step::Matmul { node: e, a: access(ins[0]), b: access(ins[1]), bias: ins[..n].get(2).map(|&b| access(b)), residual, out: buf_of[e.index()].unwrap() });
         } else if let Some(e) = e {
-            let Op::Extern { target, outputs } = &g.node(e).op else { unreachable!() };
+            let Op::Extern { target, outputs, .. } = &g.node(e).op else { unreachable!() };
             let mut outs = vec![UNUSED; *outputs as usize];
             for id in g.ids() {
                 if let Op::ExternOut { index, .. } = g.node(id).op {

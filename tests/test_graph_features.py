@@ -1,0 +1,223 @@
+"""Graph shapes that once sent whole graphs to eager: tensor constants, higher-order
+operators (cond, while_loop, flex_attention, activation checkpointing), calls returning no
+tensor (runtime asserts), sizes with Max/Min and powers, and the README's own calling forms
+(that DCE keeps effectful calls is a golden test in tests/filetests/passes). The suite runs with on_unsupported="error", so each of these
+fails if its graph falls back; each also compares with eager on fresh random inputs."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+import braze
+
+
+def compiled(fn, **kw):
+    return torch.compile(fn, backend="braze", **kw)
+
+
+def _no_eager():
+    assert braze.stats.graphs_eager == 0, braze.stats.eager_reasons
+    assert braze.stats.graphs_compiled >= 1
+
+
+def test_tensor_constants(device):
+    big = torch.arange(8.0, device=device)
+
+    def f(x):
+        # A literal vector, a 0-dim literal, an empty literal and a captured constant tensor.
+        v = torch.tensor([1.0, -2.0, 3.0, 0.5, 4.0, 2.0, -1.0, 7.0], device=device)
+        e = torch.tensor([], device=device)
+        return x * v + torch.tensor(3.0, device=device) + big, e.numel() + x.sum()
+
+    x = torch.randn(4, 8, device=device)
+    out, ref = compiled(f)(x), f(x)
+    torch.testing.assert_close(out, ref)
+    _no_eager()
+    rec = braze.stats.records[-1]
+    assert rec["constants"] >= 1  # the 8-element literals are graph inputs; the scalar folds
+
+
+def test_empty_constant_output(device):
+    def f(x):
+        return x + 1, torch.tensor([], device=device)
+
+    x = torch.randn(3, device=device)
+    for a, b in zip(compiled(f)(x), f(x)):
+        torch.testing.assert_close(a, b)
+    _no_eager()
+
+
+def test_cond_runs_as_island(device):
+    def f(x):
+        return torch.cond(x.sum() > 0, lambda t: t.sin() * 2, lambda t: t.cos() + 1, (x,)) * x
+
+    c = compiled(f)
+    for sign in (1, -1):
+        x = sign * torch.rand(4, 8, device=device)
+        torch.testing.assert_close(c(x), f(x))
+    _no_eager()
+    assert braze.stats.islands.get("higher_order.cond", 0) >= 1
+
+
+def test_while_loop(device):
+    from torch._higher_order_ops.while_loop import while_loop
+
+    def f(x):
+        i, y = while_loop(lambda i, y: i < 3, lambda i, y: (i + 1, y * 2 + 1), (torch.tensor(0, device=device), x))
+        return y.relu() + i
+
+    x = torch.randn(5, device=device)
+    torch.testing.assert_close(compiled(f)(x), f(x))
+    _no_eager()
+
+
+def test_flex_attention(device):
+    flex = pytest.importorskip("torch.nn.attention.flex_attention")
+
+    def f(q, k, v):
+        return flex.flex_attention(q, k, v, score_mod=lambda s, b, h, qi, ki: s + 0.1 * (qi - ki))
+
+    q, k, v = (torch.randn(1, 2, 16, 8, device=device) for _ in range(3))
+    torch.testing.assert_close(compiled(f)(q, k, v), f(q, k, v), rtol=1e-4, atol=1e-4)
+    _no_eager()
+
+
+def test_activation_checkpointing_training(device):
+    w = torch.randn(8, 8, device=device, requires_grad=True)
+
+    def f(x):
+        h = torch.utils.checkpoint.checkpoint(lambda a: (a @ w).relu().sin(), x, use_reentrant=False)
+        return h.sum()
+
+    x = torch.randn(4, 8, device=device)
+    compiled(f)(x).backward()
+    g = w.grad.clone()
+    w.grad = None
+    f(x).backward()
+    torch.testing.assert_close(g, w.grad)
+    _no_eager()
+
+
+def test_sizes_with_max_and_runtime_asserts(device):
+    def f(x):
+        n = x.shape[0]
+        torch._check(n > 1)
+        return x.reshape(-1)[: max(n - 3, 1)] * 2
+
+    c = compiled(f, dynamic=True)
+    for n in (2, 5, 9):
+        x = torch.randn(n, 3, device=device)
+        torch.testing.assert_close(c(x), f(x))
+    _no_eager()
+
+
+def test_dynamic_attention(device):
+    def f(q):
+        return F.scaled_dot_product_attention(q, q, q, is_causal=True).sum(-1)
+
+    c = compiled(f, dynamic=True)
+    for s in (8, 12, 20):
+        q = torch.randn(2, 4, s, 8, device=device)
+        torch.testing.assert_close(c(q), f(q), rtol=1e-4, atol=1e-4)
+    _no_eager()
+
+
+def test_inplace_on_inputs_and_intermediates(device):
+    def f(x, y):
+        y.add_(1)
+        z = x * 2
+        z.mul_(3)
+        z[0] = -1
+        return z + y
+
+    x, y = torch.randn(4, 8, device=device), torch.randn(4, 8, device=device)
+    y2 = y.clone()
+    out = compiled(f)(x, y)
+    ref = f(x, y2)
+    torch.testing.assert_close(out, ref)
+    torch.testing.assert_close(y, y2)
+    _no_eager()
+
+
+def test_multi_output_op_with_scalars_and_tuple_operands(device):
+    def f(x):
+        vals, idx = torch.sort(x, dim=-1)
+        parts = torch.split(vals, [3, 5], dim=-1)
+        return torch.cat([p * (i + 1) for i, p in enumerate(parts)], dim=-1), idx
+
+    x = torch.randn(4, 8, device=device)
+    for a, b in zip(compiled(f)(x), f(x)):
+        torch.testing.assert_close(a, b)
+    _no_eager()
+
+
+def test_readme_compile_with_mode_and_options(device):
+    m = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU()).to(device)
+    c = braze.compile(m, mode="default", options={"logs": [], "on_unsupported": "error"})
+    x = torch.randn(3, 8, device=device)
+    with torch.no_grad():
+        torch.testing.assert_close(c(x), m(x))
+    _no_eager()
+    with pytest.raises(braze.BrazeConfigError):
+        braze.compile(m, mode="default", options={"nope": 1})
+
+
+def test_lowering_bug_is_reported_not_hidden(monkeypatch, device):
+    from braze import lowering
+
+    def broken(L, node, *a, **kw):
+        raise ZeroDivisionError("deliberate")
+
+    monkeypatch.setitem(lowering.LOWERINGS, torch.ops.aten.sin.default, broken)
+    x = torch.randn(5, device=device)
+    with pytest.warns(UserWarning, match="bug in the lowering of aten.sin.default"):
+        out = compiled(lambda t: t.sin() + 1, options={"on_unsupported": "silent"})(x)
+    torch.testing.assert_close(out, x.sin() + 1)  # the node ran through ATen
+    assert braze.stats.lowering_errors and "ZeroDivisionError" in braze.stats.lowering_errors[0][2]
+    braze.stats.lowering_errors.clear()  # seen: the conftest check passes
+
+
+OOB_CASES = {
+    "gather": lambda x, i: torch.gather(x, 1, i.view(4, 1).expand(4, 3)) * 2,
+    "index_select": lambda x, i: torch.index_select(x, 0, i) + 1,
+    "embedding": lambda x, i: F.embedding(i, x).relu(),
+    "index": lambda x, i: x[i] * 3,
+    "scatter": lambda x, i: torch.zeros_like(x).scatter(0, i.view(4, 1).expand(4, 3), x[:4]) + 1,
+}
+
+
+@pytest.mark.parametrize("case", sorted(OOB_CASES))
+def test_out_of_range_index_raises_as_eager(case, device):
+    fn = OOB_CASES[case]
+    x = torch.randn(8, 3)
+    good = torch.tensor([0, 7, 3, 1] if case != "gather" else [0, 2, 1, 1])
+    bad = torch.tensor([0, 8, 3, 1] if case != "gather" else [0, 3, 1, 1])
+    if device == "cuda":
+        # A device-side error poisons the CUDA context, as eager's assert does: check it in a
+        # child process that must fail, not crash this one.
+        import subprocess
+        import sys
+        import textwrap
+        code = textwrap.dedent(f"""
+            import torch, torch.nn.functional as F, braze, sys
+            sys.path.insert(0, {repr(__file__.rsplit('/', 1)[0])})
+            from test_graph_features import OOB_CASES
+            fn = torch.compile(OOB_CASES[{case!r}], backend="braze", options={{"on_unsupported": "error"}})
+            x = torch.randn(8, 3, device="cuda")
+            fn(x, torch.tensor({good.tolist()}, device="cuda")); torch.cuda.synchronize()
+            try:
+                fn(x, torch.tensor({bad.tolist()}, device="cuda")); torch.cuda.synchronize()
+            except (RuntimeError, IndexError) as e:
+                print("RAISED", type(e).__name__); sys.exit(0)
+            print("NO ERROR"); sys.exit(1)
+        """)
+        p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+        assert p.returncode == 0 and "RAISED" in p.stdout, p.stdout + p.stderr[-2000:]
+        return
+    c = compiled(fn)
+    torch.testing.assert_close(c(x, good), fn(x, good))
+    with pytest.raises((IndexError, RuntimeError)):
+        fn(x, bad)
+    with pytest.raises((IndexError, RuntimeError)):
+        c(x, bad)
+    # The graph still works after the error.
+    torch.testing.assert_close(c(x, good), fn(x, good))

@@ -1,0 +1,191 @@
+"""Real model code, called the way users call it: transformers, timm and torchvision models
+built from small configs with random weights, run under bf16 autocast, in inference and as a
+training step, compiled by braze and compared with eager.
+
+Every graph must compile (the suite runs with ``on_unsupported="error"``, and each test also
+checks ``braze.stats``: no eager graph, no lowering error). Accuracy follows PyTorch's own
+method for models in low precision (its dynamo benchmarks' ``same(..., fp64_ref=...)``): a
+result passes when it is close to eager's, or when its error against a float64 eager run is
+no more than a few times eager's own error against that run.
+"""
+import copy
+import math
+
+import pytest
+import torch
+
+import braze
+
+transformers = pytest.importorskip("transformers")
+timm = pytest.importorskip("timm")
+torchvision = pytest.importorskip("torchvision")
+
+T = transformers
+V = 128  # vocabulary
+SEQ = 16
+BATCH = 2
+
+
+def _lm(cfg_cls, model_cls, **cfg):
+    def build():
+        c = cfg_cls(vocab_size=V, **cfg)
+        return model_cls(c)
+    return build
+
+
+# name -> (builder, input kind, activation checkpointing)
+MODELS = {
+    "gpt2": (_lm(T.GPT2Config, T.GPT2LMHeadModel, n_layer=2, n_embd=64, n_head=4, n_positions=64,
+                 resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0), "lm", True),
+    "llama": (_lm(T.LlamaConfig, T.LlamaForCausalLM, num_hidden_layers=2, hidden_size=64, intermediate_size=128,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                  bos_token_id=0, eos_token_id=0), "lm", True),
+    "qwen2": (_lm(T.Qwen2Config, T.Qwen2ForCausalLM, num_hidden_layers=2, hidden_size=64, intermediate_size=128,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                  bos_token_id=0, eos_token_id=0), "lm", False),
+    "bert": (_lm(T.BertConfig, T.BertForMaskedLM, num_hidden_layers=2, hidden_size=64, intermediate_size=128,
+                 num_attention_heads=4, max_position_embeddings=64, hidden_dropout_prob=0.0,
+                 attention_probs_dropout_prob=0.0, pad_token_id=0), "lm", False),
+    "t5": (_lm(T.T5Config, T.T5ForConditionalGeneration, num_layers=2, num_decoder_layers=2, d_model=64, d_ff=128,
+               num_heads=4, d_kv=16, dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0,
+               eos_token_id=1), "lm", False),
+    "mixtral": (_lm(T.MixtralConfig, T.MixtralForCausalLM, num_hidden_layers=2, hidden_size=64, intermediate_size=128,
+                    num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+                    max_position_embeddings=64, bos_token_id=0, eos_token_id=0), "lm", False),
+    "vit_hf": (lambda: T.ViTForImageClassification(T.ViTConfig(
+        num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4, image_size=32,
+        patch_size=8, num_labels=10, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+        problem_type="single_label_classification")), "pixels", False),
+    "timm_vit": (lambda: timm.create_model("vit_tiny_patch16_224", img_size=32, patch_size=8, num_classes=10), "image", False),
+    "timm_convnext": (lambda: timm.create_model("convnext_atto", num_classes=10), "image_cl", False),
+    "resnet18": (lambda: torchvision.models.resnet18(num_classes=10), "image_cl", False),
+    "mobilenet_v3": (lambda: torchvision.models.mobilenet_v3_small(num_classes=10), "image_cl", False),
+}
+
+
+def _no_dropout(m):
+    for mod in m.modules():
+        if isinstance(mod, torch.nn.Dropout):
+            mod.p = 0.0
+    return m
+
+
+def _inputs(kind, device):
+    if kind == "lm":
+        ids = torch.randint(1, V, (BATCH, SEQ), device=device)
+        return {"input_ids": ids, "labels": ids}
+    if kind == "pixels":
+        return {"pixel_values": torch.randn(BATCH, 3, 32, 32, device=device), "labels": torch.randint(0, 10, (BATCH,), device=device)}
+    size = 32 if kind == "image" else 64
+    x = torch.randn(BATCH, 3, size, size, device=device)
+    if kind == "image_cl":
+        x = x.to(memory_format=torch.channels_last)
+    return {"x": x}
+
+
+def _call(model, inp, autocast, device):
+    ctx = torch.autocast(device, dtype=torch.bfloat16) if autocast else torch.autocast(device, enabled=False)
+    with ctx:
+        if "x" in inp:
+            out = model(inp["x"])
+            return out, out.float().pow(2).mean()
+        out = model(**inp)
+        return out.logits, out.loss
+
+
+def _tensors(x):
+    if isinstance(x, torch.Tensor):
+        return [x]
+    if isinstance(x, (list, tuple)):
+        return [t for y in x for t in _tensors(y)]
+    return []
+
+
+def _close(name, ref, res, fp64, multiplier=3.0):
+    """PyTorch's check for models in low precision: res within tolerance of ref, or res's
+    error against the float64 run at most `multiplier` times ref's (plus a small floor)."""
+    assert res.shape == ref.shape and res.dtype == ref.dtype, f"{name}: {res.shape}/{res.dtype} vs {ref.shape}/{ref.dtype}"
+    ref, res, fp64 = ref.double(), res.double(), fp64.double()
+    if torch.allclose(res, ref, rtol=1.6e-2, atol=1e-5, equal_nan=True):
+        return
+    err_ref = (ref - fp64).pow(2).mean().sqrt().item()
+    err_res = (res - fp64).pow(2).mean().sqrt().item()
+    scale = fp64.abs().mean().item()
+    assert math.isfinite(err_res) and err_res <= multiplier * err_ref + 1e-3 * max(scale, 1e-3), (
+        f"{name}: rmse vs float64 {err_res:.3g}, eager's {err_ref:.3g} (max |diff| vs eager "
+        f"{(res - ref).abs().max().item():.3g})")
+
+
+def _check_compiled_everything():
+    s = braze.stats
+    assert s.graphs_eager == 0, s.eager_reasons
+    assert not s.lowering_errors, s.lowering_errors[0][2]
+    assert s.graphs_compiled >= 1
+
+
+# Models whose kernels have no float64 version (transformers' grouped_mm): the reference
+# run is float32 without autocast.
+REF_DTYPE = {"mixtral": torch.float32}
+
+
+def _three(name, device):
+    build, kind, ckpt = MODELS[name]
+    torch.manual_seed(0)
+    model = _no_dropout(build()).to(device)
+    if kind == "image_cl":
+        model = model.to(memory_format=torch.channels_last)
+    ref = copy.deepcopy(model).to(REF_DTYPE.get(name, torch.float64))
+    return model, copy.deepcopy(model), ref, kind, ckpt
+
+
+def _ref_inputs(name, inp):
+    d = REF_DTYPE.get(name, torch.float64)
+    return {k: (v.to(d) if v.is_floating_point() else v) for k, v in inp.items()}
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_inference(name, device):
+    eager, comp, f64, kind, _ = _three(name, device)
+    for m in (eager, comp, f64):
+        m.eval()
+    c = torch.compile(comp, backend="braze")
+    with torch.no_grad():
+        for call in range(2):  # the second call, on new inputs, reuses the compiled graphs
+            inp = _inputs(kind, device)
+            inp64 = _ref_inputs(name, inp)
+            ref, _ = _call(eager, inp, True, device)
+            res, _ = _call(c, inp, True, device)
+            r64, _ = _call(f64, inp64, False, device)
+            _close(f"{name} output (call {call + 1})", ref, res, r64)
+            if call == 0:
+                _check_compiled_everything()
+                compiled = braze.stats.graphs_compiled
+    assert braze.stats.graphs_compiled == compiled, "the second call recompiled"
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_training_step(name, device):
+    eager, comp, f64, kind, ckpt = _three(name, device)
+    if ckpt:
+        for m in (eager, comp, f64):
+            m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    for m in (eager, comp, f64):
+        m.train()
+    inp = _inputs(kind, device)
+    inp64 = _ref_inputs(name, inp)
+    c = torch.compile(comp, backend="braze")
+    out_ref, loss_ref = _call(eager, inp, True, device)
+    out_res, loss_res = _call(c, inp, True, device)
+    out_64, loss_64 = _call(f64, inp64, False, device)
+    loss_ref.backward()
+    loss_res.backward()
+    loss_64.backward()
+    _check_compiled_everything()
+    assert braze.stats.records and any(r["kind"] == "backward" for r in braze.stats.records), "no backward graph compiled"
+    _close(f"{name} output", out_ref.detach(), out_res.detach(), out_64.detach())
+    _close(f"{name} loss", loss_ref.detach(), loss_res.detach(), loss_64.detach())
+    for (pn, p), p2, p64 in zip(eager.named_parameters(), comp.parameters(), f64.parameters()):
+        if p.grad is None:
+            assert p2.grad is None, pn
+            continue
+        _close(f"{name} grad {pn}", p.grad, p2.grad, p64.grad.to(p.grad.dtype), multiplier=4.0)
