@@ -24,6 +24,9 @@ fn main() {
         let _u = braze_codegen::cuda::emit_module(&s.kernels, 132).expect("CUDA");
         tu += t.elapsed().as_secs_f64();
         kernels = s.kernels.len();
+        if let Ok(path) = std::env::var("BRAZE_STAGES_DUMP") {
+            std::fs::write(path, s.to_string()).expect("dump");
+        }
     }
     let r = reps as f64;
     println!("nodes={} kernels={} passes={:.4} schedule={:.4} c={:.4} cuda={:.4}", g.nodes.len(), kernels, tp / r, ts / r, tc / r, tu / r);

@@ -147,14 +147,16 @@ pub struct Plan {
 /// (buffer, None) or (buffer, (size ids, stride ids, offset id)).
 pub type AccessT = (u32, Option<(Vec<usize>, Vec<usize>, usize)>);
 
-struct ExprTable(Vec<Expr>);
+/// Distinct expressions in first-use order, with their ids (hashed: a graph has thousands).
+struct ExprTable(Vec<Expr>, std::collections::HashMap<Expr, usize>);
 
 impl ExprTable {
     fn id(&mut self, e: &Expr) -> usize {
-        if let Some(i) = self.0.iter().position(|x| x == e) {
+        if let Some(&i) = self.1.get(e) {
             return i;
         }
         self.0.push(e.clone());
+        self.1.insert(e.clone(), self.0.len() - 1);
         self.0.len() - 1
     }
     fn ids(&mut self, v: &[Expr]) -> Vec<usize> {
@@ -299,7 +301,7 @@ pub fn compile(g: Graph, target: Target, check_cuda: bool, check_arch: &str) -> 
         Some(Module::Cuda(m)) => m.cached,
         None => false,
     };
-    let mut tab = ExprTable(Vec::new());
+    let mut tab = ExprTable(Vec::new(), Default::default());
     let mut syms = Vec::new();
     for n in &opt.nodes {
         if let Some(t) = &n.ty {
