@@ -552,11 +552,22 @@ fn emit_vector_path(e: &Emitter, k: &Kernel, v: i64, out: &mut String) -> Result
 
 /// The whole CUDA module of a graph's kernels and their launch facts.
 pub fn emit_module(kernels: &[Kernel], sms: u32) -> Result<(String, Vec<Launch>), CodegenError> {
-    let mut out = String::from(Cuda.prelude());
-    out.push('\n');
+    let (mut units, launches) = emit_units(kernels, sms, usize::MAX)?;
+    Ok((units.pop().unwrap_or_else(|| format!("{}\n", Cuda.prelude())), launches))
+}
+
+/// The module as translation units of at most `per_unit` kernels each, in kernel order, each
+/// with the prelude (see [`crate::units`]); the launches of all kernels, in order.
+pub fn emit_units(kernels: &[Kernel], sms: u32, per_unit: usize) -> Result<(Vec<String>, Vec<Launch>), CodegenError> {
+    let mut units = Vec::new();
     let mut launches = Vec::new();
-    for k in kernels {
-        launches.push(emit_kernel(k, sms, &mut out)?);
+    for chunk in kernels.chunks(per_unit.max(1)) {
+        let mut out = String::from(Cuda.prelude());
+        out.push('\n');
+        for k in chunk {
+            launches.push(emit_kernel(k, sms, &mut out)?);
+        }
+        units.push(out);
     }
-    Ok((out, launches))
+    Ok((units, launches))
 }

@@ -363,10 +363,21 @@ fn emit_column(k: &Kernel, e: &Emitter, out: &mut String, par_if: &str) -> Resul
 
 /// The whole C module of a graph's kernels.
 pub fn emit_module(kernels: &[Kernel]) -> Result<String, CodegenError> {
-    let mut out = String::from(OpenMp.prelude());
-    out.push('\n');
-    for k in kernels {
-        emit_kernel(k, &mut out)?;
-    }
-    Ok(out)
+    Ok(emit_units(kernels, usize::MAX)?.pop().unwrap_or_else(|| format!("{}\n", OpenMp.prelude())))
+}
+
+/// The module as translation units of at most `per_unit` kernels each, in kernel order, each
+/// with the prelude (see [`crate::units`]).
+pub fn emit_units(kernels: &[Kernel], per_unit: usize) -> Result<Vec<String>, CodegenError> {
+    kernels
+        .chunks(per_unit.max(1))
+        .map(|chunk| {
+            let mut out = String::from(OpenMp.prelude());
+            out.push('\n');
+            for k in chunk {
+                emit_kernel(k, &mut out)?;
+            }
+            Ok(out)
+        })
+        .collect()
 }

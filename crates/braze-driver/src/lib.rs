@@ -150,14 +150,16 @@ pub struct Plan {
 /// (buffer, None) or (buffer, (size ids, stride ids, offset id)).
 pub type AccessT = (u32, Option<(Vec<usize>, Vec<usize>, usize)>);
 
-struct ExprTable(Vec<Expr>);
+/// Distinct expressions in first-use order, with their ids (hashed: a graph has thousands).
+struct ExprTable(Vec<Expr>, std::collections::HashMap<Expr, usize>);
 
 impl ExprTable {
     fn id(&mut self, e: &Expr) -> usize {
-        if let Some(i) = self.0.iter().position(|x| x == e) {
+        if let Some(&i) = self.1.get(e) {
             return i;
         }
         self.0.push(e.clone());
+        self.1.insert(e.clone(), self.0.len() - 1);
         self.0.len() - 1
     }
     fn ids(&mut self, v: &[Expr]) -> Vec<usize> {
@@ -248,26 +250,34 @@ pub fn compile(g: Graph, target: Target, check_cuda: bool, check_arch: &str) -> 
     lap("schedule", &mut times);
     let names: Vec<String> = sched.kernels.iter().map(|k| k.name.clone()).collect();
     let version = env!("CARGO_PKG_VERSION");
+    // Several translation units, compiled in parallel and cached each on its own
+    // (braze-codegen's [Note: units]).
+    let per_unit = braze_codegen::units::kernels_per_unit(sched.kernels.len());
     let mut cuda_source = String::new();
     let (source, module) = match target {
         Target::Cpu => {
             if sched.steps.iter().any(|s| matches!(s, Step::Matmul { .. })) {
                 return Err(unsupported("library matmuls run on CUDA only"));
             }
-            let source = braze_codegen::openmp::emit_module(&sched.kernels).map_err(unsupported)?;
+            let units = braze_codegen::openmp::emit_units(&sched.kernels, per_unit).map_err(unsupported)?;
             if check_cuda && !names.is_empty() {
-                let (cu, _) = braze_codegen::cuda::emit_module(&sched.kernels, 132).map_err(unsupported)?;
-                braze_runtime::cuda::compile_cubin(&cu, check_arch, version).map_err(DriverError::from)?;
-                cuda_source = cu;
+                let (cu, _) = braze_codegen::cuda::emit_units(&sched.kernels, 132, per_unit).map_err(unsupported)?;
+                braze_runtime::cuda::compile_cubins(&cu, check_arch, version).map_err(DriverError::from)?;
+                cuda_source = cu.concat();
             }
             lap("codegen", &mut times);
-            let m = if names.is_empty() { None } else { Some(Module::Cpu(CpuModule::load(&source, &names, version).map_err(DriverError::from)?)) };
+            let m = if names.is_empty() {
+                None
+            } else {
+                let unit_names: Vec<Vec<String>> = names.chunks(per_unit).map(|c| c.to_vec()).collect();
+                Some(Module::Cpu(CpuModule::load_units(&units, &unit_names, version).map_err(DriverError::from)?))
+            };
             lap("cc", &mut times);
-            (source, m)
+            (if units.is_empty() { braze_codegen::openmp::emit_module(&[]).map_err(unsupported)? } else { units.concat() }, m)
         }
         Target::Cuda(ordinal) => {
             let (arch, sms) = braze_runtime::cuda::device_info(ordinal).map_err(DriverError::from)?;
-            let (source, launches) = braze_codegen::cuda::emit_module(&sched.kernels, sms as u32).map_err(unsupported)?;
+            let (units, launches) = braze_codegen::cuda::emit_units(&sched.kernels, sms as u32, per_unit).map_err(unsupported)?;
             lap("codegen", &mut times);
             let mut items = Vec::new();
             for st in &sched.steps {
@@ -281,17 +291,12 @@ pub fn compile(g: Graph, target: Target, check_cuda: bool, check_arch: &str) -> 
             let m = if items.is_empty() {
                 None
             } else {
-                let (cubin, cached) = if names.is_empty() {
-                    (None, false)
-                } else {
-                    let (c, cached) = braze_runtime::cuda::compile_cubin(&source, &arch, version).map_err(DriverError::from)?;
-                    (Some(c), cached)
-                };
+                let (cubins, cached) = if names.is_empty() { (Vec::new(), false) } else { braze_runtime::cuda::compile_cubins(&units, &arch, version).map_err(DriverError::from)? };
                 lap("nvrtc", &mut times);
-                Some(Module::Cuda(CudaModule::load(cubin.as_deref(), ordinal, launches, items, cached).map_err(DriverError::from)?))
+                Some(Module::Cuda(CudaModule::load(&cubins, per_unit, ordinal, launches, items, cached).map_err(DriverError::from)?))
             };
             lap("load", &mut times);
-            (source, m)
+            (if units.is_empty() { braze_codegen::cuda::emit_module(&[], sms as u32).map_err(unsupported)?.0 } else { units.concat() }, m)
         }
     };
     let cached = match &module {
@@ -299,7 +304,7 @@ pub fn compile(g: Graph, target: Target, check_cuda: bool, check_arch: &str) -> 
         Some(Module::Cuda(m)) => m.cached,
         None => false,
     };
-    let mut tab = ExprTable(Vec::new());
+    let mut tab = ExprTable(Vec::new(), Default::default());
     let mut syms = Vec::new();
     for n in &opt.nodes {
         if let Some(t) = &n.ty {

@@ -1,5 +1,6 @@
-//! CPU modules: the graph's C source is compiled once by the system C compiler (`$CC` or
-//! `cc`) into a shared library, cached on disk, and loaded into the process. Every kernel
+//! CPU modules: each translation unit of the graph's C source is compiled once by the system
+//! C compiler (`$CC` or `cc`) into a shared library, cached on disk, and loaded into the
+//! process; the units compile in parallel. Every kernel
 //! has the signature `void k(void** buffers, const int64_t* sizes)`.
 
 use crate::cache::{cache_dir, key};
@@ -22,13 +23,14 @@ pub const CFLAGS: &[&str] = &[
 pub const LIBS: &[&str] = if cfg!(all(target_arch = "x86_64", target_os = "linux")) { &["-lmvec", "-lm"] } else { &["-lm"] };
 
 pub struct CpuModule {
-    _lib: libloading::Library,
+    _libs: Vec<libloading::Library>,
     fns: Vec<KernelFn>,
-    /// Address of the module's `braze_oob` flag (a C `int`): set by a kernel that read an
+    /// Addresses of each unit's `braze_oob` flag (a C `int`): set by a kernel that read an
     /// out-of-range index.
-    oob: Option<usize>,
-    pub path: std::path::PathBuf,
-    /// True when the module came from the disk cache.
+    oob: Vec<usize>,
+    /// The shared library of each unit.
+    pub paths: Vec<std::path::PathBuf>,
+    /// True when every unit came from the disk cache.
     pub cached: bool,
 }
 
@@ -50,45 +52,63 @@ fn compiler_id() -> Result<&'static str, RuntimeError> {
     .map_err(|e| RuntimeError::Environment(e.clone()))
 }
 
+/// Compiles one translation unit into the cache (or finds it there): its path, and whether
+/// it was cached.
+fn build(source: &str, version: &str) -> Result<(std::path::PathBuf, bool), RuntimeError> {
+    let cc = compiler();
+    let flags = format!("{} {}", CFLAGS.join(" "), LIBS.join(" "));
+    let k = key(&[source, compiler_id()?, &cc, &flags, version]);
+    let dir = cache_dir().join("cpu");
+    std::fs::create_dir_all(&dir).map_err(|e| RuntimeError::Environment(format!("cache dir {}: {e}", dir.display())))?;
+    let so = dir.join(format!("{k}.so"));
+    if so.exists() {
+        return Ok((so, true));
+    }
+    let src = dir.join(format!("{k}.c"));
+    std::fs::write(&src, source).map_err(|e| RuntimeError::Environment(e.to_string()))?;
+    let tmp = dir.join(format!("{k}.{}.tmp.so", std::process::id()));
+    let out = Command::new(&cc)
+        .args(CFLAGS)
+        .arg(&src)
+        .arg("-o")
+        .arg(&tmp)
+        .args(LIBS)
+        .output()
+        .map_err(|e| RuntimeError::Environment(format!("cannot run `{cc}`: {e}")))?;
+    if !out.status.success() {
+        return Err(RuntimeError::Compile(format!("{} failed on {}:\n{}", cc, src.display(), String::from_utf8_lossy(&out.stderr))));
+    }
+    std::fs::rename(&tmp, &so).map_err(|e| RuntimeError::Environment(e.to_string()))?;
+    Ok((so, false))
+}
+
 impl CpuModule {
     /// Compiles (or finds in the cache) `source` and resolves the kernels `names`.
     pub fn load(source: &str, names: &[String], version: &str) -> Result<CpuModule, RuntimeError> {
-        let cc = compiler();
-        let flags = format!("{} {}", CFLAGS.join(" "), LIBS.join(" "));
-        let k = key(&[source, compiler_id()?, &cc, &flags, version]);
-        let dir = cache_dir().join("cpu");
-        std::fs::create_dir_all(&dir).map_err(|e| RuntimeError::Environment(format!("cache dir {}: {e}", dir.display())))?;
-        let so = dir.join(format!("{k}.so"));
-        let cached = so.exists();
-        if !cached {
-            let src = dir.join(format!("{k}.c"));
-            std::fs::write(&src, source).map_err(|e| RuntimeError::Environment(e.to_string()))?;
-            let tmp = dir.join(format!("{k}.{}.tmp.so", std::process::id()));
-            let out = Command::new(&cc)
-                .args(CFLAGS)
-                .arg(&src)
-                .arg("-o")
-                .arg(&tmp)
-                .args(LIBS)
-                .output()
-                .map_err(|e| RuntimeError::Environment(format!("cannot run `{cc}`: {e}")))?;
-            if !out.status.success() {
-                return Err(RuntimeError::Compile(format!("{} failed on {}:\n{}", cc, src.display(), String::from_utf8_lossy(&out.stderr))));
+        Self::load_units(&[source.to_string()], &[names.to_vec()], version)
+    }
+
+    /// Compiles (or finds in the cache) each translation unit, in parallel, and resolves the
+    /// kernels `names[u]` of unit `u`; kernels are numbered in unit order.
+    pub fn load_units(units: &[String], names: &[Vec<String>], version: &str) -> Result<CpuModule, RuntimeError> {
+        let built = crate::parallel_map(units.len(), |u| build(&units[u], version)).into_iter().collect::<Result<Vec<_>, _>>()?;
+        let mut libs = Vec::with_capacity(built.len());
+        let mut fns = Vec::new();
+        for ((so, _), names) in built.iter().zip(names) {
+            // SAFETY: the library is braze's own generated code, compiled just now or earlier
+            // from the same source; loading it runs no initializers of ours.
+            let lib = unsafe { libloading::Library::new(so) }.map_err(|e| RuntimeError::Environment(format!("cannot load {}: {e}", so.display())))?;
+            for n in names {
+                // SAFETY: every kernel is emitted with exactly the `KernelFn` signature.
+                let f: libloading::Symbol<KernelFn> = unsafe { lib.get(n.as_bytes()) }.map_err(|e| RuntimeError::Compile(format!("kernel {n} missing: {e}")))?;
+                fns.push(*f);
             }
-            std::fs::rename(&tmp, &so).map_err(|e| RuntimeError::Environment(e.to_string()))?;
+            libs.push(lib);
         }
-        // SAFETY: the library is braze's own generated code, compiled just now or earlier
-        // from the same source; loading it runs no initializers of ours.
-        let lib = unsafe { libloading::Library::new(&so) }.map_err(|e| RuntimeError::Environment(format!("cannot load {}: {e}", so.display())))?;
-        let mut fns = Vec::with_capacity(names.len());
-        for n in names {
-            // SAFETY: every kernel is emitted with exactly the `KernelFn` signature.
-            let f: libloading::Symbol<KernelFn> = unsafe { lib.get(n.as_bytes()) }.map_err(|e| RuntimeError::Compile(format!("kernel {n} missing: {e}")))?;
-            fns.push(*f);
-        }
-        // SAFETY: `braze_oob` is an `int` defined by the generated prelude.
-        let oob = unsafe { lib.get::<*mut i32>(b"braze_oob") }.ok().map(|s| *s as usize);
-        Ok(CpuModule { _lib: lib, fns, oob, path: so, cached })
+        let cached = built.iter().all(|(_, c)| *c);
+        // SAFETY: `braze_oob` is an `int` defined by the generated prelude of each unit.
+        let oob = libs.iter().filter_map(|l| unsafe { l.get::<*mut i32>(b"braze_oob") }.ok().map(|s| *s as usize)).collect();
+        Ok(CpuModule { _libs: libs, fns, oob, paths: built.into_iter().map(|(p, _)| p).collect(), cached })
     }
 
     pub fn len(&self) -> usize {
@@ -108,7 +128,7 @@ impl CpuModule {
         for f in &self.fns[lo..hi] {
             // SAFETY: guaranteed by the caller (see above).
             unsafe { f(buffers.as_ptr() as *const *mut c_void, sizes.as_ptr()) };
-            if let Some(addr) = self.oob {
+            for &addr in &self.oob {
                 // SAFETY: an aligned C `int` that lives as long as the library.
                 let flag = unsafe { &*(addr as *const std::sync::atomic::AtomicI32) };
                 if flag.swap(0, std::sync::atomic::Ordering::Relaxed) != 0 {

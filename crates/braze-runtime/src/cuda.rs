@@ -235,6 +235,14 @@ pub fn compile_cubin(source: &str, arch: &str, version: &str) -> Result<(Vec<u8>
     Ok((cubin, false))
 }
 
+/// Compiles each translation unit (braze-codegen's [Note: units]) through the disk cache, in
+/// parallel: the cubins, and whether every one came from the cache.
+pub fn compile_cubins(units: &[String], arch: &str, version: &str) -> Result<(Vec<Vec<u8>>, bool), RuntimeError> {
+    let built = crate::parallel_map(units.len(), |u| compile_cubin(&units[u], arch, version)).into_iter().collect::<Result<Vec<_>, _>>()?;
+    let cached = built.iter().all(|(_, c)| *c);
+    Ok((built.into_iter().map(|(c, _)| c).collect(), cached))
+}
+
 /// Compiles a one-line kernel so that NVRTC's first-use cost (about a quarter of a second:
 /// its compiler libraries load and initialize) is paid ahead of the first real compile.
 /// Also builds the relayout kernels' cubin (a disk-cache hit after the first process).
@@ -382,7 +390,7 @@ pub enum Item {
 }
 
 pub struct CudaModule {
-    _module: CuModule,
+    _modules: Vec<CuModule>,
     ctx: CuContext,
     fns: Vec<CuFunction>,
     pub specs: Vec<LaunchSpec>,
@@ -459,24 +467,29 @@ unsafe impl Send for CudaModule {}
 unsafe impl Sync for CudaModule {}
 
 impl CudaModule {
-    /// Loads a cubin into device `ordinal`'s primary context and resolves the kernels.
-    pub fn load(cubin: Option<&[u8]>, ordinal: i32, specs: Vec<LaunchSpec>, items: Vec<Item>, cached: bool) -> Result<CudaModule, RuntimeError> {
+    /// Loads the cubins of a graph's units into device `ordinal`'s primary context and
+    /// resolves the kernels: `specs` in order, the first `per_unit` in the first cubin, the
+    /// next `per_unit` in the second, and so on.
+    pub fn load(cubins: &[Vec<u8>], per_unit: usize, ordinal: i32, specs: Vec<LaunchSpec>, items: Vec<Item>, cached: bool) -> Result<CudaModule, RuntimeError> {
         let d = driver()?;
-        let mut module: CuModule = std::ptr::null_mut();
-        // SAFETY: driver API used as documented; the cubin outlives cuModuleLoadData.
+        let mut modules: Vec<CuModule> = Vec::with_capacity(cubins.len());
+        // SAFETY: driver API used as documented; each cubin outlives cuModuleLoadData.
         unsafe {
             let (ctx, _) = make_primary_current(d, ordinal)?;
-            if let Some(cubin) = cubin {
+            for cubin in cubins {
+                let mut module: CuModule = std::ptr::null_mut();
                 check(d, (d.load)(&mut module, cubin.as_ptr() as *const c_void), "cuModuleLoadData")?;
+                modules.push(module);
             }
             let mut fns = Vec::new();
-            for s in &specs {
+            for (i, s) in specs.iter().enumerate() {
+                let module = *modules.get(i / per_unit.max(1)).ok_or_else(|| RuntimeError::Compile(format!("kernel {} has no unit", s.name)))?;
                 let name = CString::new(s.name.as_str()).unwrap();
                 let mut f: CuFunction = std::ptr::null_mut();
                 check(d, (d.get_fn)(&mut f, module, name.as_ptr()), &format!("kernel {}", s.name))?;
                 fns.push(f);
             }
-            Ok(CudaModule { _module: module, ctx, fns, specs, items, cached, graphs: Default::default(), replays: Default::default() })
+            Ok(CudaModule { _modules: modules, ctx, fns, specs, items, cached, graphs: Default::default(), replays: Default::default() })
         }
     }
 

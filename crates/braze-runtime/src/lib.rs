@@ -1,7 +1,7 @@
 //! # braze-runtime: compiling, caching, loading and running kernels
 //!
-//! `cpu.rs` builds a graph's C module with the system C compiler (one invocation per graph),
-//! caches it on disk (`cache.rs`) and runs its kernels in-process.
+//! `cpu.rs` builds a graph's C module with the system C compiler (one invocation per
+//! translation unit, in parallel), caches each unit on disk (`cache.rs`) and runs its kernels in-process.
 
 /// Resolves C entry point `$name` of library `$lib` into a struct field of the matching
 /// function-pointer type; a missing symbol is an `Err(String)` of the enclosing closure.
@@ -16,6 +16,31 @@ macro_rules! sym {
 fn open_library(path: &str) -> Result<libloading::Library, String> {
     // SAFETY: loading NVIDIA's libraries runs their initializers, which is what they are for.
     unsafe { libloading::Library::new(path) }.map_err(|e| format!("cannot load {path}: {e}"))
+}
+
+/// `f(0), ..., f(n-1)` on up to as many threads as the machine has cores (the compiler
+/// invocations of a module's units, see braze-codegen's [Note: units]); results in order.
+pub fn parallel_map<T: Send>(n: usize, f: impl Fn(usize) -> T + Sync) -> Vec<T> {
+    let threads = std::thread::available_parallelism().map(|p| p.get()).unwrap_or(1).min(n);
+    if threads <= 1 {
+        return (0..n).map(f).collect();
+    }
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    let mut out: Vec<Option<T>> = (0..n).map(|_| None).collect();
+    let slots = std::sync::Mutex::new(&mut out);
+    std::thread::scope(|s| {
+        for _ in 0..threads {
+            s.spawn(|| loop {
+                let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                if i >= n {
+                    break;
+                }
+                let r = f(i);
+                slots.lock().unwrap()[i] = Some(r);
+            });
+        }
+    });
+    out.into_iter().map(|r| r.expect("every item ran")).collect()
 }
 
 pub mod cache;

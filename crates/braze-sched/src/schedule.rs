@@ -23,6 +23,8 @@ use braze_ir::{contiguous_strides, DType, Expr, Graph, NodeId, Op};
 use std::collections::HashSet;
 
 const RECOMPUTE_LIMIT: usize = 4;
+/// See [Note: long inlined chains].
+const CHAIN_LIMIT: usize = 64;
 
 /// An extern result nothing reads (its `extern_out` was removed as dead code).
 pub const UNUSED: BufId = u32::MAX;
@@ -118,6 +120,25 @@ fn inline_cost(g: &Graph, n: NodeId, stored: &[bool], seen: &mut HashSet<NodeId>
     c
 }
 
+/// Ops inlined into a value (as `inline_cost`), counted up to `cap + 1`.
+fn bounded_inline_cost(g: &Graph, n: NodeId, stored: &[bool], cap: usize) -> usize {
+    let mut seen = HashSet::new();
+    let mut stack = vec![n];
+    let mut c = 0;
+    while let Some(x) = stack.pop() {
+        c += 1;
+        if c > cap {
+            break;
+        }
+        for &i in &g.node(x).inputs {
+            if !stored[i.index()] && !matches!(g.node(i).op, Op::Reduce { .. }) && seen.insert(i) {
+                stack.push(i);
+            }
+        }
+    }
+    c
+}
+
 pub fn schedule(g: &Graph) -> Result<Schedule, SchedError> {
     let n = g.nodes.len();
     let mut stored = vec![false; n];
@@ -162,6 +183,25 @@ pub fn schedule(g: &Graph) -> Result<Schedule, SchedError> {
         }
         if !is_compute(&g.node(id).op) && !g.node(id).op.is_buffer() {
             return Err(SchedError::Unsupported(format!("{id}: {}", g.node(id).op.name())));
+        }
+    }
+    // [Note: long inlined chains] A pointwise value with several users that inlines a long
+    // expression is stored before the first fusion round. Without this, a chain of pointwise
+    // values with no stored link (the f32 residual gradient of a bf16 backward graph runs
+    // through every layer; only its bf16 casts are matmul operands) is inlined whole into
+    // each root that reads it, and fusion trials cost O(depth) each: quadratic in the graph.
+    // The rule below would store such a value after the first round anyway (used by several
+    // kernels, more than `RECOMPUTE_LIMIT` ops); `CHAIN_LIMIT` is far above that, so short
+    // shared values are still decided by the rule.
+    let mut users = vec![0u32; n];
+    for id in g.ids() {
+        for &i in &g.node(id).inputs {
+            users[i.index()] += 1;
+        }
+    }
+    for id in g.ids() {
+        if !stored[id.index()] && users[id.index()] > 1 && g.node(id).op.is_pointwise() && bounded_inline_cost(g, id, &stored, CHAIN_LIMIT) > CHAIN_LIMIT {
+            stored[id.index()] = true;
         }
     }
     let mut log = Vec::new();
@@ -233,6 +273,13 @@ pub fn schedule(g: &Graph) -> Result<Schedule, SchedError> {
         let b = buf_of[base.index()].expect("realized base");
         Access { buf: b, view: strided(g, o, &buffers[b as usize].strides) }
     };
+    // Each extern's results, found in one pass over the graph.
+    let mut extern_outs: std::collections::HashMap<NodeId, Vec<NodeId>> = std::collections::HashMap::new();
+    for id in g.ids() {
+        if let Op::ExternOut { .. } = g.node(id).op {
+            extern_outs.entry(g.node(id).inputs[0]).or_default().push(id);
+        }
+    }
     for (_, k, e) in order {
         if let Some(k) = k {
             let gr = &groups[k];
@@ -249,11 +296,9 @@ pub fn schedule(g: &Graph) -> Result<Schedule, SchedError> {
         } else if let Some(e) = e {
             let Op::Extern { target, outputs, .. } = &g.node(e).op else { unreachable!() };
             let mut outs = vec![UNUSED; *outputs as usize];
-            for id in g.ids() {
+            for &id in extern_outs.get(&e).into_iter().flatten() {
                 if let Op::ExternOut { index, .. } = g.node(id).op {
-                    if g.node(id).inputs[0] == e {
-                        outs[index as usize] = buf_of[id.index()].unwrap();
-                    }
+                    outs[index as usize] = buf_of[id.index()].unwrap();
                 }
             }
             let args = g.node(e).inputs.iter().map(|&i| access(i)).collect();
@@ -359,10 +404,12 @@ fn fuse(g: &Graph, stored: &[bool], log: &mut Vec<String>) -> Result<Fused, Sche
             };
             let mut roots = gr.roots.clone();
             roots.push(id);
-            let mut trial_group = group_of.clone();
-            trial_group[id.index()] = Some(k);
-            let cx = Ctx { g, group_of: &trial_group, buffer: &dummy };
-            match lower(&cx, k, &dom, &roots) {
+            // The trial sees `id` in group k (set here, undone below: no copy per trial).
+            group_of[id.index()] = Some(k);
+            let cx = Ctx { g, group_of: &group_of, buffer: &dummy };
+            let trial = lower(&cx, k, &dom, &roots);
+            group_of[id.index()] = None;
+            match trial {
                 Ok(_) => {
                     joined = Some((k, dom));
                     break;
@@ -419,8 +466,12 @@ fn plan_frees(buffers: &[Buffer], kernels: &[Kernel], steps: &[Step], outputs: &
         }
     }
     let mut frees = vec![Vec::new(); steps.len()];
+    let mut out_buf = vec![false; buffers.len()];
+    for a in outputs {
+        out_buf[a.buf as usize] = true;
+    }
     for (b, l) in last.iter().enumerate() {
-        let is_out = outputs.iter().any(|a| a.buf as usize == b);
+        let is_out = out_buf[b];
         if let (Some(s), false, false) = (l, is_out, matches!(buffers[b].kind, BufKind::Input(_))) {
             frees[*s].push(b as BufId);
         }

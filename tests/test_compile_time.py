@@ -1,0 +1,124 @@
+"""Compile time grows no faster than the graph.
+
+A BERT-base-sized training graph (12 encoder blocks, bf16 autocast, forward and backward) is
+compiled next to a 1-block one, and each of braze's own stages (lowering in Python, passes,
+scheduling, code generation) must take at most ``SLACK`` times as long, relative to the
+small graph, as the graphs' node counts say. A stage that is quadratic in the graph's size
+is about 10x over that budget at this size. The C compiler is left out (it runs on every
+unit in parallel; its time is the system compiler's), and so is NVRTC's check.
+
+The model is plain ``torch.nn`` (no transformers needed): BERT's layer, narrow, since the
+graph's size, not its tensors', is what is measured. Stage times are the fastest of a few
+recompiles of the same graphs (the C compiler's disk cache answers those), so a slow or
+busy machine measures both graphs alike.
+"""
+import math
+import time
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import braze
+from braze import backend
+
+SLACK = 2.0  # allowed (big/small time) / (big/small nodes)
+FLOOR_S = 0.002  # small-graph stage times below this count as this (timer noise)
+STAGES = ("lower", "passes", "schedule", "codegen")
+REPEATS = 3
+
+
+class Layer(nn.Module):
+    """BERT's encoder layer: self-attention, add & norm, GELU feed-forward, add & norm."""
+
+    def __init__(self, h, heads, ffn, p):
+        super().__init__()
+        self.heads = heads
+        self.q, self.k, self.v, self.o = (nn.Linear(h, h) for _ in range(4))
+        self.ln1, self.ln2 = nn.LayerNorm(h), nn.LayerNorm(h)
+        self.up, self.down = nn.Linear(h, ffn), nn.Linear(ffn, h)
+        self.drop = nn.Dropout(p)
+
+    def forward(self, x, mask):
+        b, s, h = x.shape
+        split = lambda t: t.view(b, s, self.heads, h // self.heads).transpose(1, 2)  # noqa: E731
+        q, k, v = split(self.q(x)), split(self.k(x)), split(self.v(x))
+        att = q @ k.transpose(-1, -2) / math.sqrt(h // self.heads) + mask
+        ctx = self.drop(att.softmax(-1)) @ v
+        x = self.ln1(x + self.drop(self.o(ctx.transpose(1, 2).reshape(b, s, h))))
+        return self.ln2(x + self.drop(self.down(F.gelu(self.up(x)))))
+
+
+class Bert(nn.Module):
+    """Embeddings, `n` layers, the masked-LM head and its loss."""
+
+    def __init__(self, n, h=64, heads=4, ffn=256, vocab=128, seq=16, p=0.1):
+        super().__init__()
+        self.tok, self.pos, self.typ = nn.Embedding(vocab, h), nn.Embedding(seq, h), nn.Embedding(2, h)
+        self.ln = nn.LayerNorm(h)
+        self.drop = nn.Dropout(p)
+        self.layers = nn.ModuleList(Layer(h, heads, ffn, p) for _ in range(n))
+        self.head, self.head_ln, self.dec = nn.Linear(h, h), nn.LayerNorm(h), nn.Linear(h, vocab)
+
+    def forward(self, ids, labels, attn):
+        s = ids.shape[1]
+        x = self.drop(self.ln(self.tok(ids) + self.pos(torch.arange(s, device=ids.device)) + self.typ(torch.zeros_like(ids))))
+        mask = (1.0 - attn[:, None, None, :].to(x.dtype)) * torch.finfo(x.dtype).min
+        for layer in self.layers:
+            x = layer(x, mask)
+        logits = self.dec(self.head_ln(F.gelu(self.head(x))))
+        return F.cross_entropy(logits.view(-1, logits.shape[-1]).float(), labels.view(-1))
+
+
+def stage_times(n_layers, monkeypatch):
+    """(FX nodes, {stage: seconds}) over the forward and backward graphs of an n-layer step."""
+    torch._dynamo.reset()
+    seen = []
+    lower = backend.lower_graph
+
+    def keep(gm, name):
+        lowered = lower(gm, name)
+        seen.append((gm, name, lowered))
+        return lowered
+
+    monkeypatch.setattr(backend, "lower_graph", keep)
+    torch.manual_seed(0)
+    model = Bert(n_layers).train()
+    ids = torch.randint(0, 128, (2, 16))
+    labels = torch.randint(0, 128, (2, 16))
+    attn = torch.ones(2, 16, dtype=torch.long)
+    n0 = len(braze.stats.records)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = torch.compile(model, backend="braze")(ids, labels, attn)
+    loss.backward()  # the backward graph was compiled ahead of time, with the forward
+    recs = braze.stats.records[n0:]
+    assert [r["status"] for r in recs] == ["compiled", "compiled"], [r.get("reason") for r in recs]
+    monkeypatch.setattr(backend, "lower_graph", lower)
+    nodes = sum(len(gm.graph.nodes) for gm, _, _ in seen)
+    best = {s: 0.0 for s in STAGES}
+    for gm, name, _ in seen:
+        per = {s: math.inf for s in STAGES}
+        for _ in range(REPEATS):
+            t0 = time.perf_counter()
+            lowered = lower(gm, name)
+            per["lower"] = min(per["lower"], time.perf_counter() - t0)
+            times = dict(lowered.builder.compile(device="cpu", check_cuda=False).times)
+            for s in STAGES[1:]:
+                per[s] = min(per[s], times[s])
+        for s in STAGES:
+            best[s] += per[s]
+    return nodes, best
+
+
+def test_stage_times_grow_linearly(monkeypatch):
+    # The first compile of each graph runs cc on every unit; NVRTC's check of the CUDA code
+    # would double that and is not what is measured.
+    monkeypatch.setenv("BRAZE_CHECK_CUDA", "0")
+    small_nodes, small = stage_times(1, monkeypatch)
+    big_nodes, big = stage_times(12, monkeypatch)
+    ratio = big_nodes / small_nodes
+    assert ratio > 5, (small_nodes, big_nodes)
+    report = ", ".join(f"{s} {small[s] * 1e3:.1f} -> {big[s] * 1e3:.1f} ms" for s in STAGES)
+    over = [s for s in STAGES if big[s] > SLACK * ratio * max(small[s], FLOOR_S)]
+    assert not over, f"stages {over} grew faster than the graph ({small_nodes} -> {big_nodes} FX nodes, x{ratio:.1f}): {report}"
