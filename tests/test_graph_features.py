@@ -221,3 +221,23 @@ def test_out_of_range_index_raises_as_eager(case, device):
         c(x, bad)
     # The graph still works after the error.
     torch.testing.assert_close(c(x, good), fn(x, good))
+
+
+def test_cpu_tensors_in_a_cuda_graph(device):
+    """CPU scalars and CPU constants in a graph of GPU tensors (eager allows them) stay with
+    PyTorch as host values; the rest of the graph compiles."""
+    if device != "cuda":
+        pytest.skip("needs a GPU graph")
+    table = torch.arange(6.0)  # a CPU constant the function indexes and moves
+
+    def f(x, s):
+        y = x * s + 1  # s: a 0-dim CPU tensor
+        z = (s * 2).exp()  # a CPU result
+        return y.relu() + table.to(x.device)[:4].sum(), z
+
+    x, s = torch.randn(4, 8, device=device), torch.tensor(0.5)
+    out, ref = compiled(f)(x, s), f(x, s)
+    for a, b in zip(out, ref):
+        assert a.device == b.device
+        torch.testing.assert_close(a, b)
+    _no_eager()

@@ -76,6 +76,16 @@ class ExternCall:
     kwargs: dict
     out_paths: list  # per extern output: index path into the result (() for a bare tensor)
     name: str = ""
+    host_outs: list = field(default_factory=list)  # (index path, Host slot) of results on the host
+
+
+@dataclass(frozen=True)
+class Host:
+    """A tensor on another device than the graph's: a CPU scalar or RNG state in a CUDA
+    graph. It never enters braze's kernels; at run time it is a slot the runtime fills (from
+    the call's arguments or an earlier call's results) and hands to the PyTorch calls that
+    take it, as eager does."""
+    slot: int
 
 
 @dataclass(frozen=True)
@@ -112,6 +122,9 @@ class Lowered:
     passthrough: list = field(default_factory=list)
     # Tensor constants (get_attr) braze passes as extra inputs after the graph's own, in order.
     constants: list = field(default_factory=list)
+    # Host values ([Host]): how many slots, and (slot, placeholder index) of those that are inputs.
+    n_host: int = 0
+    host_inputs: list = field(default_factory=list)
     # op name -> traceback of a lowering that raised something other than Unsupported: a braze
     # bug. The node still runs (through ATen), but the bug is reported and fails the tests.
     bugs: dict = field(default_factory=dict)
@@ -135,6 +148,8 @@ class Lowerer:
         self.device = None
         self.matmuls = {}  # ir id of a plain library matmul -> (tf32 text, operand ids)
         self.n_in = 0  # IR inputs so far (graph tensor inputs, then constants)
+        self.n_host = 0
+        self.host_inputs = []
         self.constants = []
         self.bugs = {}
         self.islands = {}
@@ -181,6 +196,8 @@ class Lowerer:
             v = self.env[x]
             if isinstance(v, Num):
                 return self.tensor(v.value, dtype)
+            if isinstance(v, Host):
+                raise Unsupported("a tensor on another device than the graph's")
             if not isinstance(v, int):
                 if isinstance(v, SymRef):
                     raise Unsupported("SymInt used as a tensor")
@@ -214,10 +231,11 @@ class Lowerer:
         if val.layout != torch.strided:
             raise Unsupported(f"constant with layout {val.layout}")
         dt(val.dtype)
+        if not check_tensor(val, self):
+            return val.detach()  # on the host: passed as it is to the calls that take it
         if val.numel() <= 1:
             s = self.scalar(val.item() if val.numel() else 0, val.dtype)
             return s if val.dim() == 0 else self.op(f"expand shape={self.sizes(val.shape)}", s)
-        check_tensor(val, self)
         val = val.detach()
         shape = [str(s) for s in val.shape]
         strides = [str(s) for s in val.stride()]
@@ -226,15 +244,23 @@ class Lowerer:
         self.constants.append(val)
         return i
 
+    def host(self) -> Host:
+        self.n_host += 1
+        return Host(self.n_host - 1)
+
     def run(self) -> Lowered:
         inputs = []
         outputs = []
         passthrough = []
+        self.device = _graph_device(self.gm)
         for node in self.gm.graph.nodes:
             val = node.meta.get("val")
             if node.op == "placeholder":
-                if is_tensor_meta(val):
-                    check_tensor(val, self)
+                if is_tensor_meta(val) and not check_tensor(val, self):
+                    h = self.env[node] = self.host()
+                    self.host_inputs.append((h.slot, len(inputs)))
+                    inputs.append(("host", h.slot))
+                elif is_tensor_meta(val):
                     shape = [sym_str(s) for s in val.shape]
                     strides = [sym_str(s) for s in val.stride()]
                     self.env[node] = self.b.input(self.n_in, dt(val.dtype), shape, strides)
@@ -260,6 +286,8 @@ class Lowerer:
                         outputs.append(("sym", v.expr))
                     elif isinstance(v, Num):
                         outputs.append(("const", v.value))
+                    elif isinstance(v, Host):
+                        outputs.append(("host", v.slot))
                     elif isinstance(a, torch.fx.Node) and isinstance(v, (tuple, list)):
                         raise Unsupported("tuple output")
                     else:
@@ -275,7 +303,8 @@ class Lowerer:
             if node.op == "call_function" and is_tensor_meta(v):
                 check_tensor(v, self)
         return Lowered(self.b, self.externs, outputs, inputs, self.fallbacks, self.lowered_ops, self.reasons,
-                       self.device or torch.device("cpu"), passthrough, self.constants, self.bugs, self.islands)
+                       self.device or torch.device("cpu"), passthrough, constants=self.constants, bugs=self.bugs,
+                       islands=self.islands, n_host=self.n_host, host_inputs=self.host_inputs)
 
     def lower_node(self, node: torch.fx.Node):
         target = node.target
@@ -287,6 +316,10 @@ class Lowerer:
             return sym_value(val)
         if isinstance(val, (int, float)) and not isinstance(val, bool) or isinstance(val, bool) and _is_sym_op(target):
             return Num(val)
+        if any(not check_tensor(t, self) for t in _tensors_in(val)):
+            # A result on the host (a CPU scalar computed in a CUDA graph) comes from PyTorch.
+            self.reasons.setdefault(op_name(target), "result on another device than the graph's")
+            return self.extern(node)
         fn = LOWERINGS.get(target) or LOWERINGS.get(getattr(target, "overloadpacket", None))
         if fn is not None:
             try:
@@ -352,11 +385,19 @@ class Lowerer:
 
         args = torch.fx.node.map_aggregate(node.args, sub)
         kwargs = torch.fx.node.map_aggregate(node.kwargs, sub)
-        outs, paths = [], []
+        outs, paths, host_outs = [], [], []
+        if val is None and node.users and all(u.target is operator.getitem for u in node.users):
+            # A multi-result call whose own metadata is missing (some higher-order operators):
+            # its structure is what its getitem users read.
+            n = max(u.args[1] for u in node.users) + 1
+            val = [None] * n
+            for u in node.users:
+                val[u.args[1]] = u.meta.get("val")
 
         def walk(v, path):
-            if is_tensor_meta(v):
-                check_tensor(v, self)
+            if is_tensor_meta(v) and not check_tensor(v, self):
+                host_outs.append((path, self.host().slot))
+            elif is_tensor_meta(v):
                 outs.append((dt(v.dtype), [sym_str(s) for s in v.shape], [sym_str(s) for s in v.stride()]))
                 paths.append(path)
             elif isinstance(v, (list, tuple)):
@@ -365,21 +406,22 @@ class Lowerer:
 
         walk(val, ())
         island = not isinstance(node.target, torch._ops.OpOverload) or not outs
-        effect = not outs or _has_effect(node.target)
+        effect = not outs or bool(host_outs) or _has_effect(node.target)
         # The key travels through the Rust passes as the extern's target name.
         key = f"{name}#{len(self.externs)}"
         ids = self.b.extern_call(key, operands, outs, effect)
-        self.externs[key] = ExternCall(node.target, args, kwargs, paths, name)
+        self.externs[key] = ExternCall(node.target, args, kwargs, paths, name, host_outs)
         if island:
             self.islands[name] = self.islands.get(name, 0) + 1
         else:
             self.fallbacks[name] = self.fallbacks.get(name, 0) + 1
+        hosts = dict(host_outs)
         if is_tensor_meta(val):
-            return ids[0]
+            return Host(hosts[()]) if () in hosts else ids[0]
 
         def rebuild(v, path):
             if is_tensor_meta(v):
-                return ids[paths.index(path)]
+                return Host(hosts[path]) if path in hosts else ids[paths.index(path)]
             if isinstance(v, (list, tuple)):
                 return tuple(rebuild(x, path + (k,)) for k, x in enumerate(v))
             if isinstance(v, torch.SymInt):
@@ -389,7 +431,9 @@ class Lowerer:
         return rebuild(val, ())
 
 
-def check_tensor(v, lowerer=None):
+def check_tensor(v, lowerer=None) -> bool:
+    """Checks a tensor braze may handle; False when it is a CPU tensor in a CUDA graph (a
+    [Host] value: it stays with PyTorch)."""
     if v.layout != torch.strided:
         raise Unsupported(f"layout {v.layout}")
     if v.device.type not in ("cpu", "cuda"):
@@ -398,8 +442,31 @@ def check_tensor(v, lowerer=None):
         if lowerer.device is None:
             lowerer.device = v.device
         elif v.device != lowerer.device:
+            if v.device.type == "cpu" and lowerer.device.type == "cuda":
+                return False
             raise Unsupported(f"mixed devices in one graph: {lowerer.device} and {v.device}")
     dt(v.dtype)
+    return True
+
+
+def _tensors_in(v):
+    if isinstance(v, torch.Tensor):
+        return [v]
+    if isinstance(v, (list, tuple)):
+        return [t for x in v for t in _tensors_in(x)]
+    return []
+
+
+def _graph_device(gm):
+    """The device a graph's kernels run on: its first CUDA tensor's, else the CPU (CPU
+    tensors in a CUDA graph are host values)."""
+    first = None
+    for node in gm.graph.nodes:
+        for t in _tensors_in(node.meta.get("val")):
+            if t.device.type == "cuda":
+                return t.device
+            first = first or t.device
+    return first
 
 
 def op_name(target) -> str:

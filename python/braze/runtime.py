@@ -10,7 +10,7 @@ import re
 import torch
 
 from . import _core
-from .lowering import DTYPES, ExternCall, Ref, SymRef, Unsupported
+from .lowering import DTYPES, ExternCall, Host, Ref, SymRef, Unsupported
 
 _TORCH_DTYPES = {v: k for k, v in DTYPES.items()}
 _UNUSED = 0xFFFFFFFF  # an extern result nothing reads
@@ -83,6 +83,9 @@ class CompiledGraph:
         self.tensor_inputs = [i for i, (k, _) in enumerate(self.input_nodes) if k == "tensor"]
         # Tensor constants of the graph follow its tensor inputs.
         self.constants = list(lowered.constants)
+        # Host values (CPU tensors of a CUDA graph): slots filled from inputs and extern results.
+        self.n_host = lowered.n_host
+        self.host_inputs = list(lowered.host_inputs)
         self.bufs = compiled.buffers
         self.steps = compiled.steps
         self.frees = compiled.frees
@@ -154,7 +157,7 @@ class CompiledGraph:
                 views = tuple((b, None if v is None else (tuple(vals[i] for i in v[0]), tuple(vals[i] for i in v[1]), vals[v[2]])) for b, v in args)
                 results = tuple((o, path, shapes[o], strides[o]) for o, path in zip(outs, call.out_paths) if o != _UNUSED)
                 build = _arg_builder(call, self.syms)
-                plan.append((1, allocs, frees, (call.target, build, views, results), None))
+                plan.append((1, allocs, frees, (call.target, build, views, results), tuple(call.host_outs)))
         outs = []
         for (b, view), copy in zip(self.outputs, self.copy_out):
             v = None
@@ -176,6 +179,11 @@ class CompiledGraph:
             inputs, plan, out_plan, simple = self.static_plan
         bufs = [None] * self.n_bufs
         tensor_args = self.tensor_args_of(args)
+        hosts = None
+        if self.n_host:
+            hosts = [None] * self.n_host
+            for slot, i in self.host_inputs:
+                hosts[slot] = args[i]
         stream = self.raw_stream(self.device_index) if self.cuda else 0
         # Graph inputs, in the layout the kernels were compiled for.
         for b, idx, shape, stride in inputs:
@@ -193,8 +201,13 @@ class CompiledGraph:
             else:
                 target, build, views, results = a
                 tensors = [bufs[b] if v is None else bufs[b].as_strided(v[0], v[1], bufs[b].storage_offset() + v[2]) for b, v in views]
-                args_, kwargs_ = build(tensors, syms)
+                args_, kwargs_ = build(tensors, syms, hosts)
                 r = target(*args_, **kwargs_)
+                for path, slot in b:  # results on the host
+                    t = r
+                    for k in path:
+                        t = t[k]
+                    hosts[slot] = t
                 for o, path, shape, stride in results:
                     t = r
                     for k in path:
@@ -216,6 +229,8 @@ class CompiledGraph:
                 res.append(outs[v])
             elif kind == "sym":
                 res.append(_eval_sym(v, self.syms, syms))
+            elif kind == "host":
+                res.append(hosts[v])
             else:
                 res.append(v)
         return res
@@ -237,33 +252,35 @@ def _allocator(device):
 def _arg_builder(call, resolver):
     """A function (tensors, syms) -> (args, kwargs) for an extern call. Calls whose only
     references are top-level tensor arguments take a fast path."""
-    flat = all(not isinstance(a, (list, tuple, dict, SymRef)) for a in call.args) and not any(
-        isinstance(v, (Ref, SymRef, list, tuple, dict)) for v in call.kwargs.values())
+    flat = all(not isinstance(a, (list, tuple, dict, SymRef, Host)) for a in call.args) and not any(
+        isinstance(v, (Ref, SymRef, Host, list, tuple, dict)) for v in call.kwargs.values())
     if flat:
         template = list(call.args)
         slots = [(i, a.k) for i, a in enumerate(template) if isinstance(a, Ref)]
         kwargs = dict(call.kwargs)
 
-        def fast(tensors, syms):
+        def fast(tensors, syms, hosts):
             a = template.copy()
             for i, k in slots:
                 a[i] = tensors[k]
             return a, kwargs
         return fast
 
-    def sub(a, tensors, syms):
+    def sub(a, tensors, syms, hosts):
         if isinstance(a, Ref):
             return tensors[a.k]
         if isinstance(a, SymRef):
             return _eval_sym(a.expr, resolver, syms)
+        if isinstance(a, Host):
+            return hosts[a.slot]
         if isinstance(a, (list, tuple)):
-            return type(a)(sub(x, tensors, syms) for x in a)
+            return type(a)(sub(x, tensors, syms, hosts) for x in a)
         if isinstance(a, dict):
-            return {k: sub(v, tensors, syms) for k, v in a.items()}
+            return {k: sub(v, tensors, syms, hosts) for k, v in a.items()}
         return a
 
-    def slow(tensors, syms):
-        return sub(call.args, tensors, syms), sub(call.kwargs, tensors, syms)
+    def slow(tensors, syms, hosts):
+        return sub(call.args, tensors, syms, hosts), sub(call.kwargs, tensors, syms, hosts)
     return slow
 
 
