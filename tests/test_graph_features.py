@@ -241,3 +241,24 @@ def test_cpu_tensors_in_a_cuda_graph(device):
         assert a.device == b.device
         torch.testing.assert_close(a, b)
     _no_eager()
+
+
+def test_explain_and_logs_show_islands_and_stages(device, capsys):
+    def f(x):
+        return torch.cond(x.sum() > 0, lambda t: t + 1, lambda t: t - 1, (x,)).sin()
+
+    x = torch.randn(6, device=device)
+    out = braze.explain(f, options={"logs": ["compile"]})(x)
+    text = str(out)
+    assert "PyTorch island: higher_order.cond x1 (higher-order operator)" in text, text
+    assert "compile stages" in capsys.readouterr().err
+
+
+def test_slow_first_call_says_where_the_time_went(monkeypatch, device):
+    from braze import backend
+
+    monkeypatch.setattr(backend, "SLOW_FIRST_CALL_S", 0.0)
+    monkeypatch.setattr(backend, "_slow_reported", [False])
+    x = torch.randn(6, device=device)
+    with pytest.warns(UserWarning, match=r"took .* s: braze .* s \(lower .* ms.*AOTAutograd"):
+        compiled(lambda t: t.cos() * 2)(x)

@@ -419,3 +419,20 @@ def test_relayout_kernels_compile():
     if not cuda.nvrtc_available():
         pytest.skip("NVRTC not found")
     assert braze._core.nvrtc_compile(braze._core.relayout_source(), "sm_90") > 0
+
+
+def test_arena_reuses_memory_by_lifetime(device, compiled_graphs):
+    """Intermediates whose lifetimes do not overlap share the per-call arena: a chain of
+    softmaxes stores each result once, yet the arena holds about two of them, not all."""
+    def f(x):
+        for i in range(6):  # alternating dims: each softmax is its own kernel, its input stored
+            x = torch.softmax(x * 1.5, dim=i % 2)
+        return x
+
+    x = torch.randn(64, 1024, device=device)
+    torch.testing.assert_close(compiled(f)(x), f(x))
+    g = compiled_graphs[-1]
+    temps = [b for b in g.bufs if b[0] == "temp"]
+    one = 64 * 1024 * 4
+    assert len(temps) >= 4, g.bufs
+    assert g.arena_bytes <= 2 * one + 4096, (g.arena_bytes, len(temps))

@@ -110,6 +110,7 @@ def compile_fx_graph(gm: torch.fx.GraphModule, example_inputs, *, cfg: Config, k
                   islands=dict(lowered.islands), constants=len(lowered.constants),
                   cached=compiled.cached, source=compiled.source, schedule=compiled.schedule)
     stats.records.append(record)
+    _log(cfg, "compile", f"{name}: compile stages", _stages(times) + (" (from the disk cache)" if compiled.cached else ""))
     _log(cfg, "graph", f"{name}: IR before passes", compiled.graph_before)
     _log(cfg, "graph", f"{name}: IR after passes", compiled.graph_after)
     if "fusion" in cfg.logs:
@@ -121,6 +122,32 @@ def compile_fx_graph(gm: torch.fx.GraphModule, example_inputs, *, cfg: Config, k
     if lowered.fallbacks:
         _log(cfg, "fallbacks", f"{name}: ops run through ATen", "\n".join(f"  {k} x{v}: {lowered.reasons.get(k, '')}" for k, v in lowered.fallbacks.items()))
     return fn
+
+
+def _stages(times) -> str:
+    return ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in times.items())
+
+
+#: A first call slower than this (seconds) says where its time went, once per process.
+SLOW_FIRST_CALL_S = 5.0
+_slow_reported = [False]
+
+
+def _report_slow_compile(names, seconds, cfg):
+    recs = [r for r in stats.records if r["name"] in names]
+    own = sum(r.get("times", {}).get("total", r.get("compile_s", 0.0)) for r in recs)
+    if seconds < SLOW_FIRST_CALL_S or _slow_reported[0] or cfg.on_unsupported == "silent":
+        return
+    _slow_reported[0] = True
+    stages = {}
+    for r in recs:
+        for k, v in r.get("times", {}).items():
+            if k != "total":
+                stages[k] = stages.get(k, 0.0) + v
+    warnings.warn(
+        f"braze: compiling {', '.join(names)} took {seconds:.1f} s: braze {own:.1f} s ({_stages(stages)}), "
+        f"AOTAutograd's tracing and partitioning {max(seconds - own, 0.0):.1f} s. "
+        "braze.explain(fn)(*args) or BRAZE_LOGS=compile show it per graph (said once per process).", stacklevel=3)
 
 
 def _eager(gm):
@@ -140,8 +167,10 @@ def braze_backend(gm: torch.fx.GraphModule, example_inputs, mode=None, options=N
             cuda.start_warm_up(t.device.index if t.device.index is not None else torch.cuda.current_device())
             break
     cap = direct.Capture(example_inputs)
+    t0 = time.perf_counter()
     with cap, _backward_ahead_of_time(cfg):
         compiled = _aot_backend(cfg)(gm, example_inputs)
+    _report_slow_compile(cap.names, time.perf_counter() - t0, cfg)
     fn = direct.direct_path(cap, gm) if cfg.direct_autograd else None
     if fn is None and cfg.direct_autograd:
         stats.aot_wrapped.append((cap.names, cap.why))

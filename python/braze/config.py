@@ -14,7 +14,7 @@ import os
 MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
 #: Log names for ``BRAZE_LOGS`` and ``options={"logs": ...}``.
-LOGS = ("graph", "fusion", "output_code", "schedule", "fallbacks")
+LOGS = ("graph", "fusion", "output_code", "schedule", "fallbacks", "compile")
 
 #: Options and what each does.
 OPTIONS = {

@@ -33,10 +33,12 @@ class ExplainOutput:
                 lines.append(f"  runs through {g['runtime']}")
             for name, roots in g["kernels"]:
                 lines.append(f"  kernel {name} (stores {', '.join(roots)})")
+            why = g.get("extern_reasons", {})
             for op, n in g["externs"].items():
-                lines.append(f"  ATen: {op} x{n}")
+                lines.append(f"  ATen: {op} x{n}" + (f" ({why[op]})" if why.get(op) else ""))
             for op, n in g.get("islands", {}).items():
-                lines.append(f"  PyTorch island: {op} x{n}")
+                kind = "higher-order operator" if op.startswith("higher_order.") else "call without a tensor result"
+                lines.append(f"  PyTorch island: {op} x{n} ({why.get(op, kind) if why.get(op) not in (None, 'no lowering') else kind})")
         return "\n".join(lines)
 
 

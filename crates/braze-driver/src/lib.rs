@@ -364,9 +364,10 @@ pub fn compile(g: Graph, target: Target, check_cuda: bool, check_arch: &str) -> 
     let outputs = sched.outputs.iter().map(|a| tab.access(a)).collect();
     // [Note: arena] Temp buffers that only kernels and matmuls touch (not outputs, not extern
     // operands or results) and have static sizes live in one allocation per call, at fixed
-    // 256-byte aligned offsets: one allocator call instead of one per buffer.
+    // 256-byte aligned offsets: one allocator call instead of one per buffer. Offsets are
+    // assigned by lifetime (`arena_layout`), so buffers that are never live together share.
     let mut arena_offsets = vec![-1i64; sched.buffers.len()];
-    let mut arena_bytes = 0i64;
+    let arena_bytes: i64;
     {
         let mut external = vec![false; sched.buffers.len()];
         for a in &sched.outputs {
@@ -382,13 +383,18 @@ pub fn compile(g: Graph, target: Target, check_cuda: bool, check_arch: &str) -> 
                 }
             }
         }
+        let mut members = Vec::new();
         for (b, buf) in sched.buffers.iter().enumerate() {
             let bytes = buf.shape.iter().map(|e| e.as_const()).product::<Option<i64>>().map(|n| n * buf.dtype.size() as i64);
             if let (BufKind::Temp, false, Some(bytes)) = (&buf.kind, external[b], bytes) {
-                arena_offsets[b] = arena_bytes;
-                arena_bytes += (bytes.max(1) + 255) / 256 * 256;
+                members.push((b, (bytes.max(1) + 255) / 256 * 256));
             }
         }
+        let (offsets, total) = arena_layout(&sched, &members);
+        for ((b, _), off) in members.iter().zip(offsets) {
+            arena_offsets[*b] = off;
+        }
+        arena_bytes = total;
     }
     let mut allocs: Vec<Vec<u32>> = vec![Vec::new(); steps.len()];
     let mut seen = vec![false; sched.buffers.len()];
@@ -428,3 +434,56 @@ pub fn compile(g: Graph, target: Target, check_cuda: bool, check_arch: &str) -> 
     Ok((plan, module))
 }
 
+
+/// [Note: arena] offsets by lifetime. Each arena buffer lives from the first step that
+/// writes it to the last step that reads it; two buffers share bytes only when one's last
+/// reader runs strictly before the other's first writer (a kernel that reads one and writes
+/// the other never sees them alias). Buffers are placed largest first at the lowest offset
+/// free of every placed buffer whose lifetime overlaps (greedy by size), so the arena is
+/// sized by the peak of live bytes rather than their sum. Steps run in order on one stream,
+/// so reuse needs no synchronization. Returns the offsets (in `members` order) and the size.
+fn arena_layout(sched: &braze_sched::Schedule, members: &[(usize, i64)]) -> (Vec<i64>, i64) {
+    let n = sched.buffers.len();
+    let (mut first, mut last) = (vec![usize::MAX; n], vec![0usize; n]);
+    let mut touch = |b: usize, s: usize| {
+        first[b] = first[b].min(s);
+        last[b] = last[b].max(s);
+    };
+    for (s, st) in sched.steps.iter().enumerate() {
+        match st {
+            Step::Kernel(k) => sched.kernels[*k].bufs.iter().for_each(|b| touch(b.id as usize, s)),
+            Step::Matmul { a, b, bias, residual, out, .. } => {
+                for x in [Some(a), Some(b), bias.as_ref(), residual.as_ref()].into_iter().flatten() {
+                    touch(x.buf as usize, s);
+                }
+                touch(*out as usize, s);
+            }
+            Step::Extern { .. } => {}
+        }
+    }
+    let mut order: Vec<usize> = (0..members.len()).collect();
+    order.sort_by_key(|&i| (std::cmp::Reverse(members[i].1), first[members[i].0]));
+    let mut placed: Vec<(usize, i64, i64)> = Vec::new(); // (member, offset, bytes)
+    let mut offsets = vec![0i64; members.len()];
+    let mut total = 0i64;
+    for i in order {
+        let (b, bytes) = members[i];
+        let overlaps = |j: usize| {
+            let c = members[j].0;
+            !(last[b] < first[c] || last[c] < first[b])
+        };
+        let mut busy: Vec<(i64, i64)> = placed.iter().filter(|p| overlaps(p.0)).map(|p| (p.1, p.1 + p.2)).collect();
+        busy.sort_unstable();
+        let mut off = 0i64;
+        for (lo, hi) in busy {
+            if off + bytes <= lo {
+                break;
+            }
+            off = off.max(hi);
+        }
+        offsets[i] = off;
+        total = total.max(off + bytes);
+        placed.push((i, off, bytes));
+    }
+    (offsets, total)
+}
