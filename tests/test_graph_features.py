@@ -46,7 +46,7 @@ def test_empty_constant_output(device):
     _no_eager()
 
 
-def test_cond_runs_as_island(device):
+def test_cond_compiles_both_branches(device):
     def f(x):
         return torch.cond(x.sum() > 0, lambda t: t.sin() * 2, lambda t: t.cos() + 1, (x,)) * x
 
@@ -55,7 +55,9 @@ def test_cond_runs_as_island(device):
         x = sign * torch.rand(4, 8, device=device)
         torch.testing.assert_close(c(x), f(x))
     _no_eager()
-    assert braze.stats.islands.get("higher_order.cond", 0) >= 1
+    # Both branches are braze-compiled graphs, chosen at run time.
+    assert braze.stats.islands.get("higher_order.cond[compiled]", 0) >= 1, braze.stats.islands
+    assert sum(r["kind"] == "subgraph" and r["status"] == "compiled" for r in braze.stats.records) >= 2
 
 
 def test_while_loop(device):
@@ -67,6 +69,23 @@ def test_while_loop(device):
 
     x = torch.randn(5, device=device)
     torch.testing.assert_close(compiled(f)(x), f(x))
+    _no_eager()
+    assert braze.stats.islands.get("higher_order.while_loop[compiled]", 0) == 1, braze.stats.islands
+
+
+def test_cond_in_training(device):
+    def f(x, w):
+        return torch.cond(x.mean() > 0, lambda a, b: (a @ b).relu(), lambda a, b: (a - b).sin(), (x, w)).sum()
+
+    for sign in (1, -1):
+        x = (sign * torch.rand(8, 8, device=device)).requires_grad_()
+        w = torch.randn(8, 8, device=device, requires_grad=True)
+        x2, w2 = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+        torch._dynamo.reset()
+        compiled(f)(x, w).backward()
+        f(x2, w2).backward()
+        torch.testing.assert_close(x.grad, x2.grad)
+        torch.testing.assert_close(w.grad, w2.grad)
     _no_eager()
 
 
@@ -250,7 +269,7 @@ def test_explain_and_logs_show_islands_and_stages(device, capsys):
     x = torch.randn(6, device=device)
     out = braze.explain(f, options={"logs": ["compile"]})(x)
     text = str(out)
-    assert "PyTorch island: higher_order.cond x1 (higher-order operator)" in text, text
+    assert "PyTorch island: higher_order.cond[compiled] x1 (subgraphs compiled by braze" in text, text
     assert "compile stages" in capsys.readouterr().err
 
 
@@ -262,3 +281,41 @@ def test_slow_first_call_says_where_the_time_went(monkeypatch, device):
     x = torch.randn(6, device=device)
     with pytest.warns(UserWarning, match=r"took .* s: braze .* s \(lower .* ms.*AOTAutograd"):
         compiled(lambda t: t.cos() * 2)(x)
+
+
+@torch.library.custom_op("braze_tests::scale_", mutates_args=("x",))
+def _scale_(x: torch.Tensor, s: float) -> None:
+    x.mul_(s)
+
+
+@_scale_.register_fake
+def _scale_fake(x, s):
+    return None
+
+
+@torch.library.custom_op("braze_tests::twice", mutates_args=())
+def _twice(x: torch.Tensor) -> torch.Tensor:
+    return x * 2
+
+
+@_twice.register_fake
+def _twice_fake(x):
+    return torch.empty_like(x)
+
+
+def test_custom_ops_with_mutation(device):
+    """User custom ops: a mutating one (auto_functionalized, an island) on an intermediate
+    and on an input, and a functional one (an ATen-style extern)."""
+    def f(x, y):
+        z = x.sin()
+        _scale_(z, 3.0)
+        _scale_(y, 2.0)
+        return _twice(z) + 1
+
+    x, y = torch.randn(8, device=device), torch.randn(8, device=device)
+    y2 = y.clone()
+    out = compiled(f)(x, y)
+    torch.testing.assert_close(out, f(x, y2))
+    torch.testing.assert_close(y, y2)
+    _no_eager()
+    assert any("auto_functionalized" in k for k in braze.stats.islands), braze.stats.islands

@@ -64,7 +64,7 @@ def compile_fx_graph(gm: torch.fx.GraphModule, example_inputs, *, cfg: Config, k
     t0 = time.perf_counter()
     record = {"name": name, "kind": kind, "fx_nodes": len(gm.graph.nodes)}
     try:
-        lowered = lower_graph(gm, name)
+        lowered = lower_graph(gm, name, functools.partial(_compile_subgraph, cfg=cfg))
         t1 = time.perf_counter()
         device = lowered.device
         if device.type == "cuda":
@@ -121,6 +121,34 @@ def compile_fx_graph(gm: torch.fx.GraphModule, example_inputs, *, cfg: Config, k
     _log(cfg, "output_code", f"{name}: generated C", compiled.source)
     if lowered.fallbacks:
         _log(cfg, "fallbacks", f"{name}: ops run through ATen", "\n".join(f"  {k} x{v}: {lowered.reasons.get(k, '')}" for k, v in lowered.fallbacks.items()))
+    return fn
+
+
+def _compile_subgraph(gm, name, *, cfg):
+    """A subgraph of cond or while_loop compiled by braze (a boxed callable); raises
+    Unsupported when it cannot be, and the operator then runs as a PyTorch island."""
+    t0 = time.perf_counter()
+    try:
+        lowered = lower_graph(gm, name, functools.partial(_compile_subgraph, cfg=cfg))
+        device = lowered.device
+        if device.type == "cuda":
+            why = cuda.cuda_ready()
+            if why is not None:
+                raise Unsupported(why)
+            target = f"cuda:{device.index if device.index is not None else torch.cuda.current_device()}"
+            compiled = lowered.builder.compile(device=target)
+        else:
+            compiled = lowered.builder.compile(device="cpu", check_cuda=os.environ.get("BRAZE_CHECK_CUDA") == "1" and cuda.nvrtc_available())
+        fn = CompiledGraph(compiled, lowered, name)
+    except (_core.Unsupported, _core.InternalError, _core.EnvironmentError_) as e:
+        raise Unsupported(f"subgraph {name}: {type(e).__name__}: {e}") from None
+    stats.kernels += len(compiled.kernels)
+    for op, tb in lowered.bugs.items():
+        stats.lowering_errors.append((name, op, tb))
+    stats.records.append({"name": name, "kind": "subgraph", "status": "compiled", "fx_nodes": len(gm.graph.nodes),
+                          "kernels": compiled.kernels, "externs": dict(lowered.fallbacks), "islands": dict(lowered.islands),
+                          "extern_reasons": dict(lowered.reasons), "times": {**dict(compiled.times), "total": time.perf_counter() - t0},
+                          "cached": compiled.cached, "source": compiled.source, "schedule": compiled.schedule})
     return fn
 
 

@@ -37,7 +37,8 @@ class ExplainOutput:
             for op, n in g["externs"].items():
                 lines.append(f"  ATen: {op} x{n}" + (f" ({why[op]})" if why.get(op) else ""))
             for op, n in g.get("islands", {}).items():
-                kind = "higher-order operator" if op.startswith("higher_order.") else "call without a tensor result"
+                kind = ("subgraphs compiled by braze, chosen at run time" if op.endswith("[compiled]") else
+                        "higher-order operator" if op.startswith("higher_order.") else "call without a tensor result")
                 lines.append(f"  PyTorch island: {op} x{n} ({why.get(op, kind) if why.get(op) not in (None, 'no lowering') else kind})")
         return "\n".join(lines)
 

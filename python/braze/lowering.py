@@ -136,8 +136,12 @@ class Lowered:
 class Lowerer:
     """Walks one FX graph into a GraphBuilder."""
 
-    def __init__(self, gm: torch.fx.GraphModule, name: str):
+    def __init__(self, gm: torch.fx.GraphModule, name: str, subcompile=None):
         self.gm = gm
+        # (GraphModule, name) -> boxed callable: how the subgraphs of cond and while_loop are
+        # compiled (by braze; raises Unsupported when it cannot).
+        self.subcompile = subcompile
+        self.name = name
         self.b = _core.GraphBuilder(name)
         self.env = {}
         self.types = {}  # ir id -> (torch dtype, tuple of size strings)
@@ -320,6 +324,11 @@ class Lowerer:
             # A result on the host (a CPU scalar computed in a CUDA graph) comes from PyTorch.
             self.reasons.setdefault(op_name(target), "result on another device than the graph's")
             return self.extern(node)
+        if target in _BRANCHING and self.subcompile is not None:
+            try:
+                return _BRANCHING[target](self, node)
+            except Unsupported as e:  # a branch braze cannot compile: the operator as an island
+                self.reasons[op_name(target)] = f"branch not compiled: {e}"
         fn = LOWERINGS.get(target) or LOWERINGS.get(getattr(target, "overloadpacket", None))
         if fn is not None:
             try:
@@ -353,12 +362,14 @@ class Lowerer:
         if d != dt(v.dtype) or [s.replace(" ", "") for s in shape] != want:
             raise Unsupported(f"lowering produced {d}{shape}, expected {dt(v.dtype)}{want}")
 
-    def extern(self, node: torch.fx.Node):
-        """The node as a call of its own ATen kernel."""
+    def extern(self, node: torch.fx.Node, target=None, call_args=None, name=None):
+        """The node as a call of its own ATen kernel (or of `target` with `call_args`, FX
+        arguments like the node's own)."""
         val = node.meta.get("val")
-        name = op_name(node.target)
-        if not callable(node.target):
-            raise Unsupported(f"cannot call {node.target}")
+        target = node.target if target is None else target
+        name = name or op_name(target)
+        if not callable(target):
+            raise Unsupported(f"cannot call {target}")
         operands = []
 
         def ref(v):
@@ -383,8 +394,8 @@ class Lowerer:
                 return ref(v)
             return a
 
-        args = torch.fx.node.map_aggregate(node.args, sub)
-        kwargs = torch.fx.node.map_aggregate(node.kwargs, sub)
+        args = torch.fx.node.map_aggregate(node.args if call_args is None else call_args, sub)
+        kwargs = torch.fx.node.map_aggregate(node.kwargs if call_args is None else {}, sub)
         outs, paths, host_outs = [], [], []
         if val is None and node.users and all(u.target is operator.getitem for u in node.users):
             # A multi-result call whose own metadata is missing (some higher-order operators):
@@ -405,12 +416,12 @@ class Lowerer:
                     walk(x, path + (k,))
 
         walk(val, ())
-        island = not isinstance(node.target, torch._ops.OpOverload) or not outs
-        effect = not outs or bool(host_outs) or _has_effect(node.target)
+        island = not isinstance(target, torch._ops.OpOverload) or not outs
+        effect = not outs or bool(host_outs) or _has_effect(target)
         # The key travels through the Rust passes as the extern's target name.
         key = f"{name}#{len(self.externs)}"
         ids = self.b.extern_call(key, operands, outs, effect)
-        self.externs[key] = ExternCall(node.target, args, kwargs, paths, name, host_outs)
+        self.externs[key] = ExternCall(target, args, kwargs, paths, name, host_outs)
         if island:
             self.islands[name] = self.islands.get(name, 0) + 1
         else:
@@ -1238,10 +1249,62 @@ def _lit(value, dtype):
     return str(int(value))
 
 
-def lower_graph(gm: torch.fx.GraphModule, name: str) -> Lowered:
+# ---- control flow: cond and while_loop with braze-compiled subgraphs ------------------
+
+class _Cond:
+    """Runs one of two compiled branches, chosen by the predicate at run time (a tensor
+    predicate is read on the host, as eager's cond does)."""
+
+    def __init__(self, t, f):
+        self.t, self.f = t, f
+
+    def __call__(self, pred, *operands):
+        return tuple((self.t if bool(pred) else self.f)(list(operands)))
+
+
+class _While:
+    """Runs a compiled body while a compiled condition holds."""
+
+    def __init__(self, cond, body, n_carried):
+        self.cond, self.body, self.n = cond, body, n_carried
+
+    def __call__(self, *operands):
+        carried, extra = list(operands[: self.n]), list(operands[self.n:])
+        while bool(self.cond(carried + extra)[0]):
+            carried = list(self.body(carried + extra))
+        return tuple(carried)
+
+
+def _sub(L, node_or_gm, what):
+    gm = L.env[node_or_gm] if isinstance(node_or_gm, torch.fx.Node) else node_or_gm
+    if not isinstance(gm, torch.fx.GraphModule):
+        raise Unsupported(f"{what} is not a graph")
+    return L.subcompile(gm, f"{L.name}_{what}_{len(L.externs)}")
+
+
+def _lower_cond(L, node):
+    pred, t, f, operands = node.args[:4]
+    call = _Cond(_sub(L, t, "true"), _sub(L, f, "false"))
+    return L.extern(node, target=call, call_args=(pred, *operands), name="higher_order.cond[compiled]")
+
+
+def _lower_while(L, node):
+    cond, body, carried, extra = node.args[:4]
+    call = _While(_sub(L, cond, "cond"), _sub(L, body, "body"), len(carried))
+    return L.extern(node, target=call, call_args=(*carried, *extra), name="higher_order.while_loop[compiled]")
+
+
+_BRANCHING = {}
+for _op, _fn in (("cond", _lower_cond), ("while_loop", _lower_while)):
+    _hop = getattr(torch.ops.higher_order, _op, None)
+    if _hop is not None:
+        _BRANCHING[_hop] = _fn
+
+
+def lower_graph(gm: torch.fx.GraphModule, name: str, subcompile=None) -> Lowered:
     # AOTAutograd calls its compilers with its fake mode active; the graph's constants are
     # real tensors and are read (item(), detach()) as such.
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
     with unset_fake_temporarily():
-        return Lowerer(gm, name).run()
+        return Lowerer(gm, name, subcompile).run()
