@@ -319,3 +319,28 @@ def test_custom_ops_with_mutation(device):
     torch.testing.assert_close(y, y2)
     _no_eager()
     assert any("auto_functionalized" in k for k in braze.stats.islands), braze.stats.islands
+
+
+@torch.compiler.nested_compile_region
+def _region(x, w):
+    return (x @ w).relu() + x
+
+
+def test_invoke_subgraph_compiled_once_and_reused(device):
+    def f(x, w1, w2):
+        return _region(_region(x, w1), w2).sum()
+
+    x, w1, w2 = (torch.randn(8, 8, device=device) for _ in range(3))
+    torch.testing.assert_close(compiled(f)(x, w1, w2), f(x, w1, w2))
+    _no_eager()
+    assert braze.stats.islands.get("higher_order.invoke_subgraph[compiled]") == 2, braze.stats.islands
+    assert sum(r["kind"] == "subgraph" for r in braze.stats.records) == 1  # one region, compiled once
+    # Training: forward and backward regions compiled, gradients as eager's.
+    torch._dynamo.reset()
+    ws = [w.clone().requires_grad_() for w in (w1, w2)]
+    ws2 = [w.clone().requires_grad_() for w in (w1, w2)]
+    compiled(f)(x, *ws).backward()
+    f(x, *ws2).backward()
+    for a, b in zip(ws, ws2):
+        torch.testing.assert_close(a.grad, b.grad)
+    _no_eager()

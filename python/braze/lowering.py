@@ -142,6 +142,7 @@ class Lowerer:
         # compiled (by braze; raises Unsupported when it cannot).
         self.subcompile = subcompile
         self.name = name
+        self.sub_cache = {}  # id(GraphModule) -> compiled subgraph call (invoke_subgraph)
         self.b = _core.GraphBuilder(name)
         self.env = {}
         self.types = {}  # ir id -> (torch dtype, tuple of size strings)
@@ -1294,8 +1295,28 @@ def _lower_while(L, node):
     return L.extern(node, target=call, call_args=(*carried, *extra), name="higher_order.while_loop[compiled]")
 
 
+class _Subgraph:
+    """One compiled subgraph called as a function (invoke_subgraph: repeated regions)."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def __call__(self, *operands):
+        return tuple(self.fn(list(operands)))
+
+
+def _lower_invoke_subgraph(L, node):
+    gm, identifier, *operands = node.args
+    sub = L.env[gm] if isinstance(gm, torch.fx.Node) else gm
+    # A region invoked several times (the same GraphModule) is compiled once and reused.
+    call = L.sub_cache.get(id(sub))
+    if call is None:
+        call = L.sub_cache[id(sub)] = _Subgraph(_sub(L, gm, "region"))
+    return L.extern(node, target=call, call_args=tuple(operands), name="higher_order.invoke_subgraph[compiled]")
+
+
 _BRANCHING = {}
-for _op, _fn in (("cond", _lower_cond), ("while_loop", _lower_while)):
+for _op, _fn in (("cond", _lower_cond), ("while_loop", _lower_while), ("invoke_subgraph", _lower_invoke_subgraph)):
     _hop = getattr(torch.ops.higher_order, _op, None)
     if _hop is not None:
         _BRANCHING[_hop] = _fn
