@@ -223,7 +223,10 @@ fn product(v: &[Expr]) -> Expr {
 /// at most `cap` blocks.
 #[derive(Clone, Debug)]
 pub struct Launch {
+    /// The function to launch: this kernel's own, or an identical earlier kernel's.
     pub name: String,
+    /// The translation unit that defines `name`.
+    pub unit: usize,
     pub bufs: Vec<u32>,
     pub syms: Vec<u32>,
     pub block: u32,
@@ -329,6 +332,7 @@ pub fn emit_kernel(k: &Kernel, sms: u32, out: &mut String) -> Result<Launch, Cod
     writeln!(out, "extern \"C\" __global__ void __launch_bounds__({threads}) {}({}) {{", k.name, params.join(", ")).unwrap();
     let launch = |work: Expr, per_block: u64, cap: u32| Launch {
         name: k.name.clone(),
+        unit: 0,
         bufs: bufs.iter().map(|b| b.id).collect(),
         syms: syms.clone(),
         block: if k.column { COL_X } else { block },
@@ -558,16 +562,68 @@ pub fn emit_module(kernels: &[Kernel], sms: u32) -> Result<(String, Vec<Launch>)
 
 /// The module as translation units of at most `per_unit` kernels each, in kernel order, each
 /// with the prelude (see [`crate::units`]); the launches of all kernels, in order.
+///
+/// A kernel whose code is identical to an earlier one's up to its name and the buffer ids in
+/// its parameter names (the same block in another layer) is not emitted again: its launch
+/// calls the earlier function with its own pointers. The repeated layers of a transformer
+/// then cost NVRTC once.
 pub fn emit_units(kernels: &[Kernel], sms: u32, per_unit: usize) -> Result<(Vec<String>, Vec<Launch>), CodegenError> {
-    let mut units = Vec::new();
+    let mut units: Vec<String> = Vec::new();
+    let mut in_unit = 0usize;
     let mut launches = Vec::new();
-    for chunk in kernels.chunks(per_unit.max(1)) {
-        let mut out = String::from(Cuda.prelude());
-        out.push('\n');
-        for k in chunk {
-            launches.push(emit_kernel(k, sms, &mut out)?);
+    let mut seen: std::collections::HashMap<String, (String, usize)> = std::collections::HashMap::new();
+    for k in kernels {
+        let mut text = String::new();
+        let mut launch = emit_kernel(k, sms, &mut text)?;
+        let key = canonical(&text, &k.name, &launch.bufs);
+        if let Some((name, unit)) = seen.get(&key) {
+            launch.name = name.clone();
+            launch.unit = *unit;
+            launches.push(launch);
+            continue;
         }
-        units.push(out);
+        if units.is_empty() || in_unit >= per_unit.max(1) {
+            units.push(format!("{}\n", Cuda.prelude()));
+            in_unit = 0;
+        }
+        let unit = units.len() - 1;
+        units[unit].push_str(&text);
+        in_unit += 1;
+        launch.unit = unit;
+        seen.insert(key, (k.name.clone(), unit));
+        launches.push(launch);
     }
     Ok((units, launches))
+}
+
+/// A kernel's code with its name, its leading comment and its buffer parameters' ids
+/// (`b17` -> `p0`, in parameter order) taken out: equal keys mean interchangeable functions.
+fn canonical(text: &str, name: &str, bufs: &[u32]) -> String {
+    let body = text.split_once('\n').map_or(text, |(first, rest)| if first.starts_with("/*") { rest } else { text });
+    let body = body.replace(name, "K");
+    let pos: std::collections::HashMap<u32, usize> = bufs.iter().enumerate().map(|(i, &b)| (b, i)).collect();
+    let mut out = String::with_capacity(body.len());
+    let bytes = body.as_bytes();
+    let mut i = 0;
+    while i < bytes.len() {
+        let c = bytes[i];
+        let starts_ident = c == b'b' && (i == 0 || !(bytes[i - 1].is_ascii_alphanumeric() || bytes[i - 1] == b'_'));
+        if starts_ident {
+            let mut j = i + 1;
+            while j < bytes.len() && bytes[j].is_ascii_digit() {
+                j += 1;
+            }
+            let ends = j == bytes.len() || !(bytes[j].is_ascii_alphanumeric() || bytes[j] == b'_');
+            if j > i + 1 && ends {
+                if let Some(p) = body[i + 1..j].parse::<u32>().ok().and_then(|b| pos.get(&b)) {
+                    out.push_str(&format!("p{p}"));
+                    i = j;
+                    continue;
+                }
+            }
+        }
+        out.push(c as char);
+        i += 1;
+    }
+    out
 }

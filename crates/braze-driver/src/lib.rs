@@ -293,7 +293,7 @@ pub fn compile(g: Graph, target: Target, check_cuda: bool, check_arch: &str) -> 
             } else {
                 let (cubins, cached) = if names.is_empty() { (Vec::new(), false) } else { braze_runtime::cuda::compile_cubins(&units, &arch, version).map_err(DriverError::from)? };
                 lap("nvrtc", &mut times);
-                Some(Module::Cuda(CudaModule::load(&cubins, per_unit, ordinal, launches, items, cached).map_err(DriverError::from)?))
+                Some(Module::Cuda(CudaModule::load(&cubins, ordinal, launches, items, cached).map_err(DriverError::from)?))
             };
             lap("load", &mut times);
             (if units.is_empty() { braze_codegen::cuda::emit_module(&[], sms as u32).map_err(unsupported)?.0 } else { units.concat() }, m)

@@ -470,7 +470,7 @@ impl CudaModule {
     /// Loads the cubins of a graph's units into device `ordinal`'s primary context and
     /// resolves the kernels: `specs` in order, the first `per_unit` in the first cubin, the
     /// next `per_unit` in the second, and so on.
-    pub fn load(cubins: &[Vec<u8>], per_unit: usize, ordinal: i32, specs: Vec<LaunchSpec>, items: Vec<Item>, cached: bool) -> Result<CudaModule, RuntimeError> {
+    pub fn load(cubins: &[Vec<u8>], ordinal: i32, specs: Vec<LaunchSpec>, items: Vec<Item>, cached: bool) -> Result<CudaModule, RuntimeError> {
         let d = driver()?;
         let mut modules: Vec<CuModule> = Vec::with_capacity(cubins.len());
         // SAFETY: driver API used as documented; each cubin outlives cuModuleLoadData.
@@ -482,8 +482,8 @@ impl CudaModule {
                 modules.push(module);
             }
             let mut fns = Vec::new();
-            for (i, s) in specs.iter().enumerate() {
-                let module = *modules.get(i / per_unit.max(1)).ok_or_else(|| RuntimeError::Compile(format!("kernel {} has no unit", s.name)))?;
+            for s in &specs {
+                let module = *modules.get(s.unit).ok_or_else(|| RuntimeError::Compile(format!("kernel {} has no unit", s.name)))?;
                 let name = CString::new(s.name.as_str()).unwrap();
                 let mut f: CuFunction = std::ptr::null_mut();
                 check(d, (d.get_fn)(&mut f, module, name.as_ptr()), &format!("kernel {}", s.name))?;
