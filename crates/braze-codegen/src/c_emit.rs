@@ -281,6 +281,61 @@ impl Emitter<'_> {
         }
     }
 
+    /// The accumulator update in a loop over lanes ([`crate::openmp`]'s blocked reductions):
+    /// as [`Self::red_update`], with argmax/argmin branch-free so the loop vectorizes.
+    pub fn red_update_lane(&self, r: &Reduction) -> String {
+        let (n, s) = (r.dst, format!("t{}", r.src));
+        let sdt = self.dt(r.src);
+        let cond = |cmp: &str| if sdt.is_float() { format!("(({s} != {s}) & (a{n} == a{n})) | ({s} {cmp} a{n})") } else { format!("{s} {cmp} a{n}") };
+        match r.kind {
+            ReduceKind::ArgMax | ReduceKind::ArgMin => {
+                let c = cond(if r.kind == ReduceKind::ArgMax { ">" } else { "<" });
+                format!("{{ const int c = {c}; a{n} = {}; ai{n} = bz_seli(c, {}, ai{n}); }}", sel("c", &s, &format!("a{n}"), sdt), index(&r.inner_index))
+            }
+            _ => self.red_update(r),
+        }
+    }
+
+    /// Folds one lane's partial state (the variables of [`Self::red_state`], each read as
+    /// `lane(name)`) into the reduction's state: partial results of disjoint pieces of the
+    /// row, every element of a lane after those of lower lanes at the same step. Max/min keep
+    /// NaN, argmax/argmin the first index of the extreme (or of the first NaN), variance
+    /// merges Welford states (Chan et al.).
+    pub fn red_combine(&self, r: &Reduction, lane: &dyn Fn(&str) -> String) -> String {
+        let n = r.dst;
+        let sdt = self.dt(r.src);
+        let ct = compute_type(sdt);
+        let a = lane(&format!("a{n}"));
+        match r.kind {
+            ReduceKind::Sum => format!("a{n} += {a};"),
+            ReduceKind::Prod => format!("a{n} *= {a};"),
+            ReduceKind::Any => format!("a{n} |= {a};"),
+            ReduceKind::All => format!("a{n} &= {a};"),
+            ReduceKind::Max | ReduceKind::Min => {
+                let cmp = if r.kind == ReduceKind::Max { ">" } else { "<" };
+                let c = if sdt.is_float() { format!("(v != v) | (v {cmp} a{n})") } else { format!("v {cmp} a{n}") };
+                format!("{{ const {ct} v = {a}; a{n} = {}; }}", sel(&c, "v", &format!("a{n}"), sdt))
+            }
+            ReduceKind::ArgMax | ReduceKind::ArgMin => {
+                let cmp = if r.kind == ReduceKind::ArgMax { ">" } else { "<" };
+                let ai = lane(&format!("ai{n}"));
+                let c = if sdt.is_float() {
+                    format!("(v != v && (a{n} == a{n} || vi < ai{n})) || v {cmp} a{n} || (v == a{n} && vi < ai{n})")
+                } else {
+                    format!("v {cmp} a{n} || (v == a{n} && vi < ai{n})")
+                };
+                format!("{{ const {ct} v = {a}; const int64_t vi = {ai}; if ({c}) {{ a{n} = v; ai{n} = vi; }} }}")
+            }
+            ReduceKind::Var => {
+                let (m, q, c) = (lane(&format!("wm{n}")), lane(&format!("wq{n}")), lane(&format!("wn{n}")));
+                format!(
+                    "{{ const int64_t nb = {c}; if (nb > 0) {{ const int64_t nn = wn{n} + nb; const {ct} d = {m} - wm{n}; const {ct} f = ({ct})nb / ({ct})nn; \
+                     wm{n} += d * f; wq{n} += {q} + d * d * ({ct})wn{n} * f; wn{n} = nn; }} }}"
+                )
+            }
+        }
+    }
+
     /// The result temporary after the inner loop.
     pub fn red_final(&self, r: &Reduction) -> String {
         let n = r.dst;

@@ -232,6 +232,10 @@ pub fn emit_kernel(k: &Kernel, out: &mut String) -> Result<(), CodegenError> {
         writeln!(out, "{}{}", pad(depth), e.stmt(s)?).unwrap();
     }
     for p in &k.passes {
+        if use_lanes(k, p, &e) {
+            emit_lanes_pass(k, p, &e, out, depth)?;
+            continue;
+        }
         for r in &p.reductions {
             for l in e.red_init(r) {
                 writeln!(out, "{}{l}", pad(depth)).unwrap();
@@ -274,6 +278,104 @@ pub fn emit_kernel(k: &Kernel, out: &mut String) -> Result<(), CodegenError> {
         writeln!(out, "{}}}", pad(depth)).unwrap();
     }
     writeln!(out, "}}\n").unwrap();
+    Ok(())
+}
+
+/// Lanes of a blocked row reduction: partial states per lane, updated by a vector loop over
+/// `LANES` neighbouring elements (several vector registers: independent chains).
+const LANES: i64 = 32;
+
+/// Whether a reduction pass runs as a blocked reduction over lanes: when some reduction has
+/// no OpenMP reduction clause (max, min, argmax, argmin, any, all, variance) and the innermost
+/// reduced dim is not known to be short. Sums and products alone keep `omp simd reduction`.
+fn use_lanes(k: &Kernel, p: &braze_sched::loop_ir::Pass, e: &Emitter) -> bool {
+    let Some(last) = k.inner.last() else { return false };
+    if p.reductions.is_empty() || e.simd_clause(&p.reductions).is_some() {
+        return false;
+    }
+    crate::c_emit::index(last).parse::<i64>().map_or(true, |n| n >= LANES)
+}
+
+/// A reduction pass as a blocked reduction ([Note: lanes]).
+///
+/// [Note: lanes] GCC vectorizes a loop-carried max only as an OpenMP/`MAX_EXPR` reduction,
+/// which loses NaN (eager's max returns NaN if any element is), and never vectorizes an
+/// argmax's conditional pair update or Welford's update. So each reduction keeps `LANES`
+/// partial states in arrays; the innermost reduced dim is walked in blocks of `LANES`
+/// elements, lane `l` taking element `l` of each block (a loop GCC vectorizes: lanes do not
+/// depend on each other), the ragged end goes to the first lanes, and after the loops the
+/// lanes are folded into one state in lane order (`Emitter::red_combine`), which keeps NaN
+/// propagation, first-index ties and Welford's accuracy (Chan's merge).
+fn emit_lanes_pass(k: &Kernel, p: &braze_sched::loop_ir::Pass, e: &Emitter, out: &mut String, depth: usize) -> Result<(), CodegenError> {
+    let ix = crate::c_emit::index;
+    let pad = |d: usize| "  ".repeat(d);
+    let n_outer = k.outer.len();
+    let n_inner = k.inner.len();
+    let states: Vec<(&str, String)> = p.reductions.iter().flat_map(|r| e.red_state(r)).collect();
+    for r in &p.reductions {
+        for l in e.red_init(r) {
+            writeln!(out, "{}{l}", pad(depth)).unwrap();
+        }
+    }
+    for (t, n) in &states {
+        writeln!(out, "{}{t} {n}_v[{LANES}];", pad(depth)).unwrap();
+    }
+    let init: Vec<String> = states.iter().map(|(_, n)| format!("{n}_v[bz_l] = {n};")).collect();
+    writeln!(out, "{}for (int64_t bz_l = 0; bz_l < {LANES}; bz_l++) {{ {} }}", pad(depth), init.join(" ")).unwrap();
+    let mut d = depth;
+    for (j, size) in k.inner[..n_inner - 1].iter().enumerate() {
+        let v = n_outer + j;
+        writeln!(out, "{}for (int64_t i{v} = 0; i{v} < {}; i{v}++) {{", pad(d), ix(size)).unwrap();
+        d += 1;
+    }
+    let v = n_outer + n_inner - 1;
+    let size = ix(&k.inner[n_inner - 1]);
+    writeln!(out, "{}{{", pad(d)).unwrap();
+    writeln!(out, "{}const int64_t bz_bn = ({size}) - ({size}) % {LANES};", pad(d + 1)).unwrap();
+    // The full blocks, then the ragged end.
+    for (lo, count, outer_loop) in [("bz_ib", LANES.to_string(), true), ("bz_bn", format!("({size}) - bz_bn"), false)] {
+        let mut dd = d + 1;
+        if outer_loop {
+            writeln!(out, "{}for (int64_t bz_ib = 0; bz_ib < bz_bn; bz_ib += {LANES}) {{", pad(dd)).unwrap();
+            dd += 1;
+        }
+        writeln!(out, "{}#pragma omp simd", pad(dd)).unwrap();
+        writeln!(out, "{}for (int64_t bz_l = 0; bz_l < {count}; bz_l++) {{", pad(dd)).unwrap();
+        let q = pad(dd + 1);
+        writeln!(out, "{q}const int64_t i{v} = {lo} + bz_l;").unwrap();
+        for (t, n) in &states {
+            writeln!(out, "{q}{t} {n} = {n}_v[bz_l];").unwrap();
+        }
+        for s in &p.body {
+            writeln!(out, "{q}{}", e.stmt(s)?).unwrap();
+        }
+        for r in &p.reductions {
+            writeln!(out, "{q}{}", e.red_update_lane(r)).unwrap();
+        }
+        for (_, n) in &states {
+            writeln!(out, "{q}{n}_v[bz_l] = {n};").unwrap();
+        }
+        writeln!(out, "{}}}", pad(dd)).unwrap();
+        if outer_loop {
+            writeln!(out, "{}}}", pad(dd - 1)).unwrap();
+        }
+    }
+    writeln!(out, "{}}}", pad(d)).unwrap();
+    for _ in 0..n_inner - 1 {
+        d -= 1;
+        writeln!(out, "{}}}", pad(d)).unwrap();
+    }
+    writeln!(out, "{}for (int64_t bz_l = 0; bz_l < {LANES}; bz_l++) {{", pad(depth)).unwrap();
+    for r in &p.reductions {
+        writeln!(out, "{}{}", pad(depth + 1), e.red_combine(r, &|n| format!("{n}_v[bz_l]"))).unwrap();
+    }
+    writeln!(out, "{}}}", pad(depth)).unwrap();
+    for r in &p.reductions {
+        writeln!(out, "{}{}", pad(depth), e.red_final(r)).unwrap();
+    }
+    for s in &p.after {
+        writeln!(out, "{}{}", pad(depth), e.stmt(s)?).unwrap();
+    }
     Ok(())
 }
 

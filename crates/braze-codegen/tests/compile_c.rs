@@ -55,7 +55,7 @@ fn fused_pointwise_runs() {
     ptrs[s.outputs[0].buf as usize] = y.as_mut_ptr() as usize;
     ptrs[s.outputs[1].buf as usize] = r.as_mut_ptr() as usize;
     // SAFETY: every buffer is sized as the schedule says.
-    unsafe { m.run(0, m.len(), &ptrs, &[]) }.expect("kernels run");
+    unsafe { m.run(0, m.len(), &ptrs, &[], 0) }.expect("kernels run");
     for i in 0..5 {
         let mut acc = 0f32;
         for j in 0..7 {

@@ -79,11 +79,12 @@ pub enum Module {
 impl Module {
     #[allow(clippy::too_many_arguments)] // the Python runtime's call, argument for argument
     /// Runs items `lo..hi` with buffer pointers by id (arena buffers filled in from `arena`),
-    /// size symbols, and, for CUDA, PyTorch's current stream.
+    /// size symbols, and, for CUDA, PyTorch's current stream; CPU kernels run on `threads`
+    /// OpenMP threads (PyTorch's `torch.get_num_threads()`; 0 leaves the setting alone).
     ///
     /// # Safety
     /// Every pointer must address memory laid out as the plan's buffer of that id.
-    pub unsafe fn run(&self, lo: usize, hi: usize, ptrs: &mut [usize], syms: &[i64], stream: usize, arena: usize, arena_offsets: &[i64]) -> Result<(), DriverError> {
+    pub unsafe fn run(&self, lo: usize, hi: usize, ptrs: &mut [usize], syms: &[i64], stream: usize, arena: usize, arena_offsets: &[i64], threads: i32) -> Result<(), DriverError> {
         if arena != 0 {
             for (p, &off) in ptrs.iter_mut().zip(arena_offsets) {
                 if off >= 0 {
@@ -97,7 +98,7 @@ impl Module {
                     return Err(DriverError::Internal("kernel range out of bounds".into()));
                 }
                 // SAFETY: guaranteed by the caller.
-                Ok(unsafe { m.run(lo, hi, ptrs, syms) }?)
+                Ok(unsafe { m.run(lo, hi, ptrs, syms, threads) }?)
             }
             Module::Cuda(m) => {
                 if hi > m.items.len() || lo > hi {

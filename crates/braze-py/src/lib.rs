@@ -135,6 +135,13 @@ fn cuda_init(nvrtc: &str, builtins: Option<&str>, driver: Option<&str>, cublaslt
     braze_runtime::cuda::nvrtc_version().map_err(runtime_err)
 }
 
+/// The host CPU's identity as CPU modules' cache keys hold it (the target flags
+/// `-march=native` expands to); read once per process.
+#[pyfunction]
+fn cpu_id(py: Python<'_>) -> String {
+    py.detach(|| braze_runtime::cpu::cpu_id().to_string())
+}
+
 /// Pays NVRTC's first-use cost now (called from a background thread; releases the GIL).
 #[pyfunction]
 fn nvrtc_warm_up(py: Python<'_>, arch: &str) -> PyResult<()> {
@@ -286,7 +293,8 @@ impl Compiled {
 
     /// Runs kernels `lo..hi` on buffers `ptrs` (data pointers by buffer id) with sizes
     /// `syms`; CUDA kernels are launched on `stream` (PyTorch's current stream); buffers in
-    /// the arena get their pointers from `arena`.
+    /// the arena get their pointers from `arena`. CPU kernels run on PyTorch's thread count
+    /// (`torch.get_num_threads()`, read on every call: the user may change it at any time).
     #[pyo3(signature = (lo, hi, ptrs, syms, stream=0, arena=0))]
     #[allow(clippy::too_many_arguments)] // the Python runtime's call, argument for argument
     fn run(&self, py: Python<'_>, lo: usize, hi: usize, ptrs: Vec<usize>, syms: Vec<i64>, stream: usize, arena: usize) -> PyResult<()> {
@@ -295,10 +303,17 @@ impl Compiled {
         let mut s = syms;
         s.resize(self.plan.num_syms.max(1), 0);
         let offsets = &self.plan.arena_offsets;
+        let threads = if matches!(m, Module::Cpu(_)) { torch_num_threads(py)? } else { 0 };
         // SAFETY: the Python runtime allocates every buffer as the plan describes before
         // calling, and passes a pointer for each buffer id.
-        py.detach(|| unsafe { m.run(lo, hi, &mut ptrs, &s, stream, arena, offsets) }).map_err(driver_err)
+        py.detach(|| unsafe { m.run(lo, hi, &mut ptrs, &s, stream, arena, offsets, threads) }).map_err(driver_err)
     }
+}
+
+/// `torch.get_num_threads()` (the function looked up once per process).
+fn torch_num_threads(py: Python<'_>) -> PyResult<i32> {
+    static GET: pyo3::sync::PyOnceLock<Py<PyAny>> = pyo3::sync::PyOnceLock::new();
+    GET.import(py, "torch", "get_num_threads")?.call0()?.extract()
 }
 
 /// A scalar expression over size symbols (a SymInt, SymFloat or SymBool as PyTorch prints
@@ -351,6 +366,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(cuda_init, m)?)?;
     m.add_function(wrap_pyfunction!(nvrtc_compile, m)?)?;
     m.add_function(wrap_pyfunction!(nvrtc_warm_up, m)?)?;
+    m.add_function(wrap_pyfunction!(cpu_id, m)?)?;
     m.add_function(wrap_pyfunction!(relayout, m)?)?;
     m.add_function(wrap_pyfunction!(relayout_source, m)?)?;
     m.add("Unsupported", m.py().get_type::<Unsupported>())?;

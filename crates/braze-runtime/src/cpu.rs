@@ -2,6 +2,11 @@
 //! C compiler (`$CC` or `cc`) into a shared library, cached on disk, and loaded into the
 //! process; the units compile in parallel. Every kernel
 //! has the signature `void k(void** buffers, const int64_t* sizes)`.
+//!
+//! Modules are built with `-march=native`, so the cache key holds the host CPU's identity
+//! ([`cpu_id`]): a cache directory shared by machines never hands one code built for another
+//! CPU. Before running kernels, [`CpuModule::run`] sets the OpenMP thread count of the calling
+//! thread to the caller's (PyTorch's `torch.get_num_threads()`).
 
 use crate::cache::{cache_dir, key};
 use crate::RuntimeError;
@@ -10,6 +15,7 @@ use std::process::Command;
 use std::sync::OnceLock;
 
 type KernelFn = unsafe extern "C" fn(*const *mut c_void, *const i64);
+type SetThreadsFn = unsafe extern "C" fn(i32);
 
 /// `-ffp-contract=off`: no fused multiply-add, so results round like eager ATen.
 /// `-fno-builtin-sin/cos*` keeps GCC from merging sin and cos into `sincos`, which has no
@@ -28,6 +34,8 @@ pub struct CpuModule {
     /// Addresses of each unit's `braze_oob` flag (a C `int`): set by a kernel that read an
     /// out-of-range index.
     oob: Vec<usize>,
+    /// The OpenMP runtime's `omp_set_num_threads`, as the units resolve it.
+    set_threads: Option<SetThreadsFn>,
     /// The shared library of each unit.
     pub paths: Vec<std::path::PathBuf>,
     /// True when every unit came from the disk cache.
@@ -52,12 +60,49 @@ fn compiler_id() -> Result<&'static str, RuntimeError> {
     .map_err(|e| RuntimeError::Environment(e.clone()))
 }
 
+/// The host CPU as `-march=native` sees it (part of the cache key), read once per process:
+/// the target flags the compiler driver expands `-march=native` into (`cc -### ...`: the
+/// architecture, every `-m` feature flag, cache sizes, tuning), which is exactly what decides
+/// the generated code; `/proc/cpuinfo`'s model name and flags where the driver says nothing.
+pub fn cpu_id() -> &'static str {
+    static ID: OnceLock<String> = OnceLock::new();
+    ID.get_or_init(|| {
+        let mut id = String::new();
+        if let Ok(o) = Command::new(compiler()).args(["-march=native", "-###", "-x", "c", "-c", "/dev/null", "-o", "/dev/null"]).output() {
+            // GCC prints the cc1 command line (`"-march=rocketlake" -mavx2 -mno-sse4a ...
+            // --param "l1-cache-size=48" ... "-mtune=rocketlake"`), Clang `-target-cpu X
+            // -target-feature +avx2 ...`; temporary file names are left out.
+            let text = String::from_utf8_lossy(&o.stderr);
+            let mut prev = "";
+            for tok in text.split_whitespace().map(|t| t.trim_matches('"')) {
+                let keep = tok.starts_with("-m") || tok.contains("cache-") || matches!(prev, "-target-cpu" | "-target-feature" | "-tune-cpu");
+                if keep {
+                    id.push_str(tok);
+                    id.push(' ');
+                }
+                prev = tok;
+            }
+        }
+        if !id.contains("-march=") && !id.contains('+') {
+            if let Ok(info) = std::fs::read_to_string("/proc/cpuinfo") {
+                for key in ["model name", "flags", "Features", "CPU part"] {
+                    if let Some(l) = info.lines().find(|l| l.starts_with(key)) {
+                        id.push_str(l);
+                        id.push('\n');
+                    }
+                }
+            }
+        }
+        id
+    })
+}
+
 /// Compiles one translation unit into the cache (or finds it there): its path, and whether
 /// it was cached.
 fn build(source: &str, version: &str) -> Result<(std::path::PathBuf, bool), RuntimeError> {
     let cc = compiler();
     let flags = format!("{} {}", CFLAGS.join(" "), LIBS.join(" "));
-    let k = key(&[source, compiler_id()?, &cc, &flags, version]);
+    let k = key(&[source, compiler_id()?, cpu_id(), &cc, &flags, version]);
     let dir = cache_dir().join("cpu");
     std::fs::create_dir_all(&dir).map_err(|e| RuntimeError::Environment(format!("cache dir {}: {e}", dir.display())))?;
     let so = dir.join(format!("{k}.so"));
@@ -108,7 +153,9 @@ impl CpuModule {
         let cached = built.iter().all(|(_, c)| *c);
         // SAFETY: `braze_oob` is an `int` defined by the generated prelude of each unit.
         let oob = libs.iter().filter_map(|l| unsafe { l.get::<*mut i32>(b"braze_oob") }.ok().map(|s| *s as usize)).collect();
-        Ok(CpuModule { _libs: libs, fns, oob, paths: built.into_iter().map(|(p, _)| p).collect(), cached })
+        // SAFETY: `omp_set_num_threads(int)` of the OpenMP runtime the units link (-fopenmp).
+        let set_threads = libs.iter().find_map(|l| unsafe { l.get::<SetThreadsFn>(b"omp_set_num_threads") }.ok().map(|s| *s));
+        Ok(CpuModule { _libs: libs, fns, oob, set_threads, paths: built.into_iter().map(|(p, _)| p).collect(), cached })
     }
 
     pub fn len(&self) -> usize {
@@ -119,12 +166,21 @@ impl CpuModule {
         self.fns.is_empty()
     }
 
-    /// Runs kernels `lo..hi` in order.
+    /// Runs kernels `lo..hi` in order, on `threads` OpenMP threads when `threads > 0`.
+    ///
+    /// The count is the calling thread's OpenMP setting (an ICV of the OpenMP runtime, per
+    /// thread), so it is set on every call: PyTorch may have changed it, or (when PyTorch
+    /// ships its own OpenMP runtime, or this thread never ran a PyTorch op) never set it in
+    /// the runtime the kernels use. `omp_set_num_threads` only stores an int.
     ///
     /// # Safety
     /// `buffers[b]` must point to memory laid out as the schedule's buffer `b` for every
     /// buffer the kernels touch, and `sizes` must hold every size symbol they use.
-    pub unsafe fn run(&self, lo: usize, hi: usize, buffers: &[usize], sizes: &[i64]) -> Result<(), RuntimeError> {
+    pub unsafe fn run(&self, lo: usize, hi: usize, buffers: &[usize], sizes: &[i64], threads: i32) -> Result<(), RuntimeError> {
+        if let (true, Some(set)) = (threads > 0, self.set_threads) {
+            // SAFETY: `omp_set_num_threads(int)`, called with a positive count.
+            unsafe { set(threads) };
+        }
         for f in &self.fns[lo..hi] {
             // SAFETY: guaranteed by the caller (see above).
             unsafe { f(buffers.as_ptr() as *const *mut c_void, sizes.as_ptr()) };
