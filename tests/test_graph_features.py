@@ -344,3 +344,32 @@ def test_invoke_subgraph_compiled_once_and_reused(device):
     for a, b in zip(ws, ws2):
         torch.testing.assert_close(a.grad, b.grad)
     _no_eager()
+
+
+def test_flex_attention_training(device):
+    flex = pytest.importorskip("torch.nn.attention.flex_attention")
+    if device != "cuda":
+        pytest.skip("PyTorch's FlexAttention has no backward on CPU")
+
+    def f(q, k, v):
+        return flex.flex_attention(q, k, v, score_mod=lambda s, b, h, qi, ki: s * 0.5).sum()
+
+    qkv = [torch.randn(1, 2, 16, 8, device=device, requires_grad=True) for _ in range(3)]
+    qkv2 = [t.detach().clone().requires_grad_() for t in qkv]
+    compiled(f)(*qkv).backward()
+    f(*qkv2).backward()
+    for a, b in zip(qkv, qkv2):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-4, atol=1e-4)
+    _no_eager()
+
+
+def test_integer_division_in_masked_lanes(device):
+    """Padding computes a // b only inside the data; the padded lanes load b as 0 and must
+    neither crash nor change the result."""
+    def f(a, b):
+        return F.pad(a // b + a % b, (2, 3), value=-7)
+
+    a = torch.randint(-50, 50, (4, 6), device=device)
+    b = torch.randint(1, 9, (4, 6), device=device) * (1 - 2 * torch.randint(0, 2, (4, 6), device=device))
+    torch.testing.assert_close(compiled(f)(a, b), f(a, b))
+    _no_eager()
