@@ -77,8 +77,8 @@ def stage_times(n_layers, monkeypatch):
     seen = []
     lower = backend.lower_graph
 
-    def keep(gm, name):
-        lowered = lower(gm, name)
+    def keep(gm, name, *rest):
+        lowered = lower(gm, name, *rest)
         seen.append((gm, name, lowered))
         return lowered
 
