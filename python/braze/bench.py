@@ -223,6 +223,34 @@ def run_overhead(device, backends, calls=2000):
     return rows
 
 
+def plot_models(rows, path, title):
+    """Speedup over eager and step peak memory per workload and backend, as grouped bars."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    works = list(dict.fromkeys(r["workload"] for r in rows))
+    bes = list(dict.fromkeys(r["backend"] for r in rows))
+    get = {(r["workload"], r["backend"]): r for r in rows}
+    fig, axes = plt.subplots(2, 1, figsize=(max(8, 1.3 * len(works)), 8))
+    width = 0.8 / len(bes)
+    for ax, key, label in ((axes[0], "speedup", "speedup over eager"), (axes[1], "peak_gib", "step peak memory (GiB)")):
+        for k, be in enumerate(bes):
+            vals = [(get.get((w, be)) or {}).get(key) or 0.0 for w in works]
+            ax.bar([i + k * width for i in range(len(works))], vals, width, label=be)
+        ax.set_xticks([i + width * (len(bes) - 1) / 2 for i in range(len(works))], works, rotation=20, ha="right")
+        ax.set_ylabel(label)
+        ax.legend()
+    axes[0].axhline(1.0, color="grey", linewidth=0.8)
+    if all(r.get("peak_gib") is None for r in rows):
+        axes[1].set_title("step peak memory is measured on GPUs only")
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m braze.bench", description=__doc__.split("\n")[0])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -234,6 +262,9 @@ def main(argv=None):
     p.add_argument("--suite", choices=("seed", "models"), default="seed",
                    help="seed: the seed documents' workloads (default); models: GPT-2, Llama, BERT, ViT, ResNet-50 "
                         "at real sizes, inference and training (small sizes on CPU)")
+    p.add_argument("--fsdp", action="store_true", help="with --suite models: also GPT-2 training under FSDP2 "
+                   "(fully_shard per block) on every GPU through torchrun (2 or more GPUs; 2 processes on a CPU)")
+    p.add_argument("--plot", help="with --suite models: draw speedup and step peak memory per workload to this image (matplotlib)")
     p.add_argument("--first-call", help=argparse.SUPPRESS)  # internal: one cold first call
     p.add_argument("--backend", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -258,6 +289,16 @@ def main(argv=None):
 
         only = set(args.only.split(",")) if args.only else None
         rows = run_models(device, backends[::-1], args.reps or (20 if device.type == "cuda" else 3), only)
+        if args.fsdp:
+            from .bench_fsdp import run_fsdp
+
+            print("[bench models] gpt2 train under FSDP2 ...", flush=True)
+            fsdp_rows = run_fsdp(device, backends[::-1], args.reps or (20 if device.type == "cuda" else 5))
+            for r in fsdp_rows:
+                print(f"  {r['backend']:9s} {r['median_ms']:9.3f} ms  {r['speedup']:5.2f}x  first {r['first_call_s']:6.1f} s", flush=True)
+            rows += fsdp_rows
+        if args.plot:
+            plot_models(rows, args.plot, f"braze {braze.__version__} | torch {torch.__version__} | {card}")
         if args.json:
             with open(args.json, "w") as f:
                 json.dump({"torch": torch.__version__, "device": card, "braze": braze.__version__, "suite": "models", "rows": rows}, f, indent=1)
