@@ -373,3 +373,16 @@ def test_integer_division_in_masked_lanes(device):
     b = torch.randint(1, 9, (4, 6), device=device) * (1 - 2 * torch.randint(0, 2, (4, 6), device=device))
     torch.testing.assert_close(compiled(f)(a, b), f(a, b))
     _no_eager()
+
+
+def test_dynamic_sizes_with_rounding(device):
+    """Sizes like ceil((n - 3) / 2) + 1 and ceil(n / 3) under dynamic shapes."""
+    def f(x):
+        return F.avg_pool1d(x, 3, stride=2, ceil_mode=True) * 2, x[:, :, ::3].sin()
+
+    c = compiled(f, dynamic=True)
+    for n in (9, 10, 16):
+        x = torch.randn(2, 3, n, device=device)
+        for a, b in zip(c(x), f(x)):
+            torch.testing.assert_close(a, b)
+    _no_eager()

@@ -436,3 +436,29 @@ def test_arena_reuses_memory_by_lifetime(device, compiled_graphs):
     one = 64 * 1024 * 4
     assert len(temps) >= 4, g.bufs
     assert g.arena_bytes <= 2 * one + 4096, (g.arena_bytes, len(temps))
+
+
+def test_channels_last_values_keep_eager_strides(device, compiled_graphs):
+    """A value eager lays out channels_last is stored channels_last (its kernel iterates in
+    that order): outputs come back with eager's strides, and the convolution that reads a
+    fused BN+ReLU result gets the layout it gets in eager (no relayout copy)."""
+    conv1 = torch.nn.Conv2d(8, 16, 3, padding=1).to(device).to(memory_format=torch.channels_last)
+    conv2 = torch.nn.Conv2d(16, 8, 1).to(device).to(memory_format=torch.channels_last)
+
+    def f(x):
+        h = (conv1(x) * 1.5 + 0.25).relu()
+        return conv2(h).sigmoid(), (x * 2).relu()
+
+    x = torch.randn(2, 8, 12, 12, device=device).to(memory_format=torch.channels_last)
+    with torch.no_grad():
+        out, ref = compiled(f)(x), f(x)
+    for a, b in zip(out, ref):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+        assert a.stride() == b.stride(), (a.stride(), b.stride())
+    g = compiled_graphs[-1]
+    _, shapes, strides = g.static
+    four_d = [(shapes[b], strides[b]) for b, buf in enumerate(g.bufs) if buf[0] == "temp" and len(shapes[b]) == 4]
+    assert four_d, g.bufs
+    for shape, stride in four_d:  # every stored 4-d intermediate is channels_last, as in eager
+        n, c, h, w = shape
+        assert stride == (h * w * c, 1, w * c, c), (shape, stride)

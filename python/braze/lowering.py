@@ -335,6 +335,8 @@ class Lowerer:
             try:
                 out = fn(self, node, *node.args, **node.kwargs)
                 self.check(node, out)
+                if isinstance(out, int) and is_tensor_meta(val):
+                    out = self.eager_layout(out, val)
                 name = op_name(target)
                 self.lowered_ops[name] = self.lowered_ops.get(name, 0) + 1
                 return out
@@ -362,6 +364,28 @@ class Lowerer:
         want = [sym_str(s) for s in v.shape]
         if d != dt(v.dtype) or [s.replace(" ", "") for s in shape] != want:
             raise Unsupported(f"lowering produced {d}{shape}, expected {dt(v.dtype)}{want}")
+
+    # Values whose memory is someone else's (or that are views of it): their strides are
+    # already eager's, and storing them again would be a copy.
+    _NO_LAYOUT = {"input", "extern_out", "permute", "expand", "reshape", "slice", "select", "scalar", "layout", "size", "iota"}
+
+    def eager_layout(self, i: int, val) -> int:
+        """A computed value whose eager strides are a dense permutation other than row-major
+        (channels_last activations): wrapped in `layout`, so that if it is stored its buffer
+        has eager's strides (what the convolution or the caller gets in eager) and its kernel
+        iterates in that order."""
+        shape, strides = list(val.shape), list(val.stride())
+        if any(not isinstance(x, int) for x in shape + strides) or len(shape) < 2:
+            return i
+        dims = [d for d in range(len(shape)) if shape[d] != 1]
+        order = sorted(dims, key=lambda d: -strides[d])
+        expect, dense = 1, True
+        for d in reversed(order):
+            dense &= strides[d] == expect
+            expect *= shape[d]
+        if not dense or order == dims or self.b.node_op(i) in self._NO_LAYOUT:
+            return i
+        return self.op(f"layout strides=[{', '.join(map(str, strides))}]", i)
 
     def extern(self, node: torch.fx.Node, target=None, call_args=None, name=None):
         """The node as a call of its own ATen kernel (or of `target` with `call_args`, FX

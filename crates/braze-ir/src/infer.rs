@@ -65,6 +65,12 @@ pub fn infer(op: &Op, ins: &[&TensorTy]) -> Result<Option<TensorTy>, Error> {
             t(ins[1].dtype, s)
         }
         Op::Cast(d) => t(*d, ins[0].shape.clone()),
+        Op::Layout { strides } => {
+            if strides.len() != ins[0].rank() {
+                return Err(bad(format!("layout needs one stride per dim, got {}", strides.len())));
+            }
+            t(ins[0].dtype, ins[0].shape.clone())
+        }
         Op::Reduce { kind, dims, keepdim, .. } => {
             let x = ins[0];
             check_dims(dims, x.rank())?;

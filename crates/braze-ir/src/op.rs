@@ -180,6 +180,10 @@ pub enum Op {
     Extern { target: String, outputs: u32, effect: bool },
     /// Result `index` of the `Extern` operand, laid out with `strides`.
     ExternOut { index: u32, strides: Vec<Expr> },
+    /// The operand's value; when stored, its buffer is laid out with `strides` (a dense
+    /// permutation: eager's strides for this value, e.g. channels_last), and a kernel that
+    /// stores it iterates in that memory order.
+    Layout { strides: Vec<Expr> },
 }
 
 impl Op {
@@ -207,6 +211,7 @@ impl Op {
             Op::Matmul { .. } => "matmul",
             Op::Extern { .. } => "extern",
             Op::ExternOut { .. } => "extern_out",
+            Op::Layout { .. } => "layout",
         }
     }
 
@@ -224,6 +229,7 @@ impl Op {
                 | Op::Binary(_)
                 | Op::Where
                 | Op::Cast(_)
+                | Op::Layout { .. }
                 | Op::IndexSelect { .. }
                 | Op::Gather { .. }
                 | Op::Cat { .. }
@@ -240,7 +246,7 @@ impl Op {
     pub fn arity(&self) -> Option<usize> {
         Some(match self {
             Op::Input { .. } | Op::Scalar { .. } | Op::Iota { .. } | Op::Size { .. } => 0,
-            Op::Unary(_) | Op::Cast(_) | Op::Reduce { .. } | Op::Pad { .. } | Op::ExternOut { .. } => 1,
+            Op::Unary(_) | Op::Cast(_) | Op::Reduce { .. } | Op::Pad { .. } | Op::ExternOut { .. } | Op::Layout { .. } => 1,
             Op::Permute(_) | Op::Expand(_) | Op::Reshape(_) | Op::Slice { .. } | Op::Select { .. } => 1,
             Op::Binary(_) | Op::IndexSelect { .. } | Op::Gather { .. } => 2,
             Op::Where => 3,

@@ -292,6 +292,7 @@ fn build_op(name: &str, a: &BTreeMap<String, String>) -> Result<Op, String> {
             effect: if a.contains_key("effect") { boolean("effect")? } else { false },
         },
         "extern_out" => Op::ExternOut { index: int("index")? as u32, strides: exprs("strides")? },
+        "layout" => Op::Layout { strides: exprs("strides")? },
         _ => {
             if let Some(u) = UnaryOp::from_name(name) {
                 Op::Unary(u)

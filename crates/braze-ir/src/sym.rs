@@ -540,6 +540,47 @@ impl P {
             }
             return Ok(e);
         }
+        if matches!(t.as_str(), "FloorToInt" | "CeilToInt" | "TruncToInt") {
+            // Integer rounding of a size: of an exact integer division (IntTrueDiv(a, b)), or
+            // of something already an integer. Sizes are non-negative, so trunc is floor.
+            if !self.eat("(") {
+                return Err(format!("expected `(` after {t}"));
+            }
+            let e = if self.eat("IntTrueDiv") {
+                if !self.eat("(") {
+                    return Err("expected `(` after IntTrueDiv".into());
+                }
+                let a = self.sum()?;
+                if !self.eat(",") {
+                    return Err("expected `,`".into());
+                }
+                let b = self.sum()?;
+                if !self.eat(")") {
+                    return Err("expected `)`".into());
+                }
+                if t == "CeilToInt" { a.add(&b).sub(&Expr::one()).floordiv(&b) } else { a.floordiv(&b) }
+            } else {
+                self.sum()?
+            };
+            if !self.eat(")") {
+                return Err("expected `)`".into());
+            }
+            return Ok(e);
+        }
+        if t == "CeilDiv" {
+            if !self.eat("(") {
+                return Err("expected `(` after CeilDiv".into());
+            }
+            let a = self.sum()?;
+            if !self.eat(",") {
+                return Err("expected `,`".into());
+            }
+            let b = self.sum()?;
+            if !self.eat(")") {
+                return Err("expected `)`".into());
+            }
+            return Ok(a.add(&b).sub(&Expr::one()).floordiv(&b));
+        }
         if matches!(t.as_str(), "FloorDiv" | "Mod" | "PythonMod" | "Max" | "Min") {
             if !self.eat("(") {
                 return Err(format!("expected `(` after {t}"));
@@ -595,6 +636,10 @@ mod tests {
         assert_eq!(parse_expr("Max(s0, s0 + 2)").unwrap(), parse_expr("s0 + 2").unwrap());
         assert_eq!(parse_expr("Min(s0, s1)").unwrap().eval_syms(&[3, 5]), Some(3));
         assert_eq!(parse_expr("2*s0**2*s1").unwrap(), parse_expr("2*s0*s0*s1").unwrap());
+        assert_eq!(parse_expr("CeilToInt(IntTrueDiv(s0, 4))").unwrap().eval_syms(&[9]), Some(3));
+        assert_eq!(parse_expr("FloorToInt(IntTrueDiv(s0, 4))").unwrap().eval_syms(&[9]), Some(2));
+        assert_eq!(parse_expr("CeilDiv(s0, 4)").unwrap().eval_syms(&[8]), Some(2));
+        assert_eq!(parse_expr("TruncToInt(s0 + 1)").unwrap().eval_syms(&[8]), Some(9));
     }
 
     #[test]

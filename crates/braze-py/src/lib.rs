@@ -84,6 +84,12 @@ impl GraphBuilder {
         Ok((t.dtype.name().to_string(), t.shape.iter().map(|e| e.to_string()).collect()))
     }
 
+    /// The op name of a node (`"add"`, `"permute"`, `"extern_out"`, ...).
+    fn node_op(&self, id: u32) -> PyResult<String> {
+        let n = self.g.nodes.get(id as usize).ok_or_else(|| unsupported("no such node"))?;
+        Ok(n.op.name().to_string())
+    }
+
     fn text(&self) -> String {
         self.g.to_string()
     }

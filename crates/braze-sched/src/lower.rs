@@ -23,16 +23,26 @@ pub struct Illegal(pub String);
 pub struct Domain {
     pub dims: Vec<Expr>,
     pub reduced: Vec<bool>,
+    /// Loop nesting order of the dims (outermost first) when it is not `0..n`: a pointwise
+    /// kernel that stores a value laid out channels_last iterates in that memory order, so
+    /// its stores and the loads of same-layout operands walk memory contiguously.
+    pub order: Option<Vec<usize>>,
 }
 
 impl Domain {
     pub fn outer(&self) -> Vec<Expr> {
+        if let Some(order) = &self.order {
+            return order.iter().map(|&d| self.dims[d].clone()).collect();
+        }
         self.dims.iter().zip(&self.reduced).filter(|(_, r)| !**r).map(|(d, _)| d.clone()).collect()
     }
     pub fn inner(&self) -> Vec<Expr> {
         self.dims.iter().zip(&self.reduced).filter(|(_, r)| **r).map(|(d, _)| d.clone()).collect()
     }
     fn var(&self, d: usize) -> Expr {
+        if let Some(order) = &self.order {
+            return Expr::var(order.iter().position(|&k| k == d).expect("a permutation") as u32);
+        }
         let n_outer = self.reduced.iter().filter(|r| !**r).count();
         let before = |flag: bool| self.reduced[..d].iter().filter(|r| **r == flag).count();
         if self.reduced[d] {
@@ -52,12 +62,25 @@ impl Domain {
             Op::Reduce { dims, .. } => {
                 let t = g.ty(n.inputs[0]);
                 let keep: Vec<usize> = (0..t.rank()).filter(|&d| !t.shape[d].is_const(1)).collect();
-                Domain { dims: keep.iter().map(|&d| t.shape[d].clone()).collect(), reduced: keep.iter().map(|d| dims.contains(d)).collect() }
+                Domain { dims: keep.iter().map(|&d| t.shape[d].clone()).collect(), reduced: keep.iter().map(|d| dims.contains(d)).collect(), order: None }
             }
             _ => {
                 let s = &g.ty(r).shape;
-                let dims: Vec<Expr> = s.iter().filter(|e| !e.is_const(1)).cloned().collect();
-                Domain { reduced: vec![false; dims.len()], dims }
+                let keep: Vec<usize> = (0..s.len()).filter(|&d| !s[d].is_const(1)).collect();
+                let dims: Vec<Expr> = keep.iter().map(|&d| s[d].clone()).collect();
+                // A value stored in a permuted layout iterates in its memory order.
+                let order = match &n.op {
+                    Op::Layout { strides } => {
+                        let st: Vec<Option<i64>> = keep.iter().map(|&d| strides[d].as_const()).collect();
+                        let mut o: Vec<usize> = (0..keep.len()).collect();
+                        if st.iter().all(|x| x.is_some()) {
+                            o.sort_by_key(|&k| std::cmp::Reverse(st[k].unwrap()));
+                        }
+                        Some(o).filter(|o| o.iter().enumerate().any(|(a, &b)| a != b))
+                    }
+                    _ => None,
+                };
+                Domain { reduced: vec![false; dims.len()], dims, order }
             }
         }
     }
@@ -264,6 +287,10 @@ impl Builder<'_, '_> {
                     v[k] = self.value(ins[k], &i)?;
                 }
                 self.emit(dt, |dst| Stmt::Where { dst, c: v[0], a: v[1], b: v[2] })
+            }
+            Op::Layout { .. } => {
+                self.ops.pop();
+                return self.value(ins[0], idx);
             }
             Op::Cast(_) => {
                 let a = self.value(ins[0], idx)?;

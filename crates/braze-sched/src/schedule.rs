@@ -252,6 +252,7 @@ pub fn schedule(g: &Graph) -> Result<Schedule, SchedError> {
         let (kind, strides) = match &g.node(id).op {
             Op::Input { index, strides } => (BufKind::Input(*index), strides.clone()),
             Op::ExternOut { strides, .. } => (BufKind::ExternOut, strides.clone()),
+            Op::Layout { strides } => (BufKind::Temp, strides.clone()),
             _ => (BufKind::Temp, contiguous_strides(&ty.shape)),
         };
         buf_of[id.index()] = Some(buffers.len() as BufId);
@@ -335,7 +336,7 @@ fn matmul_operand_ok(v: &View) -> bool {
 
 fn base_strides(g: &Graph, base: NodeId) -> Vec<Expr> {
     match &g.node(base).op {
-        Op::Input { strides, .. } | Op::ExternOut { strides, .. } => strides.clone(),
+        Op::Input { strides, .. } | Op::ExternOut { strides, .. } | Op::Layout { strides } => strides.clone(),
         _ => contiguous_strides(&g.ty(base).shape),
     }
 }
