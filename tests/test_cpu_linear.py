@@ -169,3 +169,30 @@ def test_training_step_keeps_plain_matmuls():
         x = torch.randn(2, 6, 64)
         torch.testing.assert_close(c(x), ref.eval()(x), atol=1e-4, rtol=1e-4)
     assert braze.stats.extern_ops.get("mkl._mkl_linear[packed]") == 2, braze.stats.extern_ops
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_conv1d_weight_layout(dtype):
+    """GPT-2's Conv1D: addmm(bias, x, w) with the weight stored [K, N]."""
+    class Conv1D(nn.Module):
+        def __init__(self, k, n):
+            super().__init__()
+            self.weight = nn.Parameter(torch.randn(k, n) * 0.1)
+            self.bias = nn.Parameter(torch.randn(n) * 0.1)
+
+        def forward(self, x):
+            y = torch.addmm(self.bias, x.view(-1, x.size(-1)), self.weight)
+            return torch.relu(y.view(*x.shape[:-1], -1))
+
+    torch.manual_seed(0)
+    m = Conv1D(40, 56).to(dtype).eval()
+    c = torch.compile(m, backend="braze")
+    with torch.no_grad():
+        for _ in range(2):
+            x = torch.randn(3, 5, 40, dtype=dtype)
+            torch.testing.assert_close(c(x), m(x), **_tol(dtype))
+        m.weight.add_(1.0)
+        x = torch.randn(3, 5, 40, dtype=dtype)
+        torch.testing.assert_close(c(x), m(x), **_tol(dtype))
+    assert [s.packs for s in _specs()] == [2]
+    assert any("packed" in k for k in braze.stats.extern_ops), braze.stats.extern_ops

@@ -4,7 +4,8 @@
 On the CPU braze does not generate matmuls; it calls a library. For an inference graph, an
 ``addmm(bias, x, t(w))`` or ``mm(x, t(w))`` whose weight ``w`` is a static input of the graph
 (a parameter or buffer: AOTAutograd's ``static_input_indices``, the same tensor every call)
-becomes a call of a prepacked kernel:
+(or ``addmm(bias, x, w)`` with ``w`` a static ``[K, N]`` input, GPT-2's ``Conv1D``) becomes a
+call of a prepacked kernel:
 
 - f32: MKL's packed GEMM, ``mkl._mkl_linear`` over ``mkl._mkl_reorder_linear_weight`` (what
   Inductor's freezing passes use for f32). MKL's path takes no activation, so relu, gelu and
@@ -43,10 +44,12 @@ _VIEWS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
 
 class CpuLinear:
     """A library linear with a prepacked weight: called as ``(x, w, bias)`` with ``x`` 2-d,
-    ``w`` the ``[N, K]`` weight; returns the result viewed as ``out_shape``."""
+    ``w`` the ``[N, K]`` weight (``[K, N]`` when `transposed`); returns the result viewed as
+    ``out_shape``."""
 
-    def __init__(self, kind, batch, out_shape, attr="none", algorithm=""):
+    def __init__(self, kind, batch, out_shape, attr="none", algorithm="", transposed=False):
         self.kind = kind  # "mkl" (f32) | "mkldnn" (bf16)
+        self.transposed = transposed  # w is given as [K, N] (GPT-2's Conv1D); w.t() is packed
         self.batch = batch
         self.out_shape = tuple(out_shape)
         self.attr = attr
@@ -60,11 +63,12 @@ class CpuLinear:
         c = self.cache
         if c is not None and c[0]() is w and c[1] == w.data_ptr() and c[2] == w._version:
             return c[3]
+        wn = w.t() if self.transposed else w
         with torch.no_grad():
             if self.kind == "mkl":
-                p = torch.ops.mkl._mkl_reorder_linear_weight(w, self.batch)
+                p = torch.ops.mkl._mkl_reorder_linear_weight(wn, self.batch)
             else:
-                p = torch.ops.mkldnn._reorder_linear_weight(w, self.batch)
+                p = torch.ops.mkldnn._reorder_linear_weight(wn, self.batch)
         self.packs += 1
         self.cache = (weakref.ref(w), w.data_ptr(), w._version, p)
         return p
@@ -73,7 +77,7 @@ class CpuLinear:
         with torch.no_grad():
             p = self.packed(w)
             if self.kind == "mkl":
-                r = torch.ops.mkl._mkl_linear(x, p, w, bias, self.batch)
+                r = torch.ops.mkl._mkl_linear(x, p, w.t() if self.transposed else w, bias, self.batch)
             else:
                 r = torch.ops.mkldnn._linear_pointwise(x, p, bias, self.attr, [], self.algorithm)
         return r if r.shape == self.out_shape else r.view(self.out_shape)
@@ -141,12 +145,16 @@ def plan(gm: torch.fx.GraphModule, static_inputs):
             (x, wt), bias = n.args, None
         if not isinstance(wt, torch.fx.Node) or not isinstance(x, torch.fx.Node):
             continue
-        if not (wt.target is aten.t.default or wt.target is aten.permute.default and list(wt.args[1]) == [1, 0]):
+        if wt in static:  # x @ w with w [K, N] (GPT-2's Conv1D: addmm(b, x, w))
+            w, transposed = wt, True
+        elif wt.target is aten.t.default or wt.target is aten.permute.default and list(wt.args[1]) == [1, 0]:
+            w, transposed = wt.args[0], False
+        else:
             continue
-        w = wt.args[0]
         if w not in static:
             continue
         xv, wv, ov = x.meta.get("val"), w.meta.get("val"), n.meta.get("val")
+        n_out = wv.shape[1] if transposed else wv.shape[0]
         if not all(_static_ints(v) for v in (xv, wv, ov)) or xv.dim() != 2 or wv.dim() != 2:
             continue
         if not wv.is_contiguous() or xv.dtype != wv.dtype or ov.dtype != wv.dtype or ov.numel() == 0 or xv.shape[1] == 0:
@@ -156,7 +164,7 @@ def plan(gm: torch.fx.GraphModule, static_inputs):
             continue
         if bias is not None:
             bv = bias.meta.get("val") if isinstance(bias, torch.fx.Node) else None
-            if not _static_ints(bv) or bv.dim() != 1 or bv.shape[0] != wv.shape[0] or bv.dtype != wv.dtype:
+            if not _static_ints(bv) or bv.dim() != 1 or bv.shape[0] != n_out or bv.dtype != wv.dtype:
                 continue
         root, inner, attr, algo = n, [], "none", ""
         if kind == "mkldnn" and len(n.users) == 1:
@@ -172,7 +180,7 @@ def plan(gm: torch.fx.GraphModule, static_inputs):
                 silu = _silu(u, src, wv.dtype)
                 if silu is not None:
                     root, inner, attr = silu[-1], [n, *chain, *silu[:-1]], "swish"
-        spec = CpuLinear(kind, xv.shape[0], root.meta["val"].shape, attr, algo)
+        spec = CpuLinear(kind, xv.shape[0], root.meta["val"].shape, attr, algo, transposed)
         roots[root] = (spec, (x, w, bias))
         absorbed.update(inner)
     return roots, absorbed
