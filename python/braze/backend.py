@@ -64,7 +64,7 @@ def compile_fx_graph(gm: torch.fx.GraphModule, example_inputs, *, cfg: Config, k
     t0 = time.perf_counter()
     record = {"name": name, "kind": kind, "fx_nodes": len(gm.graph.nodes)}
     try:
-        lowered = lower_graph(gm, name, functools.partial(_compile_subgraph, cfg=cfg))
+        lowered = lower_graph(gm, name, functools.partial(_compile_subgraph, cfg=cfg), _static_inputs(kind) if cfg.freeze_weights else ())
         t1 = time.perf_counter()
         device = lowered.device
         if device.type == "cuda":
@@ -107,7 +107,7 @@ def compile_fx_graph(gm: torch.fx.GraphModule, example_inputs, *, cfg: Config, k
         warnings.warn(f"braze: bug in the lowering of {op} (graph {name}); it runs through ATen:\n{tb}", stacklevel=2)
     times = {"lower": t1 - t0, **dict(compiled.times), "total": time.perf_counter() - t0}
     record.update(status="compiled", kernels=compiled.kernels, externs=dict(lowered.fallbacks), extern_reasons=dict(lowered.reasons), times=times,
-                  islands=dict(lowered.islands), constants=len(lowered.constants),
+                  islands=dict(lowered.islands), constants=len(lowered.constants), cpu_linears=list(lowered.cpu_linears),
                   cached=compiled.cached, source=compiled.source, schedule=compiled.schedule)
     stats.records.append(record)
     _log(cfg, "compile", f"{name}: compile stages", _stages(times) + (" (from the disk cache)" if compiled.cached else ""))
@@ -122,6 +122,17 @@ def compile_fx_graph(gm: torch.fx.GraphModule, example_inputs, *, cfg: Config, k
     if lowered.fallbacks:
         _log(cfg, "fallbacks", f"{name}: ops run through ATen", "\n".join(f"  {k} x{v}: {lowered.reasons.get(k, '')}" for k, v in lowered.fallbacks.items()))
     return fn
+
+
+def _static_inputs(kind):
+    """Positions of an inference graph's inputs AOTAutograd marks static (parameters,
+    buffers): with option freeze_weights, CPU linears keep their weights prepacked ([Note: CPU
+    linears]). Training graphs get none: their weights change every step."""
+    if kind != "inference":
+        return ()
+    ctx = torch._guards.TracingContext.try_get()
+    meta = getattr(ctx, "fw_metadata", None)
+    return tuple(getattr(meta, "static_input_indices", None) or ())
 
 
 def _compile_subgraph(gm, name, *, cfg):

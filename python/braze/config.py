@@ -22,6 +22,10 @@ OPTIONS = {
     "on_unsupported": "what to do with a graph braze cannot compile: 'warn' (run eagerly, warn), 'silent', or 'error' "
                       "(default: $BRAZE_ON_UNSUPPORTED, else 'warn')",
     "decompose": "bool: apply braze's decomposition table in AOTAutograd (default True)",
+    "freeze_weights": "bool: inference graphs treat parameters and buffers as constant between updates PyTorch's "
+                      "version counter sees (in-place ops, copy_, optimizers; not writes through .data): CPU "
+                      "linears prepack them for MKL's packed GEMM (f32) or oneDNN with the activation fused "
+                      "(bf16), repacking after an update (default False, like Inductor's freezing)",
     "direct_autograd": "bool: run graphs without mutation, aliasing, subclasses or RNG state through braze's own "
                        "autograd.Function instead of AOTAutograd's runtime wrappers (default True)",
 }
@@ -38,6 +42,7 @@ class Config:
     on_unsupported: str = "warn"
     decompose: bool = True
     direct_autograd: bool = True
+    freeze_weights: bool = False
 
     @staticmethod
     def make(mode=None, options=None) -> "Config":
@@ -64,5 +69,8 @@ class Config:
         direct_autograd = options.get("direct_autograd", True)
         if not isinstance(direct_autograd, bool):
             raise BrazeConfigError("braze: option 'direct_autograd' must be a bool")
+        freeze_weights = options.get("freeze_weights", False)
+        if not isinstance(freeze_weights, bool):
+            raise BrazeConfigError("braze: option 'freeze_weights' must be a bool")
         return Config(mode=mode, logs=frozenset(logs), on_unsupported=on_unsupported, decompose=decompose,
-                      direct_autograd=direct_autograd)
+                      direct_autograd=direct_autograd, freeze_weights=freeze_weights)

@@ -128,6 +128,8 @@ class Lowered:
     # op name -> traceback of a lowering that raised something other than Unsupported: a braze
     # bug. The node still runs (through ATen), but the bug is reported and fails the tests.
     bugs: dict = field(default_factory=dict)
+    # The prepacked CPU linears (cpu_linear.CpuLinear) the graph calls.
+    cpu_linears: list = field(default_factory=list)
     # op name -> count of calls run through PyTorch as islands: higher-order operators and
     # calls that return no tensor (asserts, effects).
     islands: dict = field(default_factory=dict)
@@ -136,8 +138,13 @@ class Lowered:
 class Lowerer:
     """Walks one FX graph into a GraphBuilder."""
 
-    def __init__(self, gm: torch.fx.GraphModule, name: str, subcompile=None):
+    def __init__(self, gm: torch.fx.GraphModule, name: str, subcompile=None, static_inputs=()):
         self.gm = gm
+        # Placeholder positions AOTAutograd marks static (parameters, buffers): the same tensor
+        # every call, so a CPU linear may keep their weights prepacked ([Note: CPU linears]).
+        self.static_inputs = frozenset(static_inputs or ())
+        self.cpu_linears = {}  # FX node -> (CpuLinear, operand nodes): the node is that library call
+        self.absorbed = set()  # FX nodes computed inside a CpuLinear call of a later node
         # (GraphModule, name) -> boxed callable: how the subgraphs of cond and while_loop are
         # compiled (by braze; raises Unsupported when it cannot).
         self.subcompile = subcompile
@@ -258,6 +265,9 @@ class Lowerer:
         outputs = []
         passthrough = []
         self.device = _graph_device(self.gm)
+        if self.device.type == "cpu" and self.static_inputs:
+            from .cpu_linear import plan
+            self.cpu_linears, self.absorbed = plan(self.gm, self.static_inputs)
         for node in self.gm.graph.nodes:
             val = node.meta.get("val")
             if node.op == "placeholder":
@@ -309,7 +319,8 @@ class Lowerer:
                 check_tensor(v, self)
         return Lowered(self.b, self.externs, outputs, inputs, self.fallbacks, self.lowered_ops, self.reasons,
                        self.device or torch.device("cpu"), passthrough, constants=self.constants, bugs=self.bugs,
-                       islands=self.islands, n_host=self.n_host, host_inputs=self.host_inputs)
+                       islands=self.islands, n_host=self.n_host, host_inputs=self.host_inputs,
+                       cpu_linears=[spec for spec, _ in self.cpu_linears.values()])
 
     def lower_node(self, node: torch.fx.Node):
         target = node.target
@@ -325,6 +336,12 @@ class Lowerer:
             # A result on the host (a CPU scalar computed in a CUDA graph) comes from PyTorch.
             self.reasons.setdefault(op_name(target), "result on another device than the graph's")
             return self.extern(node)
+        if node in self.absorbed:
+            return None  # computed inside the library call of its only (transitive) user
+        if node in self.cpu_linears:
+            spec, operands = self.cpu_linears[node]
+            self.reasons[spec.__name__] = "library linear, weight prepacked once"
+            return self.extern(node, target=spec, call_args=operands, name=spec.__name__, island=False)
         if target in _BRANCHING and self.subcompile is not None:
             try:
                 return _BRANCHING[target](self, node)
@@ -387,9 +404,10 @@ class Lowerer:
             return i
         return self.op(f"layout strides=[{', '.join(map(str, strides))}]", i)
 
-    def extern(self, node: torch.fx.Node, target=None, call_args=None, name=None):
+    def extern(self, node: torch.fx.Node, target=None, call_args=None, name=None, island=None):
         """The node as a call of its own ATen kernel (or of `target` with `call_args`, FX
-        arguments like the node's own)."""
+        arguments like the node's own). `island` overrides whether it counts as a PyTorch
+        island (a callable that is no ATen op) or a library call."""
         val = node.meta.get("val")
         target = node.target if target is None else target
         name = name or op_name(target)
@@ -441,8 +459,11 @@ class Lowerer:
                     walk(x, path + (k,))
 
         walk(val, ())
-        island = not isinstance(target, torch._ops.OpOverload) or not outs
-        effect = not outs or bool(host_outs) or _has_effect(target)
+        if island is None:
+            island = not isinstance(target, torch._ops.OpOverload) or not outs
+            effect = not outs or bool(host_outs) or _has_effect(target)
+        else:
+            effect = not outs or bool(host_outs)
         # The key travels through the Rust passes as the extern's target name.
         key = f"{name}#{len(self.externs)}"
         ids = self.b.extern_call(key, operands, outs, effect)
@@ -1346,10 +1367,10 @@ for _op, _fn in (("cond", _lower_cond), ("while_loop", _lower_while), ("invoke_s
         _BRANCHING[_hop] = _fn
 
 
-def lower_graph(gm: torch.fx.GraphModule, name: str, subcompile=None) -> Lowered:
+def lower_graph(gm: torch.fx.GraphModule, name: str, subcompile=None, static_inputs=()) -> Lowered:
     # AOTAutograd calls its compilers with its fake mode active; the graph's constants are
     # real tensors and are read (item(), detach()) as such.
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
     with unset_fake_temporarily():
-        return Lowerer(gm, name, subcompile).run()
+        return Lowerer(gm, name, subcompile, static_inputs).run()

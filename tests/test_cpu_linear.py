@@ -1,0 +1,214 @@
+"""CPU linears through prepacked library kernels ([Note: CPU linears] in braze/cpu_linear.py):
+compared with eager on fresh random inputs, asserting which library call ran, that the packed
+weight is reused across calls and repacked after an in-place update, and that training graphs
+keep plain aten matmuls."""
+import pytest
+import torch
+from torch import nn
+
+import braze
+from braze.cpu_linear import CpuLinear
+from braze.workloads import MatmulHeavy, TinyBlock
+
+# Prepacked linears are opt-in: weights count as constant between version-counter bumps.
+FREEZE = {"freeze_weights": True}
+
+pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN")
+
+BF16 = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
+def _specs():
+    """The CpuLinear call sites of the graphs this test compiled."""
+    out = [s for r in braze.stats.records for s in r.get("cpu_linears", ())]
+    assert all(isinstance(s, CpuLinear) for s in out)
+    return out
+
+
+def _tol(dtype):
+    return dict(atol=3e-2, rtol=3e-2) if dtype == torch.bfloat16 else dict(atol=1e-4, rtol=1e-4)
+
+
+class MLP(nn.Module):
+    def __init__(self, act, d=48, h=96, bias=True):
+        super().__init__()
+        self.fc1 = nn.Linear(d, h, bias=bias)
+        self.fc2 = nn.Linear(h, d, bias=bias)
+        self.act = act
+
+    def forward(self, x):
+        return self.fc2(self.act(self.fc1(x))) + x
+
+
+ACTS = {
+    "relu": torch.relu,
+    "gelu": nn.functional.gelu,
+    "gelu_tanh": lambda t: nn.functional.gelu(t, approximate="tanh"),
+    "silu": nn.functional.silu,
+}
+
+DTYPES = [torch.float32] + ([torch.bfloat16] if BF16 else [])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("act", list(ACTS))
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("rank", [2, 3])
+def test_mlp_matches_eager(dtype, act, bias, rank):
+    torch.manual_seed(0)
+    m = MLP(ACTS[act], bias=bias).to(dtype).eval()
+    c = torch.compile(m, backend="braze", options=FREEZE)
+    shape = (5, 7, 48) if rank == 3 else (12, 48)
+    with torch.no_grad():
+        for _ in range(3):
+            x = torch.randn(shape, dtype=dtype)
+            torch.testing.assert_close(c(x), m(x), **_tol(dtype))
+    ops = braze.stats.extern_ops
+    if dtype == torch.float32:
+        assert ops.get("mkl._mkl_linear[packed]") == 2, ops
+    else:
+        fused = {"relu": "+relu", "gelu": "+gelu", "gelu_tanh": "+gelu(tanh)", "silu": "+swish"}[act]
+        assert ops.get(f"mkldnn._linear_pointwise{fused}[packed]") == 1, ops
+        assert sum(v for k, v in ops.items() if k.startswith("mkldnn._linear_pointwise")) == 2, ops
+    assert not any(k.startswith("aten.addmm") or k.startswith("aten.mm") for k in ops), ops
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_prepacked_once_and_repacked_after_inplace_update(dtype):
+    torch.manual_seed(0)
+    m = MatmulHeavy(64, 3).to(dtype).eval()
+    c = torch.compile(m, backend="braze", options=FREEZE)
+    with torch.no_grad():
+        for _ in range(3):
+            x = torch.randn(16, 64, dtype=dtype)
+            torch.testing.assert_close(c(x), m(x), **_tol(dtype))
+        specs = _specs()
+        assert len(specs) == 3 and all(s.packs == 1 for s in specs), [s.packs for s in specs]
+        # An in-place update (what an optimizer step does) must be seen by the next call.
+        m.linears[1].weight.mul_(-2.0)
+        m.linears[1].weight.add_(0.1)
+        x = torch.randn(16, 64, dtype=dtype)
+        torch.testing.assert_close(c(x), m(x), **_tol(dtype))
+        assert sorted(s.packs for s in specs) == [1, 1, 2]
+        # copy_ (load_state_dict) too.
+        m.linears[0].weight.copy_(torch.randn_like(m.linears[0].weight))
+        x = torch.randn(16, 64, dtype=dtype)
+        torch.testing.assert_close(c(x), m(x), **_tol(dtype))
+        assert sorted(s.packs for s in specs) == [1, 2, 2]
+        # Unchanged weights are not packed again.
+        c(x)
+        assert sorted(s.packs for s in specs) == [1, 2, 2]
+    key = "mkl._mkl_linear[packed]" if dtype == torch.float32 else "mkldnn._linear_pointwise+relu[packed]"
+    assert braze.stats.extern_ops.get(key) == 3, braze.stats.extern_ops
+
+
+def test_tinyblock_inference_matches_eager():
+    torch.manual_seed(0)
+    m = TinyBlock(64, 4).eval()
+    c = torch.compile(m, backend="braze", options=FREEZE)
+    with torch.inference_mode():
+        for _ in range(2):
+            x = torch.randn(3, 10, 64)
+            torch.testing.assert_close(c(x), m(x), atol=1e-4, rtol=1e-4)
+    assert braze.stats.extern_ops.get("mkl._mkl_linear[packed]") == 2, braze.stats.extern_ops
+
+
+def test_activation_input_with_other_users_not_fused():
+    """The linear's result is also returned: the activation cannot be fused into it."""
+    if not BF16:
+        pytest.skip("no bf16 oneDNN")
+
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(32, 32)
+
+        def forward(self, x):
+            y = self.fc(x)
+            return torch.relu(y), y * 2
+
+    torch.manual_seed(0)
+    m = M().to(torch.bfloat16).eval()
+    c = torch.compile(m, backend="braze", options=FREEZE)
+    with torch.no_grad():
+        x = torch.randn(8, 32, dtype=torch.bfloat16)
+        for a, b in zip(c(x), m(x)):
+            torch.testing.assert_close(a, b, **_tol(torch.bfloat16))
+    assert braze.stats.extern_ops.get("mkldnn._linear_pointwise[packed]") == 1, braze.stats.extern_ops
+
+
+def test_non_static_weight_keeps_aten():
+    """A weight that is a plain input (not a parameter) may change every call: no packing."""
+    def f(x, w, b):
+        return torch.relu(nn.functional.linear(x, w, b))
+
+    c = torch.compile(f, backend="braze", options=FREEZE)
+    for _ in range(2):
+        x, w, b = torch.randn(8, 16), torch.randn(24, 16), torch.randn(24)
+        torch.testing.assert_close(c(x, w, b), f(x, w, b))
+    assert not any("packed" in k for k in braze.stats.extern_ops), braze.stats.extern_ops
+
+
+def test_training_step_keeps_plain_matmuls():
+    torch.manual_seed(0)
+    m = TinyBlock(64, 4)
+    ref = TinyBlock(64, 4)
+    ref.load_state_dict(m.state_dict())
+    c = torch.compile(m, backend="braze", options=FREEZE)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    opt_ref = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for _ in range(2):
+        x = torch.randn(2, 6, 64)
+        for mod, o, fn in ((m, opt, c), (ref, opt_ref, ref)):
+            o.zero_grad()
+            fn(x).square().mean().backward()
+            o.step()
+        for p, q in zip(m.parameters(), ref.parameters()):
+            torch.testing.assert_close(p, q, atol=1e-5, rtol=1e-5)
+    assert not any("packed" in k for k in braze.stats.extern_ops), braze.stats.extern_ops
+    # After training, inference on the updated weights uses the library linears.
+    c.eval()
+    with torch.no_grad():
+        x = torch.randn(2, 6, 64)
+        torch.testing.assert_close(c(x), ref.eval()(x), atol=1e-4, rtol=1e-4)
+    assert braze.stats.extern_ops.get("mkl._mkl_linear[packed]") == 2, braze.stats.extern_ops
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_conv1d_weight_layout(dtype):
+    """GPT-2's Conv1D: addmm(bias, x, w) with the weight stored [K, N]."""
+    class Conv1D(nn.Module):
+        def __init__(self, k, n):
+            super().__init__()
+            self.weight = nn.Parameter(torch.randn(k, n) * 0.1)
+            self.bias = nn.Parameter(torch.randn(n) * 0.1)
+
+        def forward(self, x):
+            y = torch.addmm(self.bias, x.view(-1, x.size(-1)), self.weight)
+            return torch.relu(y.view(*x.shape[:-1], -1))
+
+    torch.manual_seed(0)
+    m = Conv1D(40, 56).to(dtype).eval()
+    c = torch.compile(m, backend="braze", options=FREEZE)
+    with torch.no_grad():
+        for _ in range(2):
+            x = torch.randn(3, 5, 40, dtype=dtype)
+            torch.testing.assert_close(c(x), m(x), **_tol(dtype))
+        m.weight.add_(1.0)
+        x = torch.randn(3, 5, 40, dtype=dtype)
+        torch.testing.assert_close(c(x), m(x), **_tol(dtype))
+    assert [s.packs for s in _specs()] == [2]
+    assert any("packed" in k for k in braze.stats.extern_ops), braze.stats.extern_ops
+
+
+def test_prepacking_is_opt_in():
+    """Without freeze_weights, CPU linears stay plain ATen matmuls: a write through .data
+    (which PyTorch's version counter does not see) can never leave a stale packed weight."""
+    m = nn.Sequential(nn.Linear(64, 64), nn.ReLU()).eval()
+    x = torch.randn(8, 64)
+    c = torch.compile(m, backend="braze")
+    with torch.no_grad():
+        torch.testing.assert_close(c(x), m(x))
+        m[0].weight.data.mul_(2.0)
+        torch.testing.assert_close(c(x), m(x))
+    assert not any("mkl" in k or "mkldnn" in k for k in braze.stats.extern_ops), braze.stats.extern_ops
