@@ -231,3 +231,26 @@ def test_fsdp2_gpt2_training_step(device):
             torch.testing.assert_close(g2, g1, rtol=5e-2, atol=5e-3, msg=lambda m: f"{pn}: {m}")
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_varying_sequence_lengths(name, device, compiled_graphs):
+    """Calls with new sequence lengths recompile with symbolic sizes (Dynamo's automatic
+    dynamic shapes), in inference and training, under bf16 autocast. A divisor rendered
+    without parentheses in such graphs (`a / 64*s0`) once read out of bounds here."""
+    eager, comp, f64, kind, _ = _three(name, device)
+    c = torch.compile(comp, backend="braze")
+    for train in (False, True):
+        for m in (eager, comp, f64):
+            m.train(train)
+        for s in (16, 24, 40):
+            ids = torch.randint(1, V, (BATCH, s), device=device)
+            inp = {"input_ids": ids, "labels": ids}
+            ctx = torch.enable_grad() if train else torch.no_grad()
+            with ctx:
+                ref, _ = _call(eager, inp, True, device)
+                res, _ = _call(c, inp, True, device)
+                r64, _ = _call(f64, _ref_inputs(name, inp), False, device)
+            _close(f"{name} train={train} s={s}", ref.detach(), res.detach(), r64.detach())
+    _check_compiled_everything()
+    assert any(g.dynamic for g in compiled_graphs), "no graph compiled with symbolic sizes"

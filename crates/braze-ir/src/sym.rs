@@ -365,7 +365,10 @@ impl Expr {
 
     fn render_factor(&self, leaf: &dyn Fn(&Atom) -> String, as_c: bool) -> String {
         let s = self.render_as(leaf, as_c);
-        if self.terms.len() > 1 || self.terms.values().any(|c| *c < 0) {
+        // Only a constant or a single atom stands bare next to `/` or `%`: `a / 64*s0` would
+        // read as `(a / 64) * s0`.
+        let bare = self.terms.is_empty() || (self.terms.len() == 1 && self.terms.iter().all(|(m, c)| m.is_empty() && *c >= 0 || m.len() == 1 && *c == 1));
+        if !bare {
             format!("({s})")
         } else {
             s
@@ -636,6 +639,12 @@ mod tests {
         assert_eq!(parse_expr("Max(s0, s0 + 2)").unwrap(), parse_expr("s0 + 2").unwrap());
         assert_eq!(parse_expr("Min(s0, s1)").unwrap().eval_syms(&[3, 5]), Some(3));
         assert_eq!(parse_expr("2*s0**2*s1").unwrap(), parse_expr("2*s0*s0*s1").unwrap());
+        // A product divisor keeps its parentheses in text and in C (it once rendered as
+        // `(64*i0 + i1) / 64*s27`, which C reads as `((64*i0 + i1) / 64) * s27`).
+        let q = parse_expr("(64*s0 + 5) // (64*s1)").unwrap();
+        assert_eq!(q.eval_syms(&[3, 2]), Some(1));
+        assert_eq!(parse_expr(&q.to_string()).unwrap(), q, "{q}");
+        assert!(q.render(&|a| format!("{a:?}")).contains("/ (64*"), "{}", q.render(&|a| format!("{a:?}")));
         assert_eq!(parse_expr("CeilToInt(IntTrueDiv(s0, 4))").unwrap().eval_syms(&[9]), Some(3));
         assert_eq!(parse_expr("FloorToInt(IntTrueDiv(s0, 4))").unwrap().eval_syms(&[9]), Some(2));
         assert_eq!(parse_expr("CeilDiv(s0, 4)").unwrap().eval_syms(&[8]), Some(2));
