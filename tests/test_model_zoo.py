@@ -254,3 +254,24 @@ def test_varying_sequence_lengths(name, device, compiled_graphs):
             _close(f"{name} train={train} s={s}", ref.detach(), res.detach(), r64.detach())
     _check_compiled_everything()
     assert any(g.dynamic for g in compiled_graphs), "no graph compiled with symbolic sizes"
+
+
+def test_varying_batch_channels_last(device, compiled_graphs):
+    """ResNet-18 in channels_last called with new batch sizes: symbolic sizes together with
+    channels_last stored values, inference and training."""
+    eager, comp, f64, kind, _ = _three("resnet18", device)
+    c = torch.compile(comp, backend="braze")
+    for train in (False, True):
+        for m in (eager, comp, f64):
+            m.train(train)
+        for b in (2, 3, 5):
+            x = torch.randn(b, 3, 64, 64, device=device).to(memory_format=torch.channels_last)
+            inp = {"x": x}
+            ctx = torch.enable_grad() if train else torch.no_grad()
+            with ctx:
+                ref, _ = _call(eager, inp, True, device)
+                res, _ = _call(c, inp, True, device)
+                r64, _ = _call(f64, _ref_inputs("resnet18", inp), False, device)
+            _close(f"resnet18 train={train} b={b}", ref.detach(), res.detach(), r64.detach())
+    _check_compiled_everything()
+    assert any(g.dynamic for g in compiled_graphs), "no graph compiled with symbolic sizes"
