@@ -462,3 +462,25 @@ def test_channels_last_values_keep_eager_strides(device, compiled_graphs):
     for shape, stride in four_d:  # every stored 4-d intermediate is channels_last, as in eager
         n, c, h, w = shape
         assert stride == (h * w * c, 1, w * c, c), (shape, stride)
+
+
+@pytest.mark.parametrize("how", ["option", "mode"])
+def test_cuda_graphs_option_and_mode(how, device, compiled_graphs):
+    """options={"cuda_graphs": False}, or mode="max-autotune-no-cudagraphs", launches kernels
+    one by one: no replays, same results. Both are validated like every option."""
+    kw = {"options": {"cuda_graphs": False}} if how == "option" else {"mode": "max-autotune-no-cudagraphs"}
+    from braze.config import Config
+    assert Config.make(kw.get("mode"), kw.get("options")).cuda_graphs is False
+    assert Config.make(None, {"matmul_tune": False}).matmul_tune is False
+    with pytest.raises(braze.BrazeConfigError, match="cuda_graphs"):
+        Config.make(None, {"cuda_graphs": "no"})
+
+    def f(x, w):
+        return torch.relu(x @ w) * torch.sigmoid(x).sum(-1, keepdim=True)
+
+    x, w = torch.randn(64, 32, device=device), torch.randn(32, 16, device=device)
+    c = braze.compile(f, **kw)
+    for _ in range(4):
+        torch.testing.assert_close(c(x, w), f(x, w))
+    (g,) = compiled_graphs
+    assert g.c.replays == 0

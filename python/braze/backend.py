@@ -72,7 +72,7 @@ def compile_fx_graph(gm: torch.fx.GraphModule, example_inputs, *, cfg: Config, k
             if why is not None:
                 raise Unsupported(why)
             target = f"cuda:{device.index if device.index is not None else torch.cuda.current_device()}"
-            compiled = lowered.builder.compile(device=target)
+            compiled = lowered.builder.compile(device=target, cuda_graphs=cfg.cuda_graphs, matmul_tune=cfg.matmul_tune)
         else:
             check = os.environ.get("BRAZE_CHECK_CUDA") == "1" and cuda.nvrtc_available()
             compiled = lowered.builder.compile(device="cpu", check_cuda=check)
@@ -147,7 +147,7 @@ def _compile_subgraph(gm, name, *, cfg):
             if why is not None:
                 raise Unsupported(why)
             target = f"cuda:{device.index if device.index is not None else torch.cuda.current_device()}"
-            compiled = lowered.builder.compile(device=target)
+            compiled = lowered.builder.compile(device=target, cuda_graphs=cfg.cuda_graphs, matmul_tune=cfg.matmul_tune)
         else:
             compiled = lowered.builder.compile(device="cpu", check_cuda=os.environ.get("BRAZE_CHECK_CUDA") == "1" and cuda.nvrtc_available())
         fn = CompiledGraph(compiled, lowered, name)

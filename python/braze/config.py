@@ -9,7 +9,8 @@ from __future__ import annotations
 import dataclasses
 import os
 
-#: Modes torch.compile knows. On CPU they all compile the same way today; the names are
+#: Modes torch.compile knows. They compile the same way today except that
+#: 'max-autotune-no-cudagraphs' turns the cuda_graphs option off by default; the names are
 #: accepted so scripts written for Inductor run unchanged.
 MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
@@ -26,6 +27,11 @@ OPTIONS = {
                       "version counter sees (in-place ops, copy_, optimizers; not writes through .data): CPU "
                       "linears prepack them for MKL's packed GEMM (f32) or oneDNN with the activation fused "
                       "(bf16), repacking after an update (default False, like Inductor's freezing)",
+    "cuda_graphs": "bool: on the GPU, replay a run of kernels and matmuls as a captured CUDA graph once its "
+                   "pointers repeat (default True; False under mode 'max-autotune-no-cudagraphs'; "
+                   "BRAZE_CUDA_GRAPHS=0 turns it off everywhere)",
+    "matmul_tune": "bool: on the GPU, time cuBLASLt's top algorithms for each large matmul at compile time and keep "
+                   "the fastest (default True; BRAZE_MATMUL_TUNE=0 turns it off everywhere)",
     "direct_autograd": "bool: run graphs without mutation, aliasing, subclasses or RNG state through braze's own "
                        "autograd.Function instead of AOTAutograd's runtime wrappers (default True)",
 }
@@ -43,6 +49,8 @@ class Config:
     decompose: bool = True
     direct_autograd: bool = True
     freeze_weights: bool = False
+    cuda_graphs: bool = True
+    matmul_tune: bool = True
 
     @staticmethod
     def make(mode=None, options=None) -> "Config":
@@ -72,5 +80,10 @@ class Config:
         freeze_weights = options.get("freeze_weights", False)
         if not isinstance(freeze_weights, bool):
             raise BrazeConfigError("braze: option 'freeze_weights' must be a bool")
+        flags = {}
+        for name, default in (("cuda_graphs", mode != "max-autotune-no-cudagraphs"), ("matmul_tune", True)):
+            flags[name] = options.get(name, default)
+            if not isinstance(flags[name], bool):
+                raise BrazeConfigError(f"braze: option '{name}' must be a bool")
         return Config(mode=mode, logs=frozenset(logs), on_unsupported=on_unsupported, decompose=decompose,
-                      direct_autograd=direct_autograd, freeze_weights=freeze_weights)
+                      direct_autograd=direct_autograd, freeze_weights=freeze_weights, **flags)

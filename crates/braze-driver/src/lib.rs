@@ -172,7 +172,7 @@ impl ExprTable {
 }
 
 /// A matmul step's operands as cuBLASLt operands (static layouts only).
-fn prepare_matmul(g: &Graph, sched: &braze_sched::Schedule, step: &Step, ordinal: i32) -> Result<braze_runtime::cublaslt::Prepared, DriverError> {
+fn prepare_matmul(g: &Graph, sched: &braze_sched::Schedule, step: &Step, ordinal: i32, tune: bool) -> Result<braze_runtime::cublaslt::Prepared, DriverError> {
     let Step::Matmul { node, a, b, bias, residual, out } = step else { return Err(DriverError::Internal("not a matmul step".into())) };
     let (node, out, bias, residual) = (*node, *out, bias.as_ref(), residual.as_ref());
     let c = |e: &Expr| e.as_const().ok_or_else(|| unsupported("matmul with symbolic sizes"));
@@ -221,10 +221,29 @@ fn prepare_matmul(g: &Graph, sched: &braze_sched::Schedule, step: &Step, ordinal
         tf32,
         epilogue,
     };
-    braze_runtime::cublaslt::prepare(spec, Some(ordinal)).map_err(DriverError::from)
+    braze_runtime::cublaslt::prepare(spec, tune.then_some(ordinal)).map_err(DriverError::from)
+}
+
+/// Per-graph choices of the user's options (`braze.compile(..., options=...)`).
+#[derive(Clone, Copy, Debug)]
+pub struct Options {
+    /// Replay runs of kernels and matmuls as captured CUDA graphs when their pointers repeat.
+    pub cuda_graphs: bool,
+    /// Time cuBLASLt's candidate algorithms for large matmuls at compile time.
+    pub matmul_tune: bool,
+}
+
+impl Default for Options {
+    fn default() -> Self {
+        Options { cuda_graphs: true, matmul_tune: true }
+    }
 }
 
 pub fn compile(g: Graph, target: Target, check_cuda: bool, check_arch: &str) -> Result<(Plan, Option<Module>), DriverError> {
+    compile_with(g, target, check_cuda, check_arch, Options::default())
+}
+
+pub fn compile_with(g: Graph, target: Target, check_cuda: bool, check_arch: &str, opts: Options) -> Result<(Plan, Option<Module>), DriverError> {
     let mut times = Vec::new();
     let mut t = Instant::now();
     let mut lap = |name: &str, times: &mut Vec<(String, f64)>| {
@@ -284,7 +303,7 @@ pub fn compile(g: Graph, target: Target, check_cuda: bool, check_arch: &str) -> 
             for st in &sched.steps {
                 match st {
                     Step::Kernel(k) => items.push(Item::Kernel(*k)),
-                    Step::Matmul { .. } => items.push(Item::Matmul(Box::new(prepare_matmul(&opt, &sched, st, ordinal)?))),
+                    Step::Matmul { .. } => items.push(Item::Matmul(Box::new(prepare_matmul(&opt, &sched, st, ordinal, opts.matmul_tune)?))),
                     Step::Extern { .. } => {}
                 }
             }
@@ -294,7 +313,9 @@ pub fn compile(g: Graph, target: Target, check_cuda: bool, check_arch: &str) -> 
             } else {
                 let (cubins, cached) = if names.is_empty() { (Vec::new(), false) } else { braze_runtime::cuda::compile_cubins(&units, &arch, version).map_err(DriverError::from)? };
                 lap("nvrtc", &mut times);
-                Some(Module::Cuda(CudaModule::load(&cubins, ordinal, launches, items, cached).map_err(DriverError::from)?))
+                let mut cm = CudaModule::load(&cubins, ordinal, launches, items, cached).map_err(DriverError::from)?;
+                cm.replay = opts.cuda_graphs;
+                Some(Module::Cuda(cm))
             };
             lap("load", &mut times);
             (if units.is_empty() { braze_codegen::cuda::emit_module(&[], sms as u32).map_err(unsupported)?.0 } else { units.concat() }, m)

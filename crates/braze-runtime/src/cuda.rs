@@ -396,6 +396,9 @@ pub struct CudaModule {
     pub specs: Vec<LaunchSpec>,
     pub items: Vec<Item>,
     pub cached: bool,
+    /// Whether runs may be captured and replayed as CUDA graphs (option `cuda_graphs`; the
+    /// environment's `BRAZE_CUDA_GRAPHS=0` turns replay off everywhere).
+    pub replay: bool,
     graphs: std::sync::Mutex<Replays>,
     /// Runs launched as a captured graph (for tests and stats).
     pub replays: std::sync::atomic::AtomicUsize,
@@ -489,7 +492,7 @@ impl CudaModule {
                 check(d, (d.get_fn)(&mut f, module, name.as_ptr()), &format!("kernel {}", s.name))?;
                 fns.push(f);
             }
-            Ok(CudaModule { _modules: modules, ctx, fns, specs, items, cached, graphs: Default::default(), replays: Default::default() })
+            Ok(CudaModule { _modules: modules, ctx, fns, specs, items, cached, replay: true, graphs: Default::default(), replays: Default::default() })
         }
     }
 
@@ -510,7 +513,7 @@ impl CudaModule {
     /// The captured graph to launch for this run (capturing it now if its pointers were seen
     /// in one of the latest runs), or None to launch the items one by one.
     fn replayable(&self, lo: usize, hi: usize, ptrs: &[usize], syms: &[i64], stream: usize) -> Option<usize> {
-        if hi - lo < 2 || !replay_enabled() {
+        if hi - lo < 2 || !self.replay || !replay_enabled() {
             return None;
         }
         let d = driver().ok()?;
