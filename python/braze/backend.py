@@ -66,16 +66,7 @@ def compile_fx_graph(gm: torch.fx.GraphModule, example_inputs, *, cfg: Config, k
     try:
         lowered = lower_graph(gm, name, functools.partial(_compile_subgraph, cfg=cfg), _static_inputs(kind) if cfg.freeze_weights else ())
         t1 = time.perf_counter()
-        device = lowered.device
-        if device.type == "cuda":
-            why = cuda.cuda_ready()
-            if why is not None:
-                raise Unsupported(why)
-            target = f"cuda:{device.index if device.index is not None else torch.cuda.current_device()}"
-            compiled = lowered.builder.compile(device=target, cuda_graphs=cfg.cuda_graphs, matmul_tune=cfg.matmul_tune)
-        else:
-            check = os.environ.get("BRAZE_CHECK_CUDA") == "1" and cuda.nvrtc_available()
-            compiled = lowered.builder.compile(device="cpu", check_cuda=check)
+        compiled = _build(lowered, cfg)
         t2 = time.perf_counter()
         fn = CompiledGraph(compiled, lowered, name)
     except (Unsupported, _core.Unsupported, _core.InternalError, _core.EnvironmentError_) as e:
@@ -135,23 +126,29 @@ def _static_inputs(kind):
     return tuple(getattr(meta, "static_input_indices", None) or ())
 
 
+def _build(lowered, cfg: Config):
+    """Passes, scheduling, code generation and the compiler for a lowered graph, for the
+    device its tensors live on (NVRTC for CUDA, the C compiler for the CPU)."""
+    device = lowered.device
+    if device.type == "cuda":
+        why = cuda.cuda_ready()
+        if why is not None:
+            raise Unsupported(why)
+        target = f"cuda:{device.index if device.index is not None else torch.cuda.current_device()}"
+        return lowered.builder.compile(device=target, cuda_graphs=cfg.cuda_graphs, matmul_tune=cfg.matmul_tune)
+    check = os.environ.get("BRAZE_CHECK_CUDA") == "1" and cuda.nvrtc_available()
+    return lowered.builder.compile(device="cpu", check_cuda=check)
+
+
 def _compile_subgraph(gm, name, *, cfg):
     """A subgraph of cond or while_loop compiled by braze (a boxed callable); raises
     Unsupported when it cannot be, and the operator then runs as a PyTorch island."""
     t0 = time.perf_counter()
     try:
         lowered = lower_graph(gm, name, functools.partial(_compile_subgraph, cfg=cfg))
-        device = lowered.device
-        if device.type == "cuda":
-            why = cuda.cuda_ready()
-            if why is not None:
-                raise Unsupported(why)
-            target = f"cuda:{device.index if device.index is not None else torch.cuda.current_device()}"
-            compiled = lowered.builder.compile(device=target, cuda_graphs=cfg.cuda_graphs, matmul_tune=cfg.matmul_tune)
-        else:
-            compiled = lowered.builder.compile(device="cpu", check_cuda=os.environ.get("BRAZE_CHECK_CUDA") == "1" and cuda.nvrtc_available())
+        compiled = _build(lowered, cfg)
         fn = CompiledGraph(compiled, lowered, name)
-    except (_core.Unsupported, _core.InternalError, _core.EnvironmentError_) as e:
+    except (Unsupported, _core.Unsupported, _core.InternalError, _core.EnvironmentError_) as e:
         raise Unsupported(f"subgraph {name}: {type(e).__name__}: {e}") from None
     stats.kernels += len(compiled.kernels)
     for op, tb in lowered.bugs.items():

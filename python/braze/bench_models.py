@@ -22,6 +22,8 @@ import torch
 
 import braze
 
+from .bench import timer
+
 
 def _hf():
     import transformers
@@ -126,23 +128,6 @@ def _make_step(model, fn, inputs, train, device, opt):
     return infer
 
 
-def _time(step, device, n):
-    ts = []
-    for _ in range(n):
-        if device.type == "cuda":
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record()
-            step()
-            e.record()
-            torch.cuda.synchronize()
-            ts.append(s.elapsed_time(e))
-        else:
-            t = time.perf_counter()
-            step()
-            ts.append((time.perf_counter() - t) * 1e3)
-    return ts
-
-
 def run_model_workload(name, train, device, backends, reps):
     """Rows (one per backend, eager first) for one model in one mode."""
     build, make_inputs, desc = _configs(device.type == "cuda")[name]
@@ -200,7 +185,7 @@ def run_model_workload(name, train, device, backends, reps):
     rounds = 5
     for _ in range(rounds):
         for be, (step, _, _) in steps.items():
-            times[be] += _time(step, device, max(1, reps // rounds))
+            times[be] += timer(step, device, max(1, reps // rounds))
     med = {be: statistics.median(v) for be, v in times.items()}
     rows = []
     for be in steps:

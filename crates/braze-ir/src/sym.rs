@@ -533,6 +533,22 @@ impl P {
         }
         Ok(base)
     }
+    fn expect(&mut self, tok: &str, after: &str) -> Result<(), String> {
+        if self.eat(tok) {
+            Ok(())
+        } else {
+            Err(format!("expected `{tok}` in {after}(...)"))
+        }
+    }
+    /// `(a, b)` after a function name.
+    fn two_args(&mut self, f: &str) -> Result<(Expr, Expr), String> {
+        self.expect("(", f)?;
+        let a = self.sum()?;
+        self.expect(",", f)?;
+        let b = self.sum()?;
+        self.expect(")", f)?;
+        Ok((a, b))
+    }
     fn atom(&mut self) -> Result<Expr, String> {
         let t = self.peek().ok_or("unexpected end of size expression")?.to_string();
         self.i += 1;
@@ -546,57 +562,20 @@ impl P {
         if matches!(t.as_str(), "FloorToInt" | "CeilToInt" | "TruncToInt") {
             // Integer rounding of a size: of an exact integer division (IntTrueDiv(a, b)), or
             // of something already an integer. Sizes are non-negative, so trunc is floor.
-            if !self.eat("(") {
-                return Err(format!("expected `(` after {t}"));
-            }
+            self.expect("(", &t)?;
             let e = if self.eat("IntTrueDiv") {
-                if !self.eat("(") {
-                    return Err("expected `(` after IntTrueDiv".into());
-                }
-                let a = self.sum()?;
-                if !self.eat(",") {
-                    return Err("expected `,`".into());
-                }
-                let b = self.sum()?;
-                if !self.eat(")") {
-                    return Err("expected `)`".into());
-                }
-                if t == "CeilToInt" { a.add(&b).sub(&Expr::one()).floordiv(&b) } else { a.floordiv(&b) }
+                let (a, b) = self.two_args("IntTrueDiv")?;
+                if t == "CeilToInt" { ceil_div(&a, &b) } else { a.floordiv(&b) }
             } else {
                 self.sum()?
             };
-            if !self.eat(")") {
-                return Err("expected `)`".into());
-            }
+            self.expect(")", &t)?;
             return Ok(e);
         }
-        if t == "CeilDiv" {
-            if !self.eat("(") {
-                return Err("expected `(` after CeilDiv".into());
-            }
-            let a = self.sum()?;
-            if !self.eat(",") {
-                return Err("expected `,`".into());
-            }
-            let b = self.sum()?;
-            if !self.eat(")") {
-                return Err("expected `)`".into());
-            }
-            return Ok(a.add(&b).sub(&Expr::one()).floordiv(&b));
-        }
-        if matches!(t.as_str(), "FloorDiv" | "Mod" | "PythonMod" | "Max" | "Min") {
-            if !self.eat("(") {
-                return Err(format!("expected `(` after {t}"));
-            }
-            let a = self.sum()?;
-            if !self.eat(",") {
-                return Err("expected `,`".into());
-            }
-            let b = self.sum()?;
-            if !self.eat(")") {
-                return Err("expected `)`".into());
-            }
+        if matches!(t.as_str(), "CeilDiv" | "FloorDiv" | "Mod" | "PythonMod" | "Max" | "Min") {
+            let (a, b) = self.two_args(&t)?;
             return Ok(match t.as_str() {
+                "CeilDiv" => ceil_div(&a, &b),
                 "FloorDiv" => a.floordiv(&b),
                 "Max" => a.max_of(&b),
                 "Min" => a.min_of(&b),
@@ -614,6 +593,11 @@ impl P {
             _ => Err(format!("unknown name `{t}` in size expression")),
         }
     }
+}
+
+/// `ceil(a / b)` for non-negative sizes.
+fn ceil_div(a: &Expr, b: &Expr) -> Expr {
+    a.add(b).sub(&Expr::one()).floordiv(b)
 }
 
 #[cfg(test)]
