@@ -13,6 +13,7 @@
 pub mod dtype;
 pub mod graph;
 pub mod infer;
+pub mod memory_order;
 pub mod op;
 pub mod parse;
 pub mod print;

@@ -7,11 +7,14 @@
 //!   where `r` is reshaped to the matmul's shape and the sum back.
 //!
 //! Each only when the matmul (and the reshape) has that op as its one user and is not a graph
-//! output, and a residual stored with its own strides has unit stride along rows. Every other
+//! output, and a residual stored with its own strides has unit stride along rows. Not when
+//! the sum is laid out other than row-major (a `layout` user, e.g. eager's strides for
+//! `rt.t() + linear(h, w)`): cuBLASLt would write it row-major and a copy would follow, where
+//! one pointwise kernel reads both operands and writes the sum in its layout. Every other
 //! activation is left to the pointwise kernels that follow the matmul.
 
 use crate::dce::dce;
-use braze_ir::{BinaryOp, Epilogue, Graph, NodeId, Op, UnaryOp};
+use braze_ir::{contiguous_strides, BinaryOp, Epilogue, Graph, NodeId, Op, UnaryOp};
 
 /// Whether a node that is stored as it is (an input or extern result, with its own strides)
 /// has row-major rows, as cuBLASLt's C operand needs. Other nodes are made so by the
@@ -35,6 +38,11 @@ pub fn matmul_epilogue(g: &Graph) -> Graph {
         Op::Matmul { epilogue: Epilogue::None, tf32, residual: false } => Some(tf32),
         _ => None,
     };
+    // `n` is stored in a layout other than row-major.
+    let permuted_user = |n: NodeId| {
+        let rm = contiguous_strides(&g.ty(n).shape);
+        users[n.index()].iter().any(|&u| matches!(&g.node(u).op, Op::Layout { strides } if *strides != rm))
+    };
     let mapped = |map: &[NodeId], ids: &[NodeId]| ids.iter().map(|i| map[i.index()]).collect::<Vec<_>>();
     let mut out = Graph::new(&g.name);
     let mut map: Vec<NodeId> = Vec::with_capacity(g.nodes.len());
@@ -49,7 +57,7 @@ pub fn matmul_epilogue(g: &Graph) -> Graph {
                     new = out.add(op, mapped(&map, &g.node(m).inputs)).ok();
                 }
             }
-            Op::Binary(BinaryOp::Add) => {
+            Op::Binary(BinaryOp::Add) if !permuted_user(id) => {
                 let (x, y) = (n.inputs[0], n.inputs[1]);
                 for (p, r) in [(x, y), (y, x)] {
                     // The matmul, directly or under a reshape.

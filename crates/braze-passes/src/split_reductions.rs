@@ -1,79 +1,215 @@
-//! Split reductions: on a GPU, a reduction with few outer points and very long rows would run
-//! on a handful of blocks. When the reduced dims are the trailing dims, have a static size R
-//! and R splits into `parts` equal pieces, `reduce(x)` becomes `reduce(reduce(reshape(x,
-//! [.., parts, R / parts])))`: the first reduction runs `outer * parts` rows in parallel, the
-//! second combines the parts. Applies to sum, prod, amax, amin, any and all (whose partial
-//! results combine with the same op); leaves var and arg-reductions alone.
+//! Split reductions: on a GPU, a reduction with few kept points and many reduced elements
+//! runs on a handful of blocks, each walking a long row. BatchNorm statistics are the
+//! common case: over N, H, W of a 64×256×56×56 activation only 256 points are kept (32
+//! blocks of a column kernel), each reducing 200 704 elements.
+//!
+//! The reduction is done in two stages. Stage 1 keeps one more dim, a "part" dim, so that
+//! `kept × parts` points reduce in parallel; stage 2 reduces the parts. The part dim is
+//! the outermost reduced dim in memory order (the batch dim of NCHW and NHWC) when it has
+//! at least [`MIN_PARTS`] elements and leaves stage 1 rows of at least [`MIN_PIECE`] elements;
+//! no data moves, and stage 1 still reads its input in memory order. Otherwise the outermost
+//! reduced dim whose size has a power-of-two divisor is reshaped into (parts, piece) (a
+//! long trailing row: `x.sum()` of a 1-d tensor).
+//!
+//! Sum, prod, amax, amin, any and all combine their partial results with the same op.
+//! Variance combines per-part population variances `v_p` and means `m_p` of equal-sized
+//! parts exactly (the law of total variance): `var = mean(v_p) + mean((m_p - mean(m_p))²)`,
+//! times `n / (n - correction)`. Half-precision sums, products and variances run both
+//! stages in f32 and round once, as a one-stage kernel does. Arg-reductions are left alone.
 
+use crate::cse::cse;
 use crate::dce::dce;
-use braze_ir::{Expr, Graph, Node, NodeId, Op, ReduceKind};
+use braze_ir::memory_order::memory_order;
+use braze_ir::{BinaryOp, DType, Expr, Graph, Lit, Node, NodeId, Op, ReduceKind};
 
-/// Rows at least this long are split when there are fewer than `min_rows` of them.
+/// Reduced elements per kept point below which a row (kept dims outer) is not split.
 pub const MIN_SPLIT_LEN: i64 = 1 << 16;
+/// The same for a column reduction (a kept dim innermost in memory), whose blocks each take
+/// several kept points.
+pub const MIN_SPLIT_LEN_COLUMN: i64 = 1 << 12;
+/// Kept points a column kernel's block takes (braze-codegen's `COL_X`).
+pub const COLUMN_POINTS_PER_BLOCK: i64 = 8;
+/// Smallest part count of a split along an existing dim.
+pub const MIN_PARTS: i64 = 8;
+/// Smallest stage-1 row.
+pub const MIN_PIECE: i64 = 64;
 
-pub fn split_reductions(g: &Graph, min_rows: i64) -> Graph {
+/// Splits every reduction that would run on fewer than `min_blocks` blocks.
+pub fn split_reductions(g: &Graph, min_blocks: i64) -> Graph {
     let mut out = Graph::new(&g.name);
     let mut map: Vec<NodeId> = Vec::with_capacity(g.nodes.len());
+    let mut changed = false;
     for id in g.ids() {
         let n = g.node(id);
         let inputs: Vec<NodeId> = n.inputs.iter().map(|i| map[i.index()]).collect();
-        let new_id = match split(g, id, min_rows).and_then(|plan| emit(&mut out, n, inputs[0], plan).ok()) {
-            Some(new_id) => new_id,
+        let new_id = match plan(g, id, min_blocks).and_then(|p| emit(&mut out, n, inputs[0], &p).ok()) {
+            Some(new_id) => {
+                changed = true;
+                new_id
+            }
             None => out.add_typed(n.op.clone(), inputs, n.ty.clone()),
         };
         map.push(new_id);
     }
     out.outputs = g.outputs.iter().map(|o| map[o.index()]).collect();
-    dce(&out)
+    if changed {
+        // A variance and a mean of the same input share their stage 1 input and sums.
+        cse(&dce(&out))
+    } else {
+        out
+    }
 }
 
+#[derive(Debug, Clone, PartialEq)]
 struct Plan {
     kind: ReduceKind,
-    keep: Vec<Expr>,
-    parts: i64,
-    piece: i64,
+    /// The reduction's dims, sorted.
+    dims: Vec<usize>,
     keepdim: bool,
-    rank: usize,
+    correction: i64,
+    /// The input's shape.
+    shape: Vec<Expr>,
+    /// The dim whose elements become parts.
+    at: usize,
+    /// `Some(p)`: dim `at` is reshaped into (p, size / p); `None`: its elements are the parts.
+    reshape: Option<i64>,
 }
 
-fn split(g: &Graph, id: NodeId, min_rows: i64) -> Option<Plan> {
+fn plan(g: &Graph, id: NodeId, min_blocks: i64) -> Option<Plan> {
     let n = g.node(id);
-    let Op::Reduce { kind, dims, keepdim, .. } = &n.op else { return None };
-    if !matches!(kind, ReduceKind::Sum | ReduceKind::Prod | ReduceKind::Max | ReduceKind::Min | ReduceKind::Any | ReduceKind::All) {
+    let Op::Reduce { kind, dims, keepdim, correction } = &n.op else { return None };
+    if matches!(kind, ReduceKind::ArgMax | ReduceKind::ArgMin) {
         return None;
     }
-    let t = g.ty(n.inputs[0]);
-    let r = t.rank();
-    let first = r.checked_sub(dims.len())?;
-    if !(first..r).all(|d| dims.contains(&d)) {
+    let shape = g.ty(n.inputs[0]).shape.clone();
+    let size = |d: usize| shape[d].as_const();
+    let reduced: i64 = dims.iter().map(|&d| size(d)).product::<Option<i64>>()?;
+    let kept: i64 = (0..shape.len()).filter(|d| !dims.contains(d)).map(size).product::<Option<i64>>()?;
+    // Non-1 dims outermost in memory first.
+    let order = memory_order(g, n.inputs[0]).unwrap_or_else(|| (0..shape.len()).filter(|&d| !shape[d].is_const(1)).collect());
+    let column = order.last().is_some_and(|d| !dims.contains(d));
+    let (min_len, per_block) = if column { (MIN_SPLIT_LEN_COLUMN, COLUMN_POINTS_PER_BLOCK) } else { (MIN_SPLIT_LEN, 1) };
+    if reduced < min_len || kept >= min_blocks * per_block {
         return None;
     }
-    let len: i64 = t.shape[first..].iter().map(|e| e.as_const()).product::<Option<i64>>()?;
-    let rows: Option<i64> = t.shape[..first].iter().map(|e| e.as_const()).product();
-    if len < MIN_SPLIT_LEN || rows.is_none_or(|rows| rows >= min_rows) {
-        return None;
+    let red_order: Vec<usize> = order.iter().copied().filter(|d| dims.contains(d)).collect();
+    let base = Plan { kind: *kind, dims: dims.clone(), keepdim: *keepdim, correction: *correction, shape: shape.clone(), at: 0, reshape: None };
+    // An existing dim as the parts.
+    if let Some(&at) = red_order.iter().find(|&&d| size(d).is_some_and(|s| s >= MIN_PARTS && reduced / s >= MIN_PIECE)) {
+        return Some(Plan { at, ..base });
     }
-    // The largest power-of-two part count up to 1024 that divides the row.
-    let parts = (1..=10).rev().map(|p| 1i64 << p).find(|p| len % p == 0 && len / p >= 256)?;
-    Some(Plan { kind: *kind, keep: t.shape[..first].to_vec(), parts, piece: len / parts, keepdim: *keepdim, rank: r })
+    // A dim reshaped into (parts, piece): the most parts up to 1024 leaving rows of >= 256.
+    for &at in &red_order {
+        let s = size(at)?;
+        if let Some(p) = (1..=10).rev().map(|k| 1i64 << k).find(|p| s % p == 0 && reduced / p >= 256) {
+            return Some(Plan { at, reshape: Some(p), ..base });
+        }
+    }
+    None
 }
 
-fn emit(out: &mut Graph, n: &Node, x: NodeId, p: Plan) -> Result<NodeId, braze_ir::Error> {
-    let k = p.keep.len();
-    let mut shape = p.keep.clone();
-    shape.push(Expr::constant(p.parts));
-    shape.push(Expr::constant(p.piece));
-    let xs = out.add(Op::Reshape(shape), vec![x])?;
-    let red = |dims: Vec<usize>| Op::Reduce { kind: p.kind, dims, keepdim: false, correction: 0 };
-    let part = out.add(red(vec![k + 1]), vec![xs])?;
-    let mut r = out.add(red(vec![k]), vec![part])?;
+fn emit(out: &mut Graph, n: &Node, x: NodeId, p: &Plan) -> Result<NodeId, braze_ir::Error> {
+    let dtype = out.ty(x).dtype;
+    let widen = matches!(dtype, DType::F16 | DType::BF16) && matches!(p.kind, ReduceKind::Sum | ReduceKind::Prod | ReduceKind::Var);
+    let x = if widen { out.add(Op::Cast(DType::F32), vec![x])? } else { x };
+    let cdt = if widen { DType::F32 } else { dtype };
+    // Stage 1's input, its reduced dims and the part dim's position in it.
+    let (x1, red1, part) = match p.reshape {
+        Some(parts) => {
+            let mut shape = p.shape[..p.at].to_vec();
+            shape.push(Expr::constant(parts));
+            shape.push(Expr::constant(p.shape[p.at].as_const().expect("static") / parts));
+            shape.extend_from_slice(&p.shape[p.at + 1..]);
+            let x1 = out.add(Op::Reshape(shape), vec![x])?;
+            let red1: Vec<usize> = p.dims.iter().map(|&d| if d < p.at { d } else { d + 1 }).collect();
+            (x1, red1, p.at)
+        }
+        None => (x, p.dims.iter().copied().filter(|&d| d != p.at).collect(), p.at),
+    };
+    let rank1 = out.ty(x1).rank();
+    // The part dim's position among stage 1's kept dims.
+    let pos = (0..part).filter(|d| !red1.contains(d)).count();
+    debug_assert!(part < rank1);
+    let red = |kind: ReduceKind, dims: Vec<usize>, keepdim: bool| Op::Reduce { kind, dims, keepdim, correction: 0 };
+    let mut r = if p.kind == ReduceKind::Var {
+        let total = p.shape.iter().enumerate().filter(|(d, _)| p.dims.contains(d)).map(|(_, s)| s.as_const().expect("static")).product::<i64>();
+        let parts = out.ty(x1).shape[part].as_const().expect("static");
+        let piece = total / parts;
+        let scalar = |out: &mut Graph, v: f64| out.add(Op::Scalar { value: Lit::F(v), dtype: cdt }, vec![]);
+        let v1 = out.add(red(ReduceKind::Var, red1.clone(), false), vec![x1])?;
+        let s1 = out.add(red(ReduceKind::Sum, red1, false), vec![x1])?;
+        let k_piece = scalar(out, piece as f64)?;
+        let m1 = out.add(Op::Binary(BinaryOp::Div), vec![s1, k_piece])?;
+        let k_parts = scalar(out, parts as f64)?;
+        let sm = out.add(red(ReduceKind::Sum, vec![pos], true), vec![m1])?;
+        let m = out.add(Op::Binary(BinaryOp::Div), vec![sm, k_parts])?;
+        let dev = out.add(Op::Binary(BinaryOp::Sub), vec![m1, m])?;
+        let dev2 = out.add(Op::Binary(BinaryOp::Mul), vec![dev, dev])?;
+        let within = out.add(red(ReduceKind::Sum, vec![pos], false), vec![v1])?;
+        let between = out.add(red(ReduceKind::Sum, vec![pos], false), vec![dev2])?;
+        let both = out.add(Op::Binary(BinaryOp::Add), vec![within, between])?;
+        // (within + between) / parts, then n / (n - correction) for the correction.
+        let denom = (total - p.correction).max(0) as f64;
+        let factor = if denom > 0.0 { total as f64 / denom / parts as f64 } else { f64::NAN };
+        let k = scalar(out, factor)?;
+        out.add(Op::Binary(BinaryOp::Mul), vec![both, k])?
+    } else {
+        let a = out.add(red(p.kind, red1, false), vec![x1])?;
+        out.add(red(p.kind, vec![pos], false), vec![a])?
+    };
     if p.keepdim {
-        let mut s = p.keep.clone();
-        s.extend((k..p.rank).map(|_| Expr::one()));
-        r = out.add(Op::Reshape(s), vec![r])?;
+        let shape: Vec<Expr> = p.shape.iter().enumerate().map(|(d, s)| if p.dims.contains(&d) { Expr::one() } else { s.clone() }).collect();
+        r = out.add(Op::Reshape(shape), vec![r])?;
+    }
+    if cdt != dtype {
+        r = out.add(Op::Cast(dtype), vec![r])?;
     }
     if out.node(r).ty != n.ty {
         return Err(braze_ir::Error::Invalid("split changed the type".into()));
     }
     Ok(r)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use braze_ir::parse::parse_graph;
+
+    fn plan_of(text: &str, min_blocks: i64) -> Option<Plan> {
+        let g = parse_graph(text).unwrap();
+        let id = g.ids().find(|&i| matches!(g.node(i).op, Op::Reduce { .. })).unwrap();
+        plan(&g, id, min_blocks)
+    }
+
+    #[test]
+    fn batchnorm_statistics_split_at_the_batch_dim() {
+        // channels_last: C innermost, a column reduction over N, H, W.
+        let cl = "graph g {\n  %0 = input index=0 strides=[802816, 1, 14336, 256] : f32[64, 256, 56, 56]\n  %1 = var dims=[0, 2, 3] keepdim=true correction=0 %0 : f32[1, 256, 1, 1]\n  return %1\n}\n";
+        let p = plan_of(cl, 264).unwrap();
+        assert_eq!((p.at, p.reshape), (0, None));
+        // Enough kept points: no split.
+        assert!(plan_of(cl, 16).is_none());
+        let g = parse_graph(cl).unwrap();
+        let s = split_reductions(&g, 264);
+        assert!(braze_ir::verify::verify(&s).is_empty());
+        assert_eq!(s.ty(s.outputs[0]), g.ty(g.outputs[0]));
+        assert!(s.to_string().contains("var dims=[2, 3] keepdim=false"), "{s}");
+    }
+
+    #[test]
+    fn long_trailing_row_is_reshaped() {
+        let g = "graph g {\n  %0 = input index=0 strides=[1] : bf16[1048576]\n  %1 = sum dims=[0] keepdim=false %0 : bf16[]\n  return %1\n}\n";
+        let p = plan_of(g, 264).unwrap();
+        assert_eq!((p.at, p.reshape), (0, Some(1024)));
+        let s = split_reductions(&parse_graph(g).unwrap(), 264);
+        // Both stages in f32, one rounding at the end.
+        assert!(s.to_string().contains("cast dtype=f32"), "{s}");
+        assert!(s.to_string().contains("cast dtype=bf16"), "{s}");
+    }
+
+    #[test]
+    fn short_rows_and_arg_reductions_stay() {
+        assert!(plan_of("graph g {\n  %0 = input index=0 strides=[512, 1] : f32[8, 512]\n  %1 = sum dims=[1] keepdim=false %0 : f32[8]\n  return %1\n}\n", 264).is_none());
+        assert!(plan_of("graph g {\n  %0 = input index=0 strides=[1] : f32[1048576]\n  %1 = argmax dims=[0] keepdim=false %0 : i64[]\n  return %1\n}\n", 264).is_none());
+    }
 }

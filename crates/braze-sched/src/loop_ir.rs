@@ -150,7 +150,8 @@ impl fmt::Display for Stmt {
 impl fmt::Display for Kernel {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let list = |v: &[Expr]| v.iter().map(|e| e.to_string()).collect::<Vec<_>>().join(", ");
-        writeln!(f, "kernel {} outer=[{}] inner=[{}]  // {}", self.name, list(&self.outer), list(&self.inner), self.roots.join(", "))?;
+        let column = if self.column { " column" } else { "" };
+        writeln!(f, "kernel {} outer=[{}] inner=[{}]{column}  // {}", self.name, list(&self.outer), list(&self.inner), self.roots.join(", "))?;
         for s in &self.prelude {
             writeln!(f, "  {s}")?;
         }

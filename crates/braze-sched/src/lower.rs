@@ -30,26 +30,37 @@ pub struct Domain {
 }
 
 impl Domain {
+    /// The dims in loop nesting order, outermost first.
+    fn nesting(&self) -> Vec<usize> {
+        self.order.clone().unwrap_or_else(|| (0..self.dims.len()).collect())
+    }
+    /// The unreduced dims' sizes in nesting order (the outer loop variables).
     pub fn outer(&self) -> Vec<Expr> {
-        if let Some(order) = &self.order {
-            return order.iter().map(|&d| self.dims[d].clone()).collect();
-        }
-        self.dims.iter().zip(&self.reduced).filter(|(_, r)| !**r).map(|(d, _)| d.clone()).collect()
+        self.nesting().into_iter().filter(|&d| !self.reduced[d]).map(|d| self.dims[d].clone()).collect()
     }
+    /// The reduced dims' sizes in nesting order (the inner loop variables).
     pub fn inner(&self) -> Vec<Expr> {
-        self.dims.iter().zip(&self.reduced).filter(|(_, r)| **r).map(|(d, _)| d.clone()).collect()
+        self.nesting().into_iter().filter(|&d| self.reduced[d]).map(|d| self.dims[d].clone()).collect()
     }
+    /// The loop variable of dim `d`: outer variables first, then inner ones.
     fn var(&self, d: usize) -> Expr {
-        if let Some(order) = &self.order {
-            return Expr::var(order.iter().position(|&k| k == d).expect("a permutation") as u32);
-        }
+        let nest = self.nesting();
         let n_outer = self.reduced.iter().filter(|r| !**r).count();
-        let before = |flag: bool| self.reduced[..d].iter().filter(|r| **r == flag).count();
-        if self.reduced[d] {
-            Expr::var((n_outer + before(true)) as u32)
-        } else {
-            Expr::var(before(false) as u32)
-        }
+        let flag = self.reduced[d];
+        let pos = nest.iter().filter(|&&k| self.reduced[k] == flag).position(|&k| k == d).expect("a permutation");
+        Expr::var((if flag { n_outer + pos } else { pos }) as u32)
+    }
+    /// Whether the innermost loop is an unreduced dim (a column reduction).
+    pub fn column(&self) -> bool {
+        self.has_reduction() && self.nesting().last().is_some_and(|&d| !self.reduced[d])
+    }
+    /// The flattened index over the reduced dims in their logical order (what arg-reductions
+    /// return), in loop variables.
+    fn logical_inner_index(&self) -> Expr {
+        let red: Vec<usize> = (0..self.dims.len()).filter(|&d| self.reduced[d]).collect();
+        let sizes: Vec<Expr> = red.iter().map(|&d| self.dims[d].clone()).collect();
+        let cs = braze_ir::contiguous_strides(&sizes);
+        red.iter().zip(&cs).fold(Expr::zero(), |a, (&d, st)| a.add(&self.var(d).mul(st)))
     }
     pub fn has_reduction(&self) -> bool {
         self.reduced.iter().any(|r| *r)
@@ -62,7 +73,11 @@ impl Domain {
             Op::Reduce { dims, .. } => {
                 let t = g.ty(n.inputs[0]);
                 let keep: Vec<usize> = (0..t.rank()).filter(|&d| !t.shape[d].is_const(1)).collect();
-                Domain { dims: keep.iter().map(|&d| t.shape[d].clone()).collect(), reduced: keep.iter().map(|d| dims.contains(d)).collect(), order: None }
+                // Loops nest in the order the input lies in memory ([`braze_ir::memory_order`]).
+                let order = braze_ir::memory_order::memory_order(g, n.inputs[0])
+                    .map(|o| o.iter().map(|d| keep.iter().position(|k| k == d).expect("a non-1 dim")).collect::<Vec<usize>>())
+                    .filter(|o| o.len() == keep.len());
+                Domain { dims: keep.iter().map(|&d| t.shape[d].clone()).collect(), reduced: keep.iter().map(|d| dims.contains(d)).collect(), order }
             }
             _ => {
                 let s = &g.ty(r).shape;
@@ -458,9 +473,7 @@ pub fn lower(cx: &Ctx, me: usize, dom: &Domain, roots: &[NodeId]) -> Result<Kern
     }
     let prelude = std::mem::take(&mut b.out);
     let inner = dom.inner();
-    let n_outer = dom.outer().len();
-    let inner_cs = braze_ir::contiguous_strides(&inner);
-    let inner_index = inner_cs.iter().enumerate().fold(Expr::zero(), |a, (k, s)| a.add(&Expr::var((n_outer + k) as u32).mul(s)));
+    let inner_index = dom.logical_inner_index();
     let count = inner.iter().fold(Expr::one(), |a, s| a.mul(s));
     let mut passes = Vec::new();
     for p in 0..n_passes.max(if placed.iter().any(|x| x.2 == Level::Row) { 1 } else { 0 }) {
@@ -512,6 +525,6 @@ pub fn lower(cx: &Ctx, me: usize, dom: &Domain, roots: &[NodeId]) -> Result<Kern
         passes,
         tmp_dtypes: b.tmp_dtypes,
         bufs: b.bufs,
-        column: dom.has_reduction() && dom.reduced.last() == Some(&false),
+        column: dom.column(),
     })
 }

@@ -1,0 +1,73 @@
+//! Memory order of a value: the order, outermost first, in which its dims are laid out where
+//! it comes from memory. A graph input or extern result has the strides it arrives with; a
+//! `layout` node has eager's strides; elementwise ops (unary, cast, binary, where) on an
+//! operand of their own shape read it in that operand's order.
+//!
+//! Kernels use it to iterate a reduction in the order its input lies in memory: BatchNorm
+//! statistics of a channels_last tensor reduce over N, H, W with C fastest, so the kept C is
+//! the innermost dim (a column reduction) and neighbouring threads read neighbouring
+//! channels, rather than striding by C through every row.
+
+use crate::graph::{Graph, NodeId};
+use crate::op::Op;
+use crate::sym::Expr;
+
+/// How many elementwise ops to look through for a stored ancestor.
+const MAX_DEPTH: usize = 12;
+
+/// The non-1 dims of `id`'s shape, outermost in memory first; `None` when that order is
+/// the logical (row-major) one or cannot be told (symbolic strides, no stored ancestor).
+pub fn memory_order(g: &Graph, id: NodeId) -> Option<Vec<usize>> {
+    let order = walk(g, id, 0)?;
+    let logical = order.windows(2).all(|w| w[0] < w[1]);
+    (!logical).then_some(order)
+}
+
+fn walk(g: &Graph, id: NodeId, depth: usize) -> Option<Vec<usize>> {
+    let n = g.node(id);
+    match &n.op {
+        Op::Input { strides, .. } | Op::ExternOut { strides, .. } | Op::Layout { strides } => from_strides(&g.ty(id).shape, strides),
+        Op::Unary(_) | Op::Cast(_) if depth < MAX_DEPTH => walk(g, n.inputs[0], depth + 1),
+        Op::Binary(_) | Op::Where if depth < MAX_DEPTH => {
+            let shape = &g.ty(id).shape;
+            n.inputs.iter().filter(|&&i| g.ty(i).shape == *shape).find_map(|&i| walk(g, i, depth + 1).filter(|o| o.windows(2).any(|w| w[0] > w[1])))
+        }
+        _ => None,
+    }
+}
+
+/// Non-1 dims sorted by decreasing stride (ties keep logical order); `None` for symbolic
+/// strides.
+fn from_strides(shape: &[Expr], strides: &[Expr]) -> Option<Vec<usize>> {
+    if strides.len() != shape.len() {
+        return None;
+    }
+    let dims: Vec<usize> = (0..shape.len()).filter(|&d| !shape[d].is_const(1)).collect();
+    let st: Vec<i64> = dims.iter().map(|&d| strides[d].as_const()).collect::<Option<_>>()?;
+    let mut order: Vec<usize> = (0..dims.len()).collect();
+    order.sort_by_key(|&k| std::cmp::Reverse(st[k]));
+    Some(order.into_iter().map(|k| dims[k]).collect())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::parse::parse_graph as parse;
+
+    #[test]
+    fn channels_last_input_through_elementwise_ops() {
+        let g = parse(
+            "graph g {\n  %0 = input index=0 strides=[200704, 1, 3584, 64] : bf16[2, 64, 56, 56]\n  %1 = cast dtype=f32 %0 : f32[2, 64, 56, 56]\n  %2 = input index=1 strides=[64, 1, 1, 1] : f32[1, 64, 1, 1]\n  %3 = mul %1, %2 : f32[2, 64, 56, 56]\n  return %3\n}\n",
+        )
+        .unwrap();
+        assert_eq!(memory_order(&g, NodeId(3)), Some(vec![0, 2, 3, 1]));
+        assert_eq!(memory_order(&g, NodeId(2)), None);
+    }
+
+    #[test]
+    fn row_major_and_symbolic_strides_have_no_order() {
+        let g = parse("graph g {\n  %0 = input index=0 strides=[12, 4, 1] : f32[2, 3, 4]\n  %1 = input index=1 strides=[1, s0] : f32[s0, 8]\n  return %0, %1\n}\n").unwrap();
+        assert_eq!(memory_order(&g, NodeId(0)), None);
+        assert_eq!(memory_order(&g, NodeId(1)), None);
+    }
+}
