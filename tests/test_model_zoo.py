@@ -275,3 +275,36 @@ def test_varying_batch_channels_last(device, compiled_graphs):
             _close(f"resnet18 train={train} b={b}", ref.detach(), res.detach(), r64.detach())
     _check_compiled_everything()
     assert any(g.dynamic for g in compiled_graphs), "no graph compiled with symbolic sizes"
+
+
+@pytest.mark.parametrize("train", [False, True], ids=["inference", "training"])
+def test_bert_attention_stays_fused(train, device):
+    """Under torch.compile, transformers' BERT passes its padding mask to
+    scaled_dot_product_attention as a broadcast view whose last dim has stride 0, which no
+    fused attention kernel takes: traced as it is, attention became f32 matmuls around a
+    softmax. braze makes such masks dense before tracing, so a fused kernel runs (as eager's
+    does with a padding mask), with dropout in training; the result matches eager's."""
+    if device != "cuda":
+        pytest.skip("the CPU's attention takes the broadcast mask as it is")
+    cfg = T.BertConfig(vocab_size=V, num_hidden_layers=1, hidden_size=128, intermediate_size=256,
+                       num_attention_heads=2, max_position_embeddings=64, pad_token_id=0,
+                       hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    torch.manual_seed(0)
+    model = T.BertForMaskedLM(cfg).to(device).train(train)
+    f64 = copy.deepcopy(model).double()
+    ids = torch.randint(1, V, (2, SEQ * 2), device=device)
+    mask = torch.ones_like(ids)
+    mask[1, SEQ:] = 0  # the second sequence is padded
+    c = torch.compile(copy.deepcopy(model), backend="braze")
+    with torch.no_grad() if not train else torch.enable_grad():
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            ref = model(input_ids=ids, attention_mask=mask).logits
+            res = c(input_ids=ids, attention_mask=mask).logits
+        r64 = f64(input_ids=ids, attention_mask=mask).logits
+    _close("bert logits", ref.float(), res.float(), r64)
+    if train:
+        res.float().sum().backward()
+    _check_compiled_everything()
+    ops = braze.stats.extern_ops
+    assert "aten._safe_softmax.default" not in ops, ops
+    assert any("attention" in k for k in ops), ops

@@ -18,6 +18,7 @@ import torch
 
 from . import _core, cuda
 from . import autograd as direct
+from .attention import dense_masks
 from .config import Config
 from .decomp import decomposition_table
 from .lowering import Unsupported, lower_graph
@@ -202,6 +203,7 @@ def braze_backend(gm: torch.fx.GraphModule, example_inputs, mode=None, options=N
         if isinstance(t, torch.Tensor) and t.is_cuda:
             cuda.start_warm_up(t.device.index if t.device.index is not None else torch.cuda.current_device())
             break
+    dense_masks(gm)
     cap = direct.Capture(example_inputs)
     t0 = time.perf_counter()
     with cap, _backward_ahead_of_time(cfg):

@@ -11,6 +11,7 @@
 use crate::graph::{Graph, NodeId};
 use crate::op::Op;
 use crate::sym::Expr;
+use std::collections::HashSet;
 
 /// How many elementwise ops to look through for a stored ancestor.
 const MAX_DEPTH: usize = 12;
@@ -18,19 +19,25 @@ const MAX_DEPTH: usize = 12;
 /// The non-1 dims of `id`'s shape, outermost in memory first; `None` when that order is
 /// the logical (row-major) one or cannot be told (symbolic strides, no stored ancestor).
 pub fn memory_order(g: &Graph, id: NodeId) -> Option<Vec<usize>> {
-    let order = walk(g, id, 0)?;
+    let mut seen = HashSet::new();
+    let order = walk(g, id, 0, &mut seen)?;
     let logical = order.windows(2).all(|w| w[0] < w[1]);
     (!logical).then_some(order)
 }
 
-fn walk(g: &Graph, id: NodeId, depth: usize) -> Option<Vec<usize>> {
+/// Each node is looked at once per query (`seen`), so a query costs at most the nodes within
+/// `MAX_DEPTH` elementwise ops, not the paths to them.
+fn walk(g: &Graph, id: NodeId, depth: usize, seen: &mut HashSet<NodeId>) -> Option<Vec<usize>> {
+    if !seen.insert(id) {
+        return None;
+    }
     let n = g.node(id);
     match &n.op {
         Op::Input { strides, .. } | Op::ExternOut { strides, .. } | Op::Layout { strides } => from_strides(&g.ty(id).shape, strides),
-        Op::Unary(_) | Op::Cast(_) if depth < MAX_DEPTH => walk(g, n.inputs[0], depth + 1),
+        Op::Unary(_) | Op::Cast(_) if depth < MAX_DEPTH => walk(g, n.inputs[0], depth + 1, seen),
         Op::Binary(_) | Op::Where if depth < MAX_DEPTH => {
             let shape = &g.ty(id).shape;
-            n.inputs.iter().filter(|&&i| g.ty(i).shape == *shape).find_map(|&i| walk(g, i, depth + 1).filter(|o| o.windows(2).any(|w| w[0] > w[1])))
+            n.inputs.iter().filter(|&&i| g.ty(i).shape == *shape).find_map(|&i| walk(g, i, depth + 1, seen).filter(|o| o.windows(2).any(|w| w[0] > w[1])))
         }
         _ => None,
     }
