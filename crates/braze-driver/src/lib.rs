@@ -260,6 +260,9 @@ pub fn compile_with(g: Graph, target: Target, check_cuda: bool, check_arch: &str
         // Few long rows would leave most of the GPU idle: split them (per-target stage).
         let (_, sms) = braze_runtime::cuda::device_info(ordinal).map_err(DriverError::from)?;
         opt = braze_passes::split_reductions::split_reductions(&opt, 2 * sms as i64);
+    } else if let Some(blocks) = std::env::var("BRAZE_SPLIT_REDUCTIONS_CPU").ok().and_then(|v| v.parse::<i64>().ok()) {
+        // A test hook: the GPU's split on the CPU, so the CPU suite checks its numerics.
+        opt = braze_passes::split_reductions::split_reductions(&opt, blocks);
     }
     let errs = braze_ir::verify::verify(&opt);
     if !errs.is_empty() {
