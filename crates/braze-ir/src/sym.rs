@@ -31,6 +31,25 @@ pub enum Atom {
     Min(Box<Expr>, Box<Expr>),
 }
 
+impl Atom {
+    /// True when the atom is loop variable `v` or contains it.
+    fn uses_var(&self, v: u32) -> bool {
+        match self {
+            Atom::Var(x) => *x == v,
+            Atom::FloorDiv(x, y) | Atom::Mod(x, y) | Atom::Max(x, y) | Atom::Min(x, y) => x.uses_var(v) || y.uses_var(v),
+            _ => false,
+        }
+    }
+    /// True when the atom depends on size symbols alone (no loop variable or temporary).
+    fn is_size(&self) -> bool {
+        match self {
+            Atom::Sym(_) => true,
+            Atom::Var(_) | Atom::Tmp(_) => false,
+            Atom::FloorDiv(x, y) | Atom::Mod(x, y) | Atom::Max(x, y) | Atom::Min(x, y) => x.atoms().chain(y.atoms()).all(Atom::is_size),
+        }
+    }
+}
+
 /// A canonical integer polynomial over [`Atom`]s.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct Expr {
@@ -236,11 +255,48 @@ impl Expr {
 
     /// True when the expression mentions loop variable `v`.
     pub fn uses_var(&self, v: u32) -> bool {
-        self.atoms().any(|a| match a {
-            Atom::Var(x) => *x == v,
-            Atom::FloorDiv(x, y) | Atom::Mod(x, y) | Atom::Max(x, y) | Atom::Min(x, y) => x.uses_var(v) || y.uses_var(v),
-            _ => false,
-        })
+        self.atoms().any(|a| a.uses_var(v))
+    }
+
+    /// The coefficient of loop variable `v` when the expression is affine in it: `v` appears
+    /// only in terms `c * v` where `c` mentions no loop variable or temporary, and never
+    /// inside a division, modulo, `Max` or `Min`. Zero when `v` does not appear.
+    pub fn var_coef(&self, v: u32) -> Option<Expr> {
+        let mut coef = Expr::zero();
+        for (m, c) in &self.terms {
+            let Some(pos) = m.iter().position(|a| *a == Atom::Var(v)) else {
+                if m.iter().any(|a| a.uses_var(v)) {
+                    return None;
+                }
+                continue;
+            };
+            let mut rest = m.clone();
+            rest.remove(pos);
+            if !rest.iter().all(Atom::is_size) {
+                return None;
+            }
+            coef = coef.add(&Expr { terms: BTreeMap::from([(rest, *c)]) });
+        }
+        Some(coef)
+    }
+
+    /// The expression with each loop variable `iN` replaced by `f(N)`, inside divisions too.
+    pub fn subst_vars(&self, f: &dyn Fn(u32) -> Expr) -> Expr {
+        let mut out = Expr::zero();
+        for (m, c) in &self.terms {
+            let term = m.iter().fold(Expr::constant(*c), |acc, a| {
+                acc.mul(&match a {
+                    Atom::Var(n) => f(*n),
+                    Atom::FloorDiv(x, y) => x.subst_vars(f).floordiv(&y.subst_vars(f)),
+                    Atom::Mod(x, y) => x.subst_vars(f).rem(&y.subst_vars(f)),
+                    Atom::Max(x, y) => x.subst_vars(f).max_of(&y.subst_vars(f)),
+                    Atom::Min(x, y) => x.subst_vars(f).min_of(&y.subst_vars(f)),
+                    other => Expr::atom(other.clone()),
+                })
+            });
+            out = out.add(&term);
+        }
+        out
     }
 
     /// The constant coefficient of loop variable `v` when `v` appears only linearly and
@@ -644,6 +700,19 @@ mod tests {
             _ => None,
         });
         assert_eq!(v, Some(2));
+    }
+
+    #[test]
+    fn var_coefs_and_substitution() {
+        let e = parse_expr("3*s1*i0 + s1*i1 + i2 + t0").unwrap();
+        assert_eq!(e.var_coef(0), Some(parse_expr("3*s1").unwrap()));
+        assert_eq!(e.var_coef(3), Some(Expr::zero()));
+        for s in ["i0*i1", "t0*i0", "(i0 // 2) + i1", "Max(i0, 3)"] {
+            assert_eq!(parse_expr(s).unwrap().var_coef(0), None, "{s}");
+        }
+        let f = |n: u32| if n == 0 { Expr::zero() } else { Expr::var(n - 1) };
+        assert_eq!(e.subst_vars(&f), parse_expr("s1*i0 + i1 + t0").unwrap());
+        assert_eq!(parse_expr("(i2 + 1) % 4").unwrap().subst_vars(&f), parse_expr("(i1 + 1) % 4").unwrap());
     }
 
     #[test]

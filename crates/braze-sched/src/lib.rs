@@ -2,11 +2,13 @@
 //!
 //! `schedule` decides which values are stored (realization), groups roots into kernels
 //! (fusion, see the notes in `schedule.rs`), lowers each group to the loop IR
-//! (`loop_ir.rs`, `lower.rs`), and orders kernels and extern calls into steps.
+//! (`loop_ir.rs`, `lower.rs`), merges the loop dims its indices walk as one
+//! (`merge_dims.rs`), and orders kernels and extern calls into steps.
 
 pub mod layout;
 pub mod loop_ir;
 pub mod lower;
+pub mod merge_dims;
 pub mod schedule;
 
 pub use loop_ir::{BufId, Kernel, Stmt};

@@ -57,7 +57,7 @@ pub struct Reduction {
     pub src: Tmp,
     /// For `var`: the divisor is `count - correction`.
     pub correction: i64,
-    /// Flattened inner index (for argmax/argmin).
+    /// Flattened inner index of argmax/argmin (0 for other kinds, which do not use it).
     pub inner_index: Expr,
     /// Number of reduced elements.
     pub count: Expr,

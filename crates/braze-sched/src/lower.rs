@@ -9,7 +9,7 @@
 
 use crate::layout::view_index;
 use crate::loop_ir::{BufId, BufRef, Kernel, Pass, Reduction, Stmt, Tmp};
-use braze_ir::{BinaryOp, DType, Expr, Graph, Lit, NodeId, Op};
+use braze_ir::{BinaryOp, DType, Expr, Graph, Lit, NodeId, Op, ReduceKind};
 use std::collections::{HashMap, HashSet};
 
 /// The group cannot be lowered as one kernel.
@@ -490,7 +490,8 @@ pub fn lower(cx: &Ctx, me: usize, dom: &Domain, roots: &[NodeId]) -> Result<Kern
                 let src = b.value(g.node(*r).inputs[0], &in_idx)?;
                 let dst = b.tmp(g.ty(*r).dtype);
                 b.ops.push(kind.name());
-                reductions.push((*r, idx.clone(), Reduction { dst, kind, src, correction, inner_index: inner_index.clone(), count: count.clone() }));
+                let inner_index = if matches!(kind, ReduceKind::ArgMax | ReduceKind::ArgMin) { inner_index.clone() } else { Expr::zero() };
+                reductions.push((*r, idx.clone(), Reduction { dst, kind, src, correction, inner_index, count: count.clone() }));
             } else if *level == Level::Row {
                 let v = b.value(*r, idx)?;
                 b.store(*r, idx, v);

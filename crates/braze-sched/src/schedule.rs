@@ -19,6 +19,7 @@
 use crate::layout::{strided, view_base, View};
 use crate::loop_ir::{BufId, Kernel};
 use crate::lower::{lower, root_index, Ctx, Domain, Illegal};
+use crate::merge_dims::merge_dims;
 use braze_ir::{contiguous_strides, DType, Expr, Graph, NodeId, Op};
 use std::collections::HashSet;
 
@@ -285,6 +286,7 @@ pub fn schedule(g: &Graph) -> Result<Schedule, SchedError> {
         if let Some(k) = k {
             let gr = &groups[k];
             let mut kern = lower(&cx, k, &gr.dom, &gr.roots).map_err(|Illegal(m)| SchedError::Unsupported(format!("lowering failed: {m}")))?;
+            merge_dims(&mut kern);
             kern.name = format!("{}_{}", kern.name, kernels.len());
             steps.push(Step::Kernel(kernels.len()));
             kernels.push(kern);
