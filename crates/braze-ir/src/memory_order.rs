@@ -43,6 +43,29 @@ fn walk(g: &Graph, id: NodeId, depth: usize, seen: &mut HashSet<NodeId>) -> Opti
     }
 }
 
+/// Dense strides for `shape` laid out in `order` (its non-1 dims, outermost first, as
+/// [`memory_order`] gives them); size-1 dims get stride 1.
+pub fn dense_strides(shape: &[Expr], order: &[usize]) -> Vec<Expr> {
+    let mut strides = vec![Expr::one(); shape.len()];
+    let mut acc = Expr::one();
+    for &d in order.iter().rev() {
+        strides[d] = acc.clone();
+        acc = acc.mul(&shape[d]);
+    }
+    strides
+}
+
+/// Where a computed elementwise value that is not a graph output is stored: in the memory
+/// order of the operands it is computed from (a ReLU-backward of channels_last gradients
+/// stays channels_last), so the kernel writing it and the kernels reading it walk memory in
+/// order. `None`: row-major. Graph outputs keep eager's strides (the `layout` op).
+pub fn inherited_order(g: &Graph, id: NodeId) -> Option<Vec<usize>> {
+    if g.outputs.contains(&id) || !matches!(g.node(id).op, Op::Unary(_) | Op::Cast(_) | Op::Binary(_) | Op::Where) {
+        return None;
+    }
+    memory_order(g, id)
+}
+
 /// Non-1 dims sorted by decreasing stride (ties keep logical order); `None` for symbolic
 /// strides.
 fn from_strides(shape: &[Expr], strides: &[Expr]) -> Option<Vec<usize>> {
@@ -69,6 +92,13 @@ mod tests {
         .unwrap();
         assert_eq!(memory_order(&g, NodeId(3)), Some(vec![0, 2, 3, 1]));
         assert_eq!(memory_order(&g, NodeId(2)), None);
+    }
+
+    #[test]
+    fn dense_strides_of_an_order() {
+        let shape: Vec<Expr> = [2, 64, 1, 56].iter().map(|&v| Expr::constant(v)).collect();
+        let st: Vec<Option<i64>> = dense_strides(&shape, &[0, 3, 1]).iter().map(|e| e.as_const()).collect();
+        assert_eq!(st, vec![Some(3584), Some(1), Some(1), Some(64)]);
     }
 
     #[test]

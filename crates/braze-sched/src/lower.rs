@@ -83,18 +83,14 @@ impl Domain {
                 let s = &g.ty(r).shape;
                 let keep: Vec<usize> = (0..s.len()).filter(|&d| !s[d].is_const(1)).collect();
                 let dims: Vec<Expr> = keep.iter().map(|&d| s[d].clone()).collect();
-                // A value stored in a permuted layout iterates in its memory order.
+                // A value stored in a permuted layout (eager's, or its operands') iterates in
+                // its memory order.
                 let order = match &n.op {
-                    Op::Layout { strides } => {
-                        let st: Vec<Option<i64>> = keep.iter().map(|&d| strides[d].as_const()).collect();
-                        let mut o: Vec<usize> = (0..keep.len()).collect();
-                        if st.iter().all(|x| x.is_some()) {
-                            o.sort_by_key(|&k| std::cmp::Reverse(st[k].unwrap()));
-                        }
-                        Some(o).filter(|o| o.iter().enumerate().any(|(a, &b)| a != b))
-                    }
-                    _ => None,
-                };
+                    Op::Layout { .. } => braze_ir::memory_order::memory_order(g, r),
+                    _ => braze_ir::memory_order::inherited_order(g, r),
+                }
+                .map(|o| o.iter().map(|d| keep.iter().position(|k| k == d).expect("a non-1 dim")).collect::<Vec<usize>>())
+                .filter(|o| o.len() == keep.len());
                 Domain { reduced: vec![false; dims.len()], dims, order }
             }
         }

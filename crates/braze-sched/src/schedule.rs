@@ -253,8 +253,7 @@ pub fn schedule(g: &Graph) -> Result<Schedule, SchedError> {
         let (kind, strides) = match &g.node(id).op {
             Op::Input { index, strides } => (BufKind::Input(*index), strides.clone()),
             Op::ExternOut { strides, .. } => (BufKind::ExternOut, strides.clone()),
-            Op::Layout { strides } => (BufKind::Temp, strides.clone()),
-            _ => (BufKind::Temp, contiguous_strides(&ty.shape)),
+            _ => (BufKind::Temp, base_strides(g, id)),
         };
         buf_of[id.index()] = Some(buffers.len() as BufId);
         buffers.push(Buffer { node: id, dtype: ty.dtype, shape: ty.shape.clone(), strides, kind });
@@ -336,10 +335,16 @@ fn matmul_operand_ok(v: &View) -> bool {
     !zero && (unit(cs, &v.sizes[r - 1]) || unit(rs, &v.sizes[r - 2]))
 }
 
+/// The strides of `base`'s buffer: its own for inputs, extern results and `layout` values;
+/// the order of its operands for other elementwise values
+/// ([`braze_ir::memory_order::inherited_order`]); row-major otherwise.
 fn base_strides(g: &Graph, base: NodeId) -> Vec<Expr> {
     match &g.node(base).op {
         Op::Input { strides, .. } | Op::ExternOut { strides, .. } | Op::Layout { strides } => strides.clone(),
-        _ => contiguous_strides(&g.ty(base).shape),
+        _ => match braze_ir::memory_order::inherited_order(g, base) {
+            Some(order) => braze_ir::memory_order::dense_strides(&g.ty(base).shape, &order),
+            None => contiguous_strides(&g.ty(base).shape),
+        },
     }
 }
 
