@@ -101,6 +101,8 @@ def compile_fx_graph(gm: torch.fx.GraphModule, example_inputs, *, cfg: Config, k
     record.update(status="compiled", kernels=compiled.kernels, externs=dict(lowered.fallbacks), extern_reasons=dict(lowered.reasons), times=times,
                   islands=dict(lowered.islands), constants=len(lowered.constants), cpu_linears=list(lowered.cpu_linears),
                   cached=compiled.cached, source=compiled.source, schedule=compiled.schedule)
+    if compiled.cuda_source:  # a CPU graph whose CUDA code was checked with NVRTC (BRAZE_CHECK_CUDA)
+        record["cuda_source"] = compiled.cuda_source
     stats.records.append(record)
     _log(cfg, "compile", f"{name}: compile stages", _stages(times) + (" (from the disk cache)" if compiled.cached else ""))
     _log(cfg, "graph", f"{name}: IR before passes", compiled.graph_before)

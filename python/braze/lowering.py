@@ -516,14 +516,14 @@ def _tensors_in(v):
 
 def _graph_device(gm):
     """The device a graph's kernels run on: its first CUDA tensor's, else the CPU (CPU
-    tensors in a CUDA graph are host values)."""
+    tensors in a CUDA graph are host values; a graph of scalars alone runs on the CPU)."""
     first = None
     for node in gm.graph.nodes:
         for t in _tensors_in(node.meta.get("val")):
             if t.device.type == "cuda":
                 return t.device
             first = first or t.device
-    return first
+    return first or torch.device("cpu")
 
 
 def op_name(target) -> str:

@@ -138,27 +138,36 @@ template <class T> BZ void bz_warp_arg(T& v, long long& idx, bool is_max) {
   }
 }
 
-/* Column kernels: threads with the same threadIdx.x share an outer point; combine over y. */
+/* Column kernels: threads with the same threadIdx.x share an outer point; combine over y
+   as a tree in shared memory (log2(BZ_COL_Y) steps; a serial pass over the 64 partials by
+   every thread cost more than the loads when rows are short). */
 template <class T, class F> __device__ T bz_col_reduce(T v, F f) {
   __shared__ T sh[BZ_COL_Y][BZ_COL_X + 1];
   __syncthreads();
   sh[threadIdx.y][threadIdx.x] = v;
   __syncthreads();
-  v = sh[0][threadIdx.x];
-  for (int i = 1; i < BZ_COL_Y; i++) v = f(v, sh[i][threadIdx.x]);
-  return v;
+  for (int s = BZ_COL_Y / 2; s > 0; s >>= 1) {
+    if (threadIdx.y < s) sh[threadIdx.y][threadIdx.x] = v = f(v, sh[threadIdx.y + s][threadIdx.x]);
+    __syncthreads();
+  }
+  return sh[0][threadIdx.x];
 }
 template <class T> __device__ void bz_col_welford(T& mean, T& m2, T& n) {
   __shared__ T sh[3][BZ_COL_Y][BZ_COL_X + 1];
+  const int x = threadIdx.x, y = threadIdx.y;
   __syncthreads();
-  sh[0][threadIdx.y][threadIdx.x] = mean; sh[1][threadIdx.y][threadIdx.x] = m2; sh[2][threadIdx.y][threadIdx.x] = n;
+  sh[0][y][x] = mean; sh[1][y][x] = m2; sh[2][y][x] = n;
   __syncthreads();
-  mean = sh[0][0][threadIdx.x]; m2 = sh[1][0][threadIdx.x]; n = sh[2][0][threadIdx.x];
-  for (int i = 1; i < BZ_COL_Y; i++) {
-    T nb = sh[2][i][threadIdx.x], nn = n + nb;
-    if (nn > 0) { T d = sh[0][i][threadIdx.x] - mean; mean += d * nb / nn; m2 += sh[1][i][threadIdx.x] + d * d * n * nb / nn; }
-    n = nn;
+  for (int s = BZ_COL_Y / 2; s > 0; s >>= 1) {
+    if (y < s) {
+      T nb = sh[2][y + s][x], nn = n + nb;
+      if (nn > 0) { T d = sh[0][y + s][x] - mean; mean += d * nb / nn; m2 += sh[1][y + s][x] + d * d * n * nb / nn; }
+      n = nn;
+      sh[0][y][x] = mean; sh[1][y][x] = m2; sh[2][y][x] = n;
+    }
+    __syncthreads();
   }
+  mean = sh[0][0][x]; m2 = sh[1][0][x]; n = sh[2][0][x];
 }
 
 /* Arg-reductions: the first index of the max (min); NaN counts as the max (min). */
@@ -186,11 +195,18 @@ template <class T> __device__ void bz_block_arg(T& v, long long& idx, bool is_ma
 template <class T> __device__ void bz_col_arg(T& v, long long& idx, bool is_max) {
   __shared__ T shv[BZ_COL_Y][BZ_COL_X + 1];
   __shared__ long long shi[BZ_COL_Y][BZ_COL_X + 1];
+  const int x = threadIdx.x, y = threadIdx.y;
   __syncthreads();
-  shv[threadIdx.y][threadIdx.x] = v; shi[threadIdx.y][threadIdx.x] = idx;
+  shv[y][x] = v; shi[y][x] = idx;
   __syncthreads();
-  v = shv[0][threadIdx.x]; idx = shi[0][threadIdx.x];
-  for (int i = 1; i < BZ_COL_Y; i++) if (bz_arg_better(shv[i][threadIdx.x], shi[i][threadIdx.x], v, idx, is_max)) { v = shv[i][threadIdx.x]; idx = shi[i][threadIdx.x]; }
+  for (int s = BZ_COL_Y / 2; s > 0; s >>= 1) {
+    if (y < s) {
+      if (bz_arg_better(shv[y + s][x], shi[y + s][x], v, idx, is_max)) { v = shv[y + s][x]; idx = shi[y + s][x]; }
+      shv[y][x] = v; shi[y][x] = idx;
+    }
+    __syncthreads();
+  }
+  v = shv[0][x]; idx = shi[0][x];
 }
 "#;
 

@@ -35,12 +35,39 @@ fn walk(g: &Graph, id: NodeId, depth: usize, seen: &mut HashSet<NodeId>) -> Opti
     match &n.op {
         Op::Input { strides, .. } | Op::ExternOut { strides, .. } | Op::Layout { strides } => from_strides(&g.ty(id).shape, strides),
         Op::Unary(_) | Op::Cast(_) if depth < MAX_DEPTH => walk(g, n.inputs[0], depth + 1, seen),
+        // A reshape that splits one dim into two (a view in any layout): the two take the
+        // split dim's place, outer part first.
+        Op::Reshape(to) if depth < MAX_DEPTH => {
+            let from = &g.ty(n.inputs[0]).shape;
+            let d = split_dim(from, to)?;
+            let inner = walk(g, n.inputs[0], depth + 1, seen)?;
+            let mut order = Vec::with_capacity(inner.len() + 1);
+            for e in inner {
+                match e.cmp(&d) {
+                    std::cmp::Ordering::Less => order.push(e),
+                    std::cmp::Ordering::Equal => order.extend([d, d + 1].into_iter().filter(|&k| !to[k].is_const(1))),
+                    std::cmp::Ordering::Greater => order.push(e + 1),
+                }
+            }
+            Some(order)
+        }
         Op::Binary(_) | Op::Where if depth < MAX_DEPTH => {
             let shape = &g.ty(id).shape;
             n.inputs.iter().filter(|&&i| g.ty(i).shape == *shape).find_map(|&i| walk(g, i, depth + 1, seen).filter(|o| o.windows(2).any(|w| w[0] > w[1])))
         }
         _ => None,
     }
+}
+
+/// The dim `d` of `from` that `to` splits into two (`to` is `from` with `from[d]` replaced
+/// by `to[d], to[d + 1]`, whose product it is).
+fn split_dim(from: &[Expr], to: &[Expr]) -> Option<usize> {
+    if to.len() != from.len() + 1 {
+        return None;
+    }
+    let d = (0..from.len()).find(|&d| from[d] != to[d])?.min(from.len() - 1);
+    let same = from[..d] == to[..d] && from[d + 1..] == to[d + 2..];
+    (same && to[d].mul(&to[d + 1]) == from[d]).then_some(d)
 }
 
 /// Dense strides for `shape` laid out in `order` (its non-1 dims, outermost first, as
@@ -99,6 +126,15 @@ mod tests {
         let shape: Vec<Expr> = [2, 64, 1, 56].iter().map(|&v| Expr::constant(v)).collect();
         let st: Vec<Option<i64>> = dense_strides(&shape, &[0, 3, 1]).iter().map(|e| e.as_const()).collect();
         assert_eq!(st, vec![Some(3584), Some(1), Some(1), Some(64)]);
+    }
+
+    #[test]
+    fn a_split_batch_dim_keeps_channels_last() {
+        let g = parse(
+            "graph g {\n  %0 = input index=0 strides=[200704, 1, 14336, 1024] : bf16[64, 1024, 14, 14]\n  %1 = reshape shape=[8, 8, 1024, 14, 14] %0 : bf16[8, 8, 1024, 14, 14]\n  return %1\n}\n",
+        )
+        .unwrap();
+        assert_eq!(memory_order(&g, NodeId(1)), Some(vec![0, 1, 3, 4, 2]));
     }
 
     #[test]

@@ -4,12 +4,12 @@
 //! blocks of a column kernel), each reducing 200 704 elements.
 //!
 //! The reduction is done in two stages. Stage 1 keeps one more dim, a "part" dim, so that
-//! `kept × parts` points reduce in parallel; stage 2 reduces the parts. The part dim is
-//! the outermost reduced dim in memory order (the batch dim of NCHW and NHWC) when it has
-//! at least [`MIN_PARTS`] elements and leaves stage 1 rows of at least [`MIN_PIECE`] elements;
-//! no data moves, and stage 1 still reads its input in memory order. Otherwise the outermost
-//! reduced dim whose size has a power-of-two divisor is reshaped into (parts, piece) (a
-//! long trailing row: `x.sum()` of a 1-d tensor).
+//! `kept × parts` points reduce in parallel; stage 2 reduces the parts. Parts are as few as
+//! give two blocks per wanted block (stage 1 rows stay long). They come from the outermost
+//! reduced dim in memory order that has a divisor of at least that many (the batch dim of
+//! NCHW and NHWC): its elements are the parts, or it is reshaped into (parts, piece) (a view
+//! in any layout; `x.sum()` of a 1-d tensor splits that way). No data moves, and stage 1
+//! reads its input in memory order. Stage 1 rows have at least [`MIN_PIECE`] elements.
 //!
 //! Sum, prod, amax, amin, any and all combine their partial results with the same op.
 //! Variance combines per-part population variances `v_p` and means `m_p` of equal-sized
@@ -29,7 +29,7 @@ pub const MIN_SPLIT_LEN: i64 = 1 << 16;
 pub const MIN_SPLIT_LEN_COLUMN: i64 = 1 << 12;
 /// Kept points a column kernel's block takes (braze-codegen's `COL_X`).
 pub const COLUMN_POINTS_PER_BLOCK: i64 = 8;
-/// Smallest part count of a split along an existing dim.
+/// Smallest part count of the fallback split (no dim has enough parts).
 pub const MIN_PARTS: i64 = 8;
 /// Smallest stage-1 row.
 pub const MIN_PIECE: i64 = 64;
@@ -94,18 +94,21 @@ fn plan(g: &Graph, id: NodeId, min_blocks: i64) -> Option<Plan> {
     }
     let red_order: Vec<usize> = order.iter().copied().filter(|d| dims.contains(d)).collect();
     let base = Plan { kind: *kind, dims: dims.clone(), keepdim: *keepdim, correction: *correction, shape: shape.clone(), at: 0, reshape: None };
-    // An existing dim as the parts.
-    if let Some(&at) = red_order.iter().find(|&&d| size(d).is_some_and(|s| s >= MIN_PARTS && reduced / s >= MIN_PIECE)) {
-        return Some(Plan { at, ..base });
-    }
-    // A dim reshaped into (parts, piece): the most parts up to 1024 leaving rows of >= 256.
+    // Enough parts for two blocks per wanted block, and no more: stage 1 rows stay long
+    // (BatchNorm over 64×1024×14×14 splits the batch into 8 parts of 8 images, not 64 parts
+    // of 196 elements, whose combination would cost more than their loads).
+    let need = ((2 * min_blocks * per_block + kept - 1) / kept.max(1)).max(2);
+    // The outermost reduced dim with a divisor p >= need leaving rows of MIN_PIECE: its
+    // elements are the parts (p == its size) or it is reshaped into (p, size / p).
     for &at in &red_order {
         let s = size(at)?;
-        if let Some(p) = (1..=10).rev().map(|k| 1i64 << k).find(|p| s % p == 0 && reduced / p >= 256) {
-            return Some(Plan { at, reshape: Some(p), ..base });
+        if let Some(p) = (need..=s.min(need * 16)).find(|p| s % p == 0 && reduced / p >= MIN_PIECE) {
+            return Some(Plan { at, reshape: (p != s).then_some(p), ..base });
         }
     }
-    None
+    // Otherwise as many parts as the largest reduced dim gives (the outermost of equals).
+    let at = red_order.iter().copied().filter(|&d| size(d).is_some_and(|s| s >= MIN_PARTS && reduced / s >= MIN_PIECE)).min_by_key(|&d| std::cmp::Reverse(size(d)))?;
+    Some(Plan { at, ..base })
 }
 
 fn emit(out: &mut Graph, n: &Node, x: NodeId, p: &Plan) -> Result<NodeId, braze_ir::Error> {
@@ -182,18 +185,23 @@ mod tests {
     }
 
     #[test]
-    fn batchnorm_statistics_split_at_the_batch_dim() {
-        // channels_last: C innermost, a column reduction over N, H, W.
+    fn batchnorm_statistics_split_the_batch_or_a_spatial_dim() {
+        // channels_last: C innermost, a column reduction over N, H, W. 256 channels want 17
+        // parts (2 × 264 blocks × 8 points): the batch of 64 is reshaped into 32 × 2.
         let cl = "graph g {\n  %0 = input index=0 strides=[802816, 1, 14336, 256] : f32[64, 256, 56, 56]\n  %1 = var dims=[0, 2, 3] keepdim=true correction=0 %0 : f32[1, 256, 1, 1]\n  return %1\n}\n";
         let p = plan_of(cl, 264).unwrap();
-        assert_eq!((p.at, p.reshape), (0, None));
+        assert_eq!((p.at, p.reshape), (0, Some(32)));
         // Enough kept points: no split.
         assert!(plan_of(cl, 16).is_none());
         let g = parse_graph(cl).unwrap();
         let s = split_reductions(&g, 264);
         assert!(braze_ir::verify::verify(&s).is_empty());
         assert_eq!(s.ty(s.outputs[0]), g.ty(g.outputs[0]));
-        assert!(s.to_string().contains("var dims=[2, 3] keepdim=false"), "{s}");
+        assert!(s.to_string().contains("var dims=[1, 3, 4] keepdim=false"), "{s}");
+        // 64 channels want 66 parts: no divisor of the batch, so H (112) gives them.
+        let wide = cl.replace("[802816, 1, 14336, 256] : f32[64, 256, 56, 56]", "[802816, 1, 7168, 64] : f32[64, 64, 112, 112]").replace("f32[1, 256, 1, 1]", "f32[1, 64, 1, 1]");
+        let p = plan_of(&wide, 264).unwrap();
+        assert_eq!((p.at, p.reshape), (2, None));
     }
 
     #[test]
