@@ -178,6 +178,9 @@ class CompiledGraph:
             vals, shapes, strides = self.static
             inputs, plan, out_plan, simple = self.static_plan
         bufs = [None] * self.n_bufs
+        # Data pointers by buffer id, kept in step with `bufs` (one list for the whole call:
+        # rebuilding it for every run of kernels cost O(runs x buffers) host time).
+        ptrs = [0] * self.n_bufs
         tensor_args = self.tensor_args_of(args)
         hosts = None
         if self.n_host:
@@ -187,7 +190,8 @@ class CompiledGraph:
         stream = self.raw_stream(self.device_index) if self.cuda else 0
         # Graph inputs, in the layout the kernels were compiled for.
         for b, idx, shape, stride in inputs:
-            bufs[b] = self._in_layout(tensor_args[idx], shape, stride, stream)
+            t = bufs[b] = self._in_layout(tensor_args[idx], shape, stride, stream)
+            ptrs[b] = t.data_ptr()
         # One allocation for the buffers only braze's kernels touch ([Note: arena]).
         empty = self.empty
         arena = empty((self.arena_bytes,), (1,), torch.uint8) if self.arena_bytes else None
@@ -195,9 +199,10 @@ class CompiledGraph:
         run = self.c.run
         for kind, allocs, frees, a, b in plan:
             for buf, shape, stride, dtype in allocs:
-                bufs[buf] = empty(shape, stride, dtype)
+                t = bufs[buf] = empty(shape, stride, dtype)
+                ptrs[buf] = t.data_ptr()
             if kind == 0:
-                run(a, b, [0 if t is None else t.data_ptr() for t in bufs], syms, stream, arena_ptr)
+                run(a, b, ptrs, syms, stream, arena_ptr)
             else:
                 target, build, views, results = a
                 tensors = [bufs[b] if v is None else bufs[b].as_strided(v[0], v[1], bufs[b].storage_offset() + v[2]) for b, v in views]
@@ -212,9 +217,11 @@ class CompiledGraph:
                     t = r
                     for k in path:
                         t = t[k]
-                    bufs[o] = self._in_layout(t, shape, stride, stream)
+                    t = bufs[o] = self._in_layout(t, shape, stride, stream)
+                    ptrs[o] = t.data_ptr()
             for buf in frees:
                 bufs[buf] = None
+                ptrs[buf] = 0
         outs = []
         for b, view, copy in out_plan:
             t = bufs[b]
@@ -250,38 +257,44 @@ def _allocator(device):
 
 
 def _arg_builder(call, resolver):
-    """A function (tensors, syms) -> (args, kwargs) for an extern call. Calls whose only
-    references are top-level tensor arguments take a fast path."""
-    flat = all(not isinstance(a, (list, tuple, dict, SymRef, Host)) for a in call.args) and not any(
-        isinstance(v, (Ref, SymRef, Host, list, tuple, dict)) for v in call.kwargs.values())
-    if flat:
-        template = list(call.args)
-        slots = [(i, a.k) for i, a in enumerate(template) if isinstance(a, Ref)]
-        kwargs = dict(call.kwargs)
+    """A function (tensors, syms, hosts) -> (args, kwargs) for an extern call, prepared once:
+    only the positions that hold a tensor, a size expression or a host value are filled per
+    call; everything else (a convolution's stride and padding lists) is reused as it is."""
+    make_args = _maker(tuple(call.args), resolver) or (lambda t, s, h, a=tuple(call.args): a)
+    make_kwargs = _maker(dict(call.kwargs), resolver) or (lambda t, s, h, k=dict(call.kwargs): k)
 
-        def fast(tensors, syms, hosts):
-            a = template.copy()
-            for i, k in slots:
-                a[i] = tensors[k]
-            return a, kwargs
-        return fast
+    def build(tensors, syms, hosts):
+        return make_args(tensors, syms, hosts), make_kwargs(tensors, syms, hosts)
+    return build
 
-    def sub(a, tensors, syms, hosts):
-        if isinstance(a, Ref):
-            return tensors[a.k]
-        if isinstance(a, SymRef):
-            return _eval_sym(a.expr, resolver, syms)
-        if isinstance(a, Host):
-            return hosts[a.slot]
-        if isinstance(a, (list, tuple)):
-            return type(a)(sub(x, tensors, syms, hosts) for x in a)
-        if isinstance(a, dict):
-            return {k: sub(v, tensors, syms, hosts) for k, v in a.items()}
-        return a
 
-    def slow(tensors, syms, hosts):
-        return sub(call.args, tensors, syms, hosts), sub(call.kwargs, tensors, syms, hosts)
-    return slow
+def _maker(a, resolver):
+    """None when `a` holds no Ref, SymRef or Host (it is used as it is); else a function
+    (tensors, syms, hosts) -> `a` with those filled in."""
+    if isinstance(a, Ref):
+        k = a.k
+        return lambda t, s, h: t[k]
+    if isinstance(a, SymRef):
+        expr = a.expr
+        return lambda t, s, h: _eval_sym(expr, resolver, s)
+    if isinstance(a, Host):
+        slot = a.slot
+        return lambda t, s, h: h[slot]
+    if isinstance(a, (list, tuple, dict)):
+        keys = list(a.keys()) if isinstance(a, dict) else range(len(a))
+        filled = [(k, m) for k in keys if (m := _maker(a[k], resolver)) is not None]
+        if not filled:
+            return None
+        base = dict(a) if isinstance(a, dict) else list(a)
+        kind = type(a)
+
+        def fill(t, s, h):
+            out = base.copy()
+            for k, m in filled:
+                out[k] = m(t, s, h)
+            return out if kind in (list, dict) else kind(out)
+        return fill
+    return None
 
 
 def _same_layout(t, shape, strides):
