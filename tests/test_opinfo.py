@@ -45,7 +45,7 @@ LOWERED = {
     "view", "reshape", "permute", "transpose", "t", "expand", "unsqueeze", "squeeze", "flatten", "unflatten",
     "narrow", "select", "clone", "contiguous", "index_select", "gather", "cat", "nn.functional.embedding",
     "take_along_dim", "constant_pad_nd", "full_like", "zeros_like", "ones_like", "movedim", "expand_as",
-    "view_as", "reshape_as", "tril", "triu",
+    "view_as", "reshape_as", "tril", "triu", "slice_scatter", "select_scatter",
     # extern kernels with fused pointwise work around them
     "mm", "addmm", "bmm", "nn.functional.linear", "matmul",
 }

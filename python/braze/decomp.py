@@ -29,7 +29,28 @@ _NAMES = [
     "linspace", "logspace", "diag_embed", "trace", "prelu", "_prelu_kernel", "_prelu_kernel_backward",
     "_to_copy", "rms_norm", "_fused_rms_norm", "_fused_rms_norm_backward", "slice_backward",
     "select_backward", "nan_to_num", "aminmax", "threshold",
+    # Softmax as amax/sub/exp/sum (the kernels are the same), so AOTAutograd's partitioner may
+    # recompute its pointwise part in the backward from the saved input and row statistics
+    # instead of saving the f32 result: a language model's log-softmax over the vocabulary
+    # (4096 x 32000) was saved as 524 MB of f32 and written in the forward.
+    "_softmax", "_log_softmax", "_softmax_backward_data", "_log_softmax_backward_data",
+    # The loss's backward as full + scatter (one pointwise kernel with the softmax backward;
+    # see _full_like below for why that matters).
+    "nll_loss_backward",
 ]
+
+
+def _full_like(x, fill_value, *, dtype=None, layout=None, device=None, pin_memory=None,
+               memory_format=torch.preserve_format):
+    """``full_like`` of a row-major tensor as ``full`` of its shape: the result no longer
+    reads ``x``, so AOTAutograd's partitioner does not count ``x`` as needed by the backward
+    (the loss's backward builds its gradient with ``full_like(log_probs, 0)``, which kept the
+    f32 log-softmax of the whole vocabulary saved instead of recomputed). Other layouts keep
+    PyTorch's decomposition (their strides follow ``x``)."""
+    if layout not in (None, torch.strided) or (memory_format == torch.preserve_format and not x.is_contiguous()):
+        return NotImplemented
+    return torch.full(x.shape, fill_value, dtype=dtype or x.dtype, device=device or x.device,
+                      pin_memory=bool(pin_memory))
 
 
 @functools.lru_cache(None)
@@ -37,6 +58,8 @@ def decomposition_table():
     ops = []
     for name in _NAMES:
         packet = getattr(aten, name, None)
-        if packet is not None and name != "_to_copy":
+        if packet is not None and name not in ("_to_copy", "full_like"):
             ops.append(packet)
-    return get_decompositions(ops)
+    table = get_decompositions(ops)
+    table[aten.full_like.default] = _full_like
+    return table

@@ -1242,6 +1242,34 @@ def _gather(L, node, x, dim, index, sparse_grad=False):
     return L.op(f"gather dim={_norm_dim(dim, L.rank(t))}", t, L.tensor(index))
 
 
+@register(A("scatter"))
+def _scatter(L, node, x, dim, index, src=None, value=None, reduce=None):
+    """`scatter` that writes one element per row along `dim` (`index` has size 1 there and
+    the full size elsewhere: the loss's one-hot gradient) is pointwise: where the position
+    along `dim` equals the row's index, the source, else `x`. Indices out of range write
+    nothing here (eager raises; the loss validated its targets in the forward). Other
+    scatters run through ATen."""
+    v = node.meta["val"]
+    r = v.dim()
+    if reduce is not None or r == 0:
+        raise Unsupported("scatter with a reduction or on a 0-dim tensor")
+    d = _norm_dim(dim, r)
+    ishape = list(index.meta["val"].shape)
+    if len(ishape) != r or ishape[d] != 1 or any(ishape[k] != v.shape[k] for k in range(r) if k != d):
+        raise Unsupported("scatter of more than one element per row")
+    if src is None:
+        src = value
+    if isinstance(src, torch.fx.Node) and list(src.meta["val"].shape) != ishape:
+        raise Unsupported("scatter source of another shape than the index")
+    i = L.op(f"iota len={L.size(v.shape[d])} start=0 step=1 dtype=i64")
+    if r > 1:
+        shape = ["1"] * r
+        shape[d] = L.size(v.shape[d])
+        i = L.op(f"reshape shape=[{', '.join(shape)}]", i)
+    hit = L.op("eq", i, L.cast(L.tensor(index), torch.int64))
+    return L.op("where", hit, L.tensor(src, v.dtype), L.tensor(x, v.dtype))
+
+
 @register(A("cat"))
 def _cat(L, node, tensors, dim=0):
     v = node.meta["val"]
@@ -1252,6 +1280,59 @@ def _cat(L, node, tensors, dim=0):
     if len(ids) == 1:
         return ids[0]
     return L.op(f"cat dim={_norm_dim(dim, v.dim())}", *ids)
+
+
+def _dim_mask(L, size, d, rank, lo, hi):
+    """A bool mask broadcastable to a rank-`rank` tensor: True where index `d` is in [lo, hi)."""
+    i = L.op(f"iota len={size} start=0 step=1 dtype=i64")
+    m = L.op("and", L.op("ge", i, L.scalar(lo, torch.int64)), L.op("lt", i, L.scalar(hi, torch.int64)))
+    shape = [1] * rank
+    shape[d] = size
+    return L.op(f"reshape shape=[{', '.join(map(str, shape))}]", m) if rank > 1 else m
+
+
+@register(A("slice_scatter"))
+def _slice_scatter(L, node, base, src, dim=0, start=None, end=None, step=1):
+    """`base` with `src` written into a slice of `dim`: `src` padded to `base`'s shape where
+    the slice is, `base` elsewhere (one pointwise kernel; the backward of slicing and of
+    `cat`, e.g. RoPE's rotate_half, is this on a zero base)."""
+    v = node.meta["val"]
+    r = v.dim()
+    d = _norm_dim(dim, r)
+    size = v.shape[d]
+    start = 0 if start is None else start
+    end = size if end is None else end
+    if not all(isinstance(a, int) for a in (size, start, end, step)) or step != 1:
+        raise Unsupported("slice_scatter with a step or symbolic bounds")
+    start = min(max(start + size if start < 0 else start, 0), size)
+    end = min(max(end + size if end < 0 else end, start), size)
+    if src.meta["val"].shape[d] != end - start:
+        raise Unsupported("slice_scatter source does not fit the slice")
+    b = L.tensor(base, v.dtype)
+    x = L.tensor(src, v.dtype)
+    if end - start == 0:
+        return b
+    pads = [p for k in range(r) for p in ((start, size - end) if k == d else (0, 0))]
+    padded = L.op(f"pad pads=[{', '.join(map(str, pads))}] value={_lit(0, v.dtype)}", x) if any(pads) else x
+    if start == 0 and end == size:
+        return padded
+    return L.op("where", _dim_mask(L, size, d, r, start, end), padded, b)
+
+
+@register(A("select_scatter"))
+def _select_scatter(L, node, base, src, dim, index):
+    """`base` with `src` written at `index` of `dim` (the backward of `select`)."""
+    v = node.meta["val"]
+    r = v.dim()
+    d = _norm_dim(dim, r)
+    size = v.shape[d]
+    if not isinstance(size, int) or not isinstance(index, int):
+        raise Unsupported("select_scatter with a symbolic index or size")
+    index = index + size if index < 0 else index
+    shape = list(src.meta["val"].shape)
+    shape.insert(d, 1)
+    x = L.op(f"reshape shape={L.sizes(shape)}", L.tensor(src, v.dtype))
+    return L.op("where", _dim_mask(L, size, d, r, index, index + 1), x, L.tensor(base, v.dtype))
 
 
 @register(A("constant_pad_nd"))

@@ -5,6 +5,8 @@
 //!   thread per step, the last dim fastest (coalesced).
 //! - Column kernels (the kept dim is the fastest): 8 outer points per block, 64 threads
 //!   per point over the reduced elements, combined through shared memory.
+//! - Tiny rows (at most `SERIAL_ROW_MAX` reduced elements): one thread per outer point,
+//!   a grid-stride loop like a pointwise kernel's; no combination across threads.
 //! - Short rows (at most `WARP_ROW_MAX` reduced elements): one warp per outer point, 8 per
 //!   block, combined by shuffles alone.
 //! - Reduction kernels: one block per outer point (grid-stride over outer points); threads
@@ -224,6 +226,8 @@ pub const BLOCK: u32 = 256;
 /// Rows of at most this many reduced elements get one warp each (8 rows per block) instead
 /// of a block each: shuffles only, no block barriers.
 pub const WARP_ROW_MAX: i64 = 2048;
+/// Reductions over at most this many elements per outer point run one thread per point.
+pub const SERIAL_ROW_MAX: i64 = 16;
 /// Column kernels: outer points per block (threadIdx.x) and threads per point (threadIdx.y).
 /// 8 neighbouring floats fill a 32-byte sector; 64 lanes per point keep enough loads in
 /// flight when there are few outer points (a bias gradient of 768 columns is 96 blocks).
@@ -344,15 +348,19 @@ pub fn emit_kernel(k: &Kernel, sms: u32, out: &mut String) -> Result<Launch, Cod
     let n_outer = k.outer.len();
     let outer_total = product(&k.outer);
     let block = BLOCK;
-    let threads = if k.column { COL_X * COL_Y } else { block };
+    // Tiny rows (a sum over the 4 query heads of a KV head): one thread per outer point
+    // walks its row alone; a block or warp per point would leave most threads idle.
+    let serial = is_red && product(&k.inner).as_const().is_some_and(|n| n <= SERIAL_ROW_MAX);
+    let col = k.column && !serial;
+    let threads = if col { COL_X * COL_Y } else { block };
     writeln!(out, "extern \"C\" __global__ void __launch_bounds__({threads}) {}({}) {{", k.name, params.join(", ")).unwrap();
     let launch = |work: Expr, per_block: u64, cap: u32| Launch {
         name: k.name.clone(),
         unit: 0,
         bufs: bufs.iter().map(|b| b.id).collect(),
         syms: syms.clone(),
-        block: if k.column { COL_X } else { block },
-        block_y: if k.column { COL_Y } else { 1 },
+        block: if col { COL_X } else { block },
+        block_y: if col { COL_Y } else { 1 },
         work,
         per_block,
         cap,
@@ -371,18 +379,21 @@ pub fn emit_kernel(k: &Kernel, sms: u32, out: &mut String) -> Result<Launch, Cod
         return Ok(launch(outer_total, block as u64, sms.max(1) * 32));
     }
     // Row kernels: a block per outer point, threads over the reduced elements (x).
-    // Column kernels: 32 outer points per block (x), 8 threads per point over the reduced
+    // Column kernels: 8 outer points per block (x), 64 threads per point over the reduced
     // elements (y), so loads of neighbouring outer points coalesce.
-    let col = k.column;
-    let warp = !col && product(&k.inner).as_const().is_some_and(|n| n <= WARP_ROW_MAX);
-    let (lane, step, store_guard, body_guard) = if col {
-        ("threadIdx.y", format!("{COL_Y}"), "live && threadIdx.y == 0", Some("live"))
+    let warp = !col && !serial && product(&k.inner).as_const().is_some_and(|n| n <= WARP_ROW_MAX);
+    let (lane, step, store_guard, body_guard) = if serial {
+        ("0", "1".to_string(), None, None)
+    } else if col {
+        ("threadIdx.y", format!("{COL_Y}"), Some("live && threadIdx.y == 0"), Some("live"))
     } else if warp {
-        ("(threadIdx.x & 31)", "32".to_string(), "(threadIdx.x & 31) == 0", None)
+        ("(threadIdx.x & 31)", "32".to_string(), Some("(threadIdx.x & 31) == 0"), None)
     } else {
-        ("threadIdx.x", "blockDim.x".to_string(), "threadIdx.x == 0", None)
+        ("threadIdx.x", "blockDim.x".to_string(), Some("threadIdx.x == 0"), None)
     };
-    if warp {
+    if serial {
+        writeln!(out, "  for (long long o = (long long)blockIdx.x * blockDim.x + threadIdx.x; o < {}; o += (long long)gridDim.x * blockDim.x) {{", index(&outer_total)).unwrap();
+    } else if warp {
         writeln!(out, "  for (long long o = (long long)blockIdx.x * {w} + (threadIdx.x >> 5); o < {}; o += (long long)gridDim.x * {w}) {{", index(&outer_total), w = BLOCK / 32).unwrap();
     } else if col {
         writeln!(out, "  {{").unwrap();
@@ -394,7 +405,7 @@ pub fn emit_kernel(k: &Kernel, sms: u32, out: &mut String) -> Result<Launch, Cod
     }
     decompose(out, "    ", "o", &k.outer, 0);
     for s in &k.prelude {
-        writeln!(out, "    {}", emit_stmt(&e, s, Some(store_guard))?).unwrap();
+        writeln!(out, "    {}", emit_stmt(&e, s, store_guard)?).unwrap();
     }
     let inner_total = index(&product(&k.inner));
     let (reduce, welford, arg) = if col {
@@ -431,12 +442,18 @@ pub fn emit_kernel(k: &Kernel, sms: u32, out: &mut String) -> Result<Launch, Cod
                 ReduceKind::ArgMin => format!("{arg}(a{n}, ai{n}, false);"),
                 ReduceKind::Var => format!("{{ {st} fn = ({st})wn{n}; {welford}(wm{n}, wq{n}, fn); wn{n} = (long long)fn; }}"),
             };
-            writeln!(out, "    {line}").unwrap();
+            if !serial {
+                writeln!(out, "    {line}").unwrap();
+            }
             writeln!(out, "    {}", e.red_final(r)).unwrap();
         }
         for s in &p.after {
-            writeln!(out, "    {}", emit_stmt(&e, s, Some(store_guard))?).unwrap();
+            writeln!(out, "    {}", emit_stmt(&e, s, store_guard)?).unwrap();
         }
+    }
+    if serial {
+        writeln!(out, "  }}\n}}\n").unwrap();
+        return Ok(launch(outer_total, block as u64, sms.max(1) * 32));
     }
     if col {
         writeln!(out, "  }}\n}}\n").unwrap();
