@@ -53,6 +53,15 @@ def _full_like(x, fill_value, *, dtype=None, layout=None, device=None, pin_memor
                       pin_memory=bool(pin_memory))
 
 
+def _detach(x):
+    """``detach`` in the joint graph (autograd's formulas detach the results they save, e.g.
+    log-softmax's) as ``alias``, a view to AOTAutograd's partitioner: a ``detach`` user made
+    the log-probabilities count as materialized in the backward, so they were saved (f32, the
+    whole vocabulary) rather than recomputed from the logits. There is no autograd below this
+    point, so the two are the same."""
+    return aten.alias.default(x)
+
+
 @functools.lru_cache(None)
 def decomposition_table():
     ops = []
@@ -62,4 +71,5 @@ def decomposition_table():
             ops.append(packet)
     table = get_decompositions(ops)
     table[aten.full_like.default] = _full_like
+    table[aten.detach.default] = _detach
     return table
