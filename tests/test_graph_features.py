@@ -386,3 +386,34 @@ def test_dynamic_sizes_with_rounding(device):
         for a, b in zip(c(x), f(x)):
             torch.testing.assert_close(a, b)
     _no_eager()
+
+
+def test_attention_mask_made_dense_before_tracing():
+    """A CUDA attention mask whose last dim has stride 0 (transformers' broadcast padding mask
+    under torch.compile) is made contiguous in Dynamo's graph, so AOTAutograd traces a fused
+    SDPA kernel rather than the f32 math composition; other masks are left alone. Checked on
+    fake CUDA tensors (no GPU needed); the GPU test in test_model_zoo runs the real model."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from braze.attention import dense_masks
+
+    F = torch.nn.functional
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        q = torch.empty(2, 4, 16, 8, device="cuda", dtype=torch.bfloat16)
+        broadcast = torch.empty(2, 1, 16, 1, device="cuda", dtype=torch.bool).expand(2, 1, 16, 16)
+        dense = torch.empty(2, 1, 16, 16, device="cuda", dtype=torch.bool)
+    for mask, rewritten in ((broadcast, True), (dense, False)):
+        g = torch.fx.Graph()
+        qn, mn = g.placeholder("q"), g.placeholder("m")
+        qn.meta["example_value"], mn.meta["example_value"] = q, mask
+        out = g.call_function(F.scaled_dot_product_attention, (qn, qn, qn), {"attn_mask": mn})
+        g.output(out)
+        gm = torch.fx.GraphModule(torch.nn.Module(), g)
+        assert dense_masks(gm) == int(rewritten)
+        sdpa = next(n for n in gm.graph.nodes if n.op == "call_function")
+        m = sdpa.kwargs["attn_mask"]
+        if rewritten:
+            assert m.op == "call_method" and m.target == "contiguous" and m.args[0] is mn
+            assert m.meta["example_value"].stride()[-1] == 1
+        else:
+            assert m is mn
