@@ -880,6 +880,37 @@ def _slice(L, node, x, dim=0, start=None, end=None, step=1):
     return L.op(f"slice dim={dim} start={L.size(start)} len={sym_str(v.shape[dim])} step={int(step)}", t)
 
 
+@register(A("split"), A("split_with_sizes"))
+def _split(L, node, x, sizes, dim=0):
+    """Pieces along `dim` as slice views of `x` (GPT-2 splits its fused q, k, v projection);
+    an int is the pieces' size, the last one shorter."""
+    src = x.meta["val"]
+    d = _norm_dim(dim, src.dim())
+    total = src.shape[d]
+    if isinstance(sizes, int):
+        if not isinstance(total, int) or sizes <= 0:
+            raise Unsupported("split of a symbolic dim")
+        sizes = [min(sizes, total - s) for s in range(0, total, sizes)] or [0]
+    if not all(isinstance(n, int) for n in sizes):
+        raise Unsupported("split with symbolic sizes")
+    t = L.tensor(x)
+    out, start = [], 0
+    for n in sizes:
+        out.append(t if n == total else L.op(f"slice dim={d} start={start} len={n} step=1", t))
+        start += n
+    return tuple(out)
+
+
+@register(A("unbind"))
+def _unbind(L, node, x, dim=0):
+    src = x.meta["val"]
+    d = _norm_dim(dim, src.dim())
+    if not isinstance(src.shape[d], int):
+        raise Unsupported("unbind of a symbolic dim")
+    t = L.tensor(x)
+    return tuple(L.op(f"select dim={d} index={i}", t) for i in range(src.shape[d]))
+
+
 @register(A("select"))
 def _select(L, node, x, dim, index):
     src = x.meta["val"]
@@ -1333,6 +1364,17 @@ def _select_scatter(L, node, base, src, dim, index):
     shape.insert(d, 1)
     x = L.op(f"reshape shape={L.sizes(shape)}", L.tensor(src, v.dtype))
     return L.op("where", _dim_mask(L, size, d, r, index, index + 1), x, L.tensor(base, v.dtype))
+
+
+@register(A("stack"))
+def _stack(L, node, tensors, dim=0):
+    """`cat` of the tensors, each with a size-1 dim inserted at `dim`."""
+    v = node.meta["val"]
+    d = _norm_dim(dim, v.dim())
+    shape = list(v.shape)
+    shape[d] = 1
+    ids = [L.op(f"reshape shape={L.sizes(shape)}", L.tensor(t, v.dtype)) for t in tensors]
+    return ids[0] if len(ids) == 1 else L.op(f"cat dim={d}", *ids)
 
 
 @register(A("constant_pad_nd"))
