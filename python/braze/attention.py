@@ -23,10 +23,11 @@ MAX_MASK_ELEMENTS = 1 << 26
 
 
 def _mask_of(node):
+    """The call's mask and where it is: "attn_mask" (a keyword) or 3 (a position)."""
     if "attn_mask" in node.kwargs:
-        return node.kwargs["attn_mask"], ("kw", "attn_mask")
+        return node.kwargs["attn_mask"], "attn_mask"
     if len(node.args) > 3:
-        return node.args[3], ("arg", 3)
+        return node.args[3], 3
     return None, None
 
 
@@ -47,24 +48,15 @@ def dense_masks(gm: torch.fx.GraphModule) -> int:
             continue
         with gm.graph.inserting_before(node):
             dense = gm.graph.call_method("contiguous", (mask,))
-        dense.meta.update({k: v for k, v in mask.meta.items() if k != "example_value"})
-        dense.meta["example_value"] = val.contiguous() if not isinstance(val, torch._subclasses.FakeTensor) else val.new_empty_strided(val.shape, _contiguous_strides(val.shape))
-        if where[0] == "kw":
+        dense.meta.update(mask.meta)
+        dense.meta["example_value"] = val.contiguous()
+        if where == "attn_mask":
             node.kwargs = {**node.kwargs, "attn_mask": dense}
         else:
-            args = list(node.args)
-            args[3] = dense
-            node.args = tuple(args)
+            node.args = (*node.args[:3], dense, *node.args[4:])
         changed += 1
     if changed:
         gm.graph.lint()
         gm.recompile()
     return changed
 
-
-def _contiguous_strides(shape):
-    st, acc = [], 1
-    for s in reversed(shape):
-        st.append(acc)
-        acc *= s
-    return tuple(reversed(st))

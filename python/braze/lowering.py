@@ -1292,12 +1292,7 @@ def _scatter(L, node, x, dim, index, src=None, value=None, reduce=None):
         src = value
     if isinstance(src, torch.fx.Node) and list(src.meta["val"].shape) != ishape:
         raise Unsupported("scatter source of another shape than the index")
-    i = L.op(f"iota len={L.size(v.shape[d])} start=0 step=1 dtype=i64")
-    if r > 1:
-        shape = ["1"] * r
-        shape[d] = L.size(v.shape[d])
-        i = L.op(f"reshape shape=[{', '.join(shape)}]", i)
-    hit = L.op("eq", i, L.cast(L.tensor(index), torch.int64))
+    hit = L.op("eq", _dim_index(L, v.shape[d], d, r), L.cast(L.tensor(index), torch.int64))
     return L.op("where", hit, L.tensor(src, v.dtype), L.tensor(x, v.dtype))
 
 
@@ -1313,13 +1308,20 @@ def _cat(L, node, tensors, dim=0):
     return L.op(f"cat dim={_norm_dim(dim, v.dim())}", *ids)
 
 
+def _dim_index(L, size, d, rank):
+    """The index along dim `d` (i64), shaped to broadcast against a rank-`rank` tensor."""
+    i = L.op(f"iota len={L.size(size)} start=0 step=1 dtype=i64")
+    if rank == 1:
+        return i
+    shape = ["1"] * rank
+    shape[d] = L.size(size)
+    return L.op(f"reshape shape=[{', '.join(shape)}]", i)
+
+
 def _dim_mask(L, size, d, rank, lo, hi):
     """A bool mask broadcastable to a rank-`rank` tensor: True where index `d` is in [lo, hi)."""
-    i = L.op(f"iota len={size} start=0 step=1 dtype=i64")
-    m = L.op("and", L.op("ge", i, L.scalar(lo, torch.int64)), L.op("lt", i, L.scalar(hi, torch.int64)))
-    shape = [1] * rank
-    shape[d] = size
-    return L.op(f"reshape shape=[{', '.join(map(str, shape))}]", m) if rank > 1 else m
+    i = _dim_index(L, size, d, rank)
+    return L.op("and", L.op("ge", i, L.scalar(lo, torch.int64)), L.op("lt", i, L.scalar(hi, torch.int64)))
 
 
 @register(A("slice_scatter"))

@@ -341,20 +341,7 @@ fn emit_lanes_pass(k: &Kernel, p: &braze_sched::loop_ir::Pass, e: &Emitter, out:
         }
         writeln!(out, "{}#pragma omp simd", pad(dd)).unwrap();
         writeln!(out, "{}for (int64_t bz_l = 0; bz_l < {count}; bz_l++) {{", pad(dd)).unwrap();
-        let q = pad(dd + 1);
-        writeln!(out, "{q}const int64_t i{v} = {lo} + bz_l;").unwrap();
-        for (t, n) in &states {
-            writeln!(out, "{q}{t} {n} = {n}_v[bz_l];").unwrap();
-        }
-        for s in &p.body {
-            writeln!(out, "{q}{}", e.stmt(s)?).unwrap();
-        }
-        for r in &p.reductions {
-            writeln!(out, "{q}{}", e.red_update_lane(r)).unwrap();
-        }
-        for (_, n) in &states {
-            writeln!(out, "{q}{n}_v[bz_l] = {n};").unwrap();
-        }
+        emit_lane_body(out, &pad(dd + 1), &format!("const int64_t i{v} = {lo} + bz_l;"), "bz_l", &states, p, e, |r| e.red_update_lane(r))?;
         writeln!(out, "{}}}", pad(dd)).unwrap();
         if outer_loop {
             writeln!(out, "{}}}", pad(dd - 1)).unwrap();
@@ -375,6 +362,36 @@ fn emit_lanes_pass(k: &Kernel, p: &braze_sched::loop_ir::Pass, e: &Emitter, out:
     }
     for s in &p.after {
         writeln!(out, "{}{}", pad(depth), e.stmt(s)?).unwrap();
+    }
+    Ok(())
+}
+
+/// The body of a vector loop over `lane` (lanes of a blocked reduction, columns of a column
+/// kernel): the loop variable (`var`), each reduction state read from its array slot, the
+/// pass's statements and `update`s, the states written back.
+#[allow(clippy::too_many_arguments)]
+fn emit_lane_body(
+    out: &mut String,
+    q: &str,
+    var: &str,
+    lane: &str,
+    states: &[(&str, String)],
+    p: &braze_sched::loop_ir::Pass,
+    e: &Emitter,
+    update: impl Fn(&braze_sched::loop_ir::Reduction) -> String,
+) -> Result<(), CodegenError> {
+    writeln!(out, "{q}{var}").unwrap();
+    for (t, n) in states {
+        writeln!(out, "{q}{t} {n} = {n}_v[{lane}];").unwrap();
+    }
+    for s in &p.body {
+        writeln!(out, "{q}{}", e.stmt(s)?).unwrap();
+    }
+    for r in &p.reductions {
+        writeln!(out, "{q}{}", update(r)).unwrap();
+    }
+    for (_, n) in states {
+        writeln!(out, "{q}{n}_v[{lane}] = {n};").unwrap();
     }
     Ok(())
 }
@@ -430,19 +447,7 @@ fn emit_column(k: &Kernel, e: &Emitter, out: &mut String, par_if: &str) -> Resul
     let pad = "  ".repeat(depth);
     writeln!(out, "{pad}#pragma omp simd").unwrap();
     writeln!(out, "{pad}for (int64_t j = 0; j < cn; j++) {{").unwrap();
-    writeln!(out, "{pad}  const int64_t i{last} = cb + j;").unwrap();
-    for (t, n) in &states {
-        writeln!(out, "{pad}  {t} {n} = {n}_v[j];").unwrap();
-    }
-    for s in &p.body {
-        writeln!(out, "{pad}  {}", e.stmt(s)?).unwrap();
-    }
-    for r in &p.reductions {
-        writeln!(out, "{pad}  {}", e.red_update(r)).unwrap();
-    }
-    for (_, n) in &states {
-        writeln!(out, "{pad}  {n}_v[j] = {n};").unwrap();
-    }
+    emit_lane_body(out, &format!("{pad}  "), &format!("const int64_t i{last} = cb + j;"), "j", &states, p, e, |r| e.red_update(r))?;
     writeln!(out, "{pad}}}").unwrap();
     for _ in 0..k.inner.len() {
         depth -= 1;

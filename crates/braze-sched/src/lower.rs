@@ -74,9 +74,7 @@ impl Domain {
                 let t = g.ty(n.inputs[0]);
                 let keep: Vec<usize> = (0..t.rank()).filter(|&d| !t.shape[d].is_const(1)).collect();
                 // Loops nest in the order the input lies in memory ([`braze_ir::memory_order`]).
-                let order = braze_ir::memory_order::memory_order(g, n.inputs[0])
-                    .map(|o| o.iter().map(|d| keep.iter().position(|k| k == d).expect("a non-1 dim")).collect::<Vec<usize>>())
-                    .filter(|o| o.len() == keep.len());
+                let order = braze_ir::memory_order::memory_order(g, n.inputs[0]).and_then(|o| nesting(&o, &keep));
                 Domain { dims: keep.iter().map(|&d| t.shape[d].clone()).collect(), reduced: keep.iter().map(|d| dims.contains(d)).collect(), order }
             }
             _ => {
@@ -89,12 +87,18 @@ impl Domain {
                     Op::Layout { .. } => braze_ir::memory_order::memory_order(g, r),
                     _ => braze_ir::memory_order::inherited_order(g, r),
                 }
-                .map(|o| o.iter().map(|d| keep.iter().position(|k| k == d).expect("a non-1 dim")).collect::<Vec<usize>>())
-                .filter(|o| o.len() == keep.len());
+                .and_then(|o| nesting(&o, &keep));
                 Domain { reduced: vec![false; dims.len()], dims, order }
             }
         }
     }
+}
+
+/// A memory order (the value's non-1 dims, outermost first) as a nesting of domain dims, which
+/// number the non-1 dims `keep` in logical order.
+fn nesting(order: &[usize], keep: &[usize]) -> Option<Vec<usize>> {
+    let o: Vec<usize> = order.iter().map(|d| keep.iter().position(|k| k == d)).collect::<Option<_>>()?;
+    (o.len() == keep.len()).then_some(o)
 }
 
 /// Where a root is computed within its group.
