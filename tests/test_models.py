@@ -159,6 +159,51 @@ def test_matmul_epilogues(device, dtype):
         assert len(rec["kernels"]) == 2, rec["kernels"]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_misaligned_matmul_rows(device, dtype):
+    """A vocabulary head whose rows are not a multiple of 16 bytes (1001 columns): on CUDA the
+    matmuls run at a padded size (1008 bf16 or 1004 f32 columns; cuBLASLt's aligned kernels),
+    the loss reads the logits from the padded rows, the backward pads the logits gradient once
+    for both its matmuls, and the logits the user gets are row-major as in eager."""
+    if device == "cpu" and dtype != torch.float32:
+        pytest.skip("half matmuls on CPU are ATen's")
+    torch.manual_seed(0)
+    head = torch.nn.Linear(64, 1001, bias=False).to(device, dtype)
+    head2 = torch.nn.Linear(64, 1001, bias=False).to(device, dtype)
+    head2.load_state_dict(head.state_dict())
+
+    def step(h, x, t):
+        logits = h(torch.tanh(x))
+        return torch.nn.functional.cross_entropy(logits.float(), t), logits
+
+    x = torch.randn(48, 64, device=device, dtype=dtype, requires_grad=True)
+    x2 = x.detach().clone().requires_grad_(True)
+    t = torch.randint(0, 1001, (48,), device=device)
+    c = compiled(lambda x, t: step(head2, x, t))
+    tol = {} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
+    prec = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        (loss, logits), (loss2, logits2) = step(head, x, t), c(x2, t)
+        torch.testing.assert_close(loss2, loss, **tol)
+        torch.testing.assert_close(logits2, logits, **tol)
+        assert logits2.stride() == logits.stride()
+        loss.backward()
+        loss2.backward()
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = prec
+    torch.testing.assert_close(x2.grad, x.grad, **tol)
+    torch.testing.assert_close(head2.weight.grad, head.weight.grad, **tol)
+    recs = braze.stats.records[-2:]
+    assert [r["kind"] for r in recs] == ["forward", "backward"]
+    assert all(r["status"] == "compiled" for r in recs)
+    if device == "cuda":
+        fw, bw = recs[0]["schedule"], recs[1]["schedule"]
+        row = "1008*i" if dtype == torch.bfloat16 else "1004*i"
+        assert fw.count("matmul %") == 1 and row in fw, fw
+        assert bw.count("matmul %") == 2 and row in bw, bw
+
+
 def test_softmax_and_layernorm_fuse(device):
     def f(x, w, b):
         return torch.softmax(torch.nn.functional.layer_norm(x, (x.shape[-1],), w, b), dim=-1)

@@ -209,8 +209,15 @@ fn prepare_matmul(g: &Graph, sched: &braze_sched::Schedule, step: &Step, ordinal
         }
         None => None,
     };
+    // The result's row stride and batch stride (its buffer's).
+    let ob = &sched.buffers[out as usize];
+    let r = ob.strides.len();
+    let out_ld = if ty.shape[r - 2].is_const(1) { c(&ty.shape[r - 1])? } else { c(&ob.strides[r - 2])? };
+    let out_batch_stride = if r == 3 { c(&ob.strides[0])? } else { 0 };
     let spec = MatmulSpec {
         name: format!("braze_matmul_{}", node.0),
+        out_ld,
+        out_batch_stride,
         a: operand(a)?,
         b: operand(b)?,
         bias,
@@ -260,6 +267,8 @@ pub fn compile_with(g: Graph, target: Target, check_cuda: bool, check_arch: &str
         // Few long rows would leave most of the GPU idle: split them (per-target stage).
         let (_, sms) = braze_runtime::cuda::device_info(ordinal).map_err(DriverError::from)?;
         opt = braze_passes::split_reductions::split_reductions(&opt, 2 * sms as i64);
+        // cuBLASLt's fast kernels need aligned matrices (per-target stage).
+        opt = braze_passes::pad_matmuls::pad_matmuls(&opt);
     } else if let Some(blocks) = std::env::var("BRAZE_SPLIT_REDUCTIONS_CPU").ok().and_then(|v| v.parse::<i64>().ok()) {
         // A test hook: the GPU's split on the CPU, so the CPU suite checks its numerics.
         opt = braze_passes::split_reductions::split_reductions(&opt, blocks);

@@ -8,6 +8,8 @@ pub mod const_fold;
 pub mod cse;
 pub mod dce;
 pub mod matmul_epilogue;
+pub mod one_hot_sums;
+pub mod pad_matmuls;
 pub mod rewrite;
 pub mod simplify;
 pub mod split_reductions;
@@ -21,13 +23,17 @@ pub type Pass = fn(&Graph) -> Graph;
 pub const PASSES: &[(&str, Pass)] = &[
     ("const_fold", const_fold::const_fold),
     ("simplify", simplify::simplify),
+    ("one_hot_sums", one_hot_sums::one_hot_sums),
     ("cse", cse::cse),
     ("matmul_epilogue", matmul_epilogue::matmul_epilogue),
     ("dce", dce::dce),
 ];
 
 /// Passes run only for some targets (not in the default pipeline).
-pub const TARGET_PASSES: &[(&str, Pass)] = &[("split_reductions", |g| split_reductions::split_reductions(g, 64))];
+pub const TARGET_PASSES: &[(&str, Pass)] = &[
+    ("split_reductions", |g| split_reductions::split_reductions(g, 64)),
+    ("pad_matmuls", pad_matmuls::pad_matmuls),
+];
 
 pub fn pass_by_name(name: &str) -> Option<Pass> {
     PASSES.iter().chain(TARGET_PASSES).find(|(n, _)| *n == name).map(|(_, p)| *p)

@@ -10,6 +10,17 @@ pub enum Rewrite {
     Use(NodeId),
     /// Replace the node by a new op on nodes of the new graph.
     Op(Op, Vec<NodeId>),
+    /// Replace the node by the last of several new ops, each on nodes of the new graph or
+    /// on earlier ops of the chain.
+    Chain(Vec<(Op, Vec<Arg>)>),
+}
+
+/// An operand of an op in a [`Rewrite::Chain`].
+#[derive(Clone, Copy)]
+pub enum Arg {
+    Node(NodeId),
+    /// The result of the chain's op at this position.
+    Step(usize),
 }
 
 /// Applies `rule` to every node; returns the rewritten graph (not yet dead-code eliminated).
@@ -21,19 +32,36 @@ pub fn rewrite(g: &Graph, mut rule: impl FnMut(&Graph, &Node) -> Option<Rewrite>
         n2.inputs = n.inputs.iter().map(|i| map[i.index()]).collect();
         let new_id = match rule(&out, &n2) {
             Some(Rewrite::Use(id)) if out.node(id).ty == n2.ty => id,
-            Some(Rewrite::Op(op, ins)) => match out.add(op, ins) {
-                Ok(id) if out.node(id).ty == n2.ty => id,
-                Ok(id) => {
-                    // A rule that changes the type is a bug in the rule; keep the original.
-                    out.nodes.truncate(id.index());
-                    out.add_typed(n2.op, n2.inputs, n2.ty)
-                }
-                Err(_) => out.add_typed(n2.op, n2.inputs, n2.ty),
-            },
+            Some(Rewrite::Op(op, ins)) => add_chain(&mut out, vec![(op, ins.into_iter().map(Arg::Node).collect())], n2),
+            Some(Rewrite::Chain(ops)) => add_chain(&mut out, ops, n2),
             _ => out.add_typed(n2.op, n2.inputs, n2.ty),
         };
         map.push(new_id);
     }
     out.outputs = g.outputs.iter().map(|o| map[o.index()]).collect();
     out
+}
+
+/// Adds a rule's ops; keeps the original node instead when one does not type-check or the
+/// last has another type than the node (a rule that changes the type is a bug in the rule).
+fn add_chain(out: &mut Graph, ops: Vec<(Op, Vec<Arg>)>, n: Node) -> NodeId {
+    let start = out.nodes.len();
+    let mut ids: Vec<NodeId> = Vec::with_capacity(ops.len());
+    for (op, args) in ops {
+        let ins = args.iter().map(|a| match *a {
+            Arg::Node(id) => id,
+            Arg::Step(k) => ids[k],
+        });
+        match out.add(op, ins.collect()) {
+            Ok(id) => ids.push(id),
+            Err(_) => break,
+        }
+    }
+    match ids.last() {
+        Some(&id) if ids.len() == out.nodes.len() - start && out.node(id).ty == n.ty => id,
+        _ => {
+            out.nodes.truncate(start);
+            out.add_typed(n.op, n.inputs, n.ty)
+        }
+    }
 }
