@@ -341,6 +341,23 @@ def test_outputs_are_views_and_fresh():
     torch.testing.assert_close(x + 0, refs[2])
 
 
+def test_cloned_views_have_eager_strides(device):
+    """A clone of a strided view is row-major in eager (of a dense permutation it keeps the
+    permutation): braze returns those strides, not the view's (a graph compiled for eager's
+    strides, such as the backward that reads saved tensors, would copy it again)."""
+
+    def f(x):
+        y = x + 1
+        return y[:, ::2].clone(), y.view(4, 6, 3, 8)[:, :, 0].transpose(1, 2).clone(), y.t().clone(), y[1:3].clone()
+
+    x = torch.randn(24, 24, device=device)
+    for o, r in zip(compiled(f)(x), f(x)):
+        torch.testing.assert_close(o, r)
+        assert o.stride() == r.stride()
+    rec = braze.stats.records[-1]
+    assert rec["status"] == "compiled" and not rec["externs"]
+
+
 def test_unsupported_dtype_falls_back():
     def f(x):
         return (x * 2).abs()

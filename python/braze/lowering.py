@@ -294,6 +294,7 @@ class Lowerer:
                 for a in torch.fx.node.map_arg(node.args[0], lambda n: n) if isinstance(node.args[0], (list, tuple)) else [node.args[0]]:
                     v = self.env.get(a) if isinstance(a, torch.fx.Node) else a
                     if isinstance(v, int) and isinstance(a, torch.fx.Node):
+                        v = self.output_layout(a, v)
                         outputs.append(("t", len(outs)))
                         outs.append(v)
                         passthrough.append(a.op == "placeholder")
@@ -402,6 +403,34 @@ class Lowerer:
             expect *= shape[d]
         if not dense or order == dims or self.b.node_op(i) in self._NO_LAYOUT:
             return i
+        return self.op(f"layout strides=[{', '.join(map(str, strides))}]", i)
+
+    _VIEW_OPS = ("permute", "expand", "reshape", "slice", "select")
+
+    def output_layout(self, a: torch.fx.Node, i: int) -> int:
+        """Output `a` lowered to `i`. When eager computes `a` as a fresh tensor (no view op:
+        a clone, a cat with an empty tensor, `zeros_like`) but braze lowered it to a view of
+        another value, the view's strides are not eager's (a clone of a sliced view is
+        row-major in eager; the key/value cache's `cat` of GPT-2 is contiguous where the view
+        strides through the qkv projection). Then `i` is wrapped in a `layout` with eager's
+        strides, a copy as in eager: the caller, and the next graph compiled for eager's
+        strides (the backward reading saved tensors, which copied 24 of them per GPT-2 step),
+        get what eager gives."""
+        target = a.target if a.op == "call_function" else None
+        if not isinstance(target, torch._ops.OpOverload) or target.is_view or self.b.node_op(i) not in self._VIEW_OPS:
+            return i
+        va = a.meta.get("val")
+        if not is_tensor_meta(va):
+            return i
+        shape, strides = list(va.shape), list(va.stride())
+        if any(not isinstance(x, int) for x in shape + strides):
+            return i
+        dims = sorted((d for d in range(len(shape)) if shape[d] != 1), key=lambda d: -strides[d])
+        expect = 1
+        for d in reversed(dims):
+            if strides[d] != expect:
+                return i
+            expect *= shape[d]
         return self.op(f"layout strides=[{', '.join(map(str, strides))}]", i)
 
     def extern(self, node: torch.fx.Node, target=None, call_args=None, name=None, island=None):

@@ -517,8 +517,10 @@ pub fn lower(cx: &Ctx, me: usize, dom: &Domain, roots: &[NodeId]) -> Result<Kern
     ops.dedup();
     ops.truncate(6);
     let kind = if passes.iter().any(|p| !p.reductions.is_empty()) { "red" } else { "poi" };
+    // A kernel that only moves values (a layout copy, a cat of views) is named a copy.
+    let name = if ops.is_empty() { format!("braze_{kind}_copy") } else { format!("braze_{kind}_fused_{}", ops.join("_")) };
     Ok(Kernel {
-        name: format!("braze_{kind}_fused_{}", ops.join("_")),
+        name,
         roots: roots.iter().map(|r| r.to_string()).collect(),
         outer: dom.outer(),
         inner,
