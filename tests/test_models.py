@@ -358,6 +358,40 @@ def test_cloned_views_have_eager_strides(device):
     assert rec["status"] == "compiled" and not rec["externs"]
 
 
+@pytest.mark.parametrize("layout", ["nchw", "channels_last"])
+def test_max_pool_inference_is_fused(device, layout):
+    """Max pooling in inference lowers to one kernel with the BatchNorm and ReLU before it
+    (windows of 3, 2 and 3 with padding, stride 2 and 1; NaN propagates as in eager) and
+    keeps eager's strides; in training its indices feed the backward and it stays ATen's."""
+    torch.manual_seed(0)
+    bn = torch.nn.BatchNorm2d(8).to(device).eval()
+    with torch.no_grad():
+        bn.running_mean.uniform_(-1, 1)
+        bn.running_var.uniform_(0.5, 2)
+
+    def f(x):
+        y = torch.relu(bn(x))
+        return (torch.nn.functional.max_pool2d(y, 3, 2, 1), torch.nn.functional.max_pool2d(x, 2),
+                torch.nn.functional.max_pool2d(x, 3, 1, 1))
+
+    x = torch.randn(2, 8, 15, 14, device=device)
+    x[0, 1, 3, 4] = float("nan")
+    if layout == "channels_last":
+        x = x.to(memory_format=torch.channels_last)
+    with torch.no_grad():
+        for o, r in zip(compiled(f)(x), f(x)):
+            torch.testing.assert_close(o, r, equal_nan=True)
+            assert o.stride() == r.stride()
+    rec = braze.stats.records[-1]
+    assert rec["status"] == "compiled" and not rec["externs"], rec["externs"]
+    xg = x.detach().clone().requires_grad_(True)
+    xg2 = x.detach().clone().requires_grad_(True)
+    g = lambda x: torch.nn.functional.max_pool2d(torch.relu(x), 3, 2, 1).sum()
+    g(xg).backward()
+    compiled(g)(xg2).backward()
+    torch.testing.assert_close(xg2.grad, xg.grad, equal_nan=True)
+
+
 def test_unsupported_dtype_falls_back():
     def f(x):
         return (x * 2).abs()

@@ -277,7 +277,11 @@ impl Emitter<'_> {
             ReduceKind::ArgMin => format!("if ({}) {{ a{n} = {s}; ai{n} = {}; }}", nan_first("<"), index(&r.inner_index)),
             ReduceKind::Any => format!("a{n} |= ({s} != 0);"),
             ReduceKind::All => format!("a{n} &= ({s} != 0);"),
-            ReduceKind::Var => format!("{{ wn{n} += 1; {ct} d = {s} - wm{n}; wm{n} += d / ({ct})wn{n}; wq{n} += d * ({s} - wm{n}); }}", ct = compute_type(self.dt(r.src))),
+            ReduceKind::Var => {
+                let ct = compute_type(self.dt(r.src));
+                let div = if ct == "double" { "bz_wdivd" } else { "bz_wdiv" };
+                format!("{{ wn{n} += 1; {ct} d = {s} - wm{n}; wm{n} += {div}(d, ({ct})wn{n}); wq{n} += d * ({s} - wm{n}); }}")
+            }
         }
     }
 
