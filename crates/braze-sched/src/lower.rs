@@ -9,7 +9,7 @@
 
 use crate::layout::view_index;
 use crate::loop_ir::{BufId, BufRef, Kernel, Pass, Reduction, Stmt, Tmp};
-use braze_ir::{BinaryOp, DType, Expr, Graph, Lit, NodeId, Op, ReduceKind};
+use braze_ir::{Atom, BinaryOp, DType, Expr, Graph, Lit, NodeId, Op, ReduceKind};
 use std::collections::{HashMap, HashSet};
 
 /// The group cannot be lowered as one kernel.
@@ -178,6 +178,11 @@ struct Builder<'a, 'c> {
     outer_cache: HashMap<(NodeId, Vec<Expr>, Option<Tmp>), Tmp>,
     in_inner: bool,
     mask: Option<Tmp>,
+    /// Loop variables of the dims that `mask` guards (a pad's or cat's dim): a value read at an
+    /// index that mentions none of them is in bounds wherever the kernel runs, so it is
+    /// computed unmasked and shared (a BatchNorm's per-channel scale before a max pool's nine
+    /// padded loads is computed once, not nine times under nine masks).
+    guarded: Vec<u32>,
     /// Finished reductions of this group: result temporary and the index it belongs to.
     reds: HashMap<NodeId, (Tmp, Vec<Expr>)>,
     bufs: Vec<BufRef>,
@@ -210,16 +215,37 @@ impl Builder<'_, '_> {
         (0..s.len()).map(|d| if s[d].is_const(1) { Expr::zero() } else { idx[d + off].clone() }).collect()
     }
 
-    fn with_mask<T>(&mut self, m: Tmp, f: impl FnOnce(&mut Self) -> Result<T, Illegal>) -> Result<T, Illegal> {
+    /// Runs `f` under mask `m` (and the current one), which guards the loop variables of `dims`.
+    fn with_mask<T>(&mut self, m: Tmp, dims: &[Expr], f: impl FnOnce(&mut Self) -> Result<T, Illegal>) -> Result<T, Illegal> {
         let saved = self.mask;
+        let saved_guarded = self.guarded.len();
         let combined = match saved {
             Some(old) => self.emit(DType::Bool, |dst| Stmt::Binary { dst, op: BinaryOp::And, a: old, b: m }),
             None => m,
         };
+        for e in dims {
+            let before = self.guarded.len();
+            loop_vars(e, &mut self.guarded);
+            if self.guarded.len() == before {
+                // A guarded dim at a fixed index: every read under the mask stays masked.
+                self.guarded.push(GUARD_ALL);
+            }
+        }
         self.mask = Some(combined);
         let r = f(self);
         self.mask = saved;
+        self.guarded.truncate(saved_guarded);
         r
+    }
+
+    /// Whether index `idx` mentions a guarded loop variable or a temporary (an index read
+    /// from memory under the mask).
+    fn guarded_index(&self, idx: &[Expr]) -> bool {
+        let mut vs = Vec::new();
+        for e in idx {
+            loop_vars(e, &mut vs);
+        }
+        self.guarded.contains(&GUARD_ALL) || vs.iter().any(|v| *v == u32::MAX || self.guarded.contains(v))
     }
 
     /// An index read from memory, used in a dim of size `hi`: widened to i64 and checked.
@@ -230,6 +256,12 @@ impl Builder<'_, '_> {
     }
 
     fn value(&mut self, n: NodeId, idx: &[Expr]) -> Result<Tmp, Illegal> {
+        if self.mask.is_some() && !self.guarded_index(idx) {
+            let (mask, guarded) = (self.mask.take(), std::mem::take(&mut self.guarded));
+            let r = self.value(n, idx);
+            (self.mask, self.guarded) = (mask, guarded);
+            return r;
+        }
         let key = (n, idx.to_vec(), self.mask);
         if self.in_inner {
             if let Some(&t) = self.inner_cache.get(&key) {
@@ -337,7 +369,7 @@ impl Builder<'_, '_> {
                     let m = self.emit(DType::Bool, |dst| Stmt::InRange { dst, index, lo, hi: hi2 });
                     let mut i = idx.to_vec();
                     i[dim] = idx[dim].sub(&off);
-                    let v = self.with_mask(m, |b| b.value(x, &i))?;
+                    let v = self.with_mask(m, &idx[dim..dim + 1], |b| b.value(x, &i))?;
                     parts.push((m, v));
                     off = hi;
                 }
@@ -366,7 +398,8 @@ impl Builder<'_, '_> {
                     i[d] = idx[d].sub(&b);
                 }
                 let Some(c) = cond else { return self.value(x, idx) };
-                let v = self.with_mask(c, |bld| bld.value(x, &i))?;
+                let padded: Vec<Expr> = pads.iter().zip(idx).filter(|(p, _)| p.0 != 0 || p.1 != 0).map(|(_, e)| e.clone()).collect();
+                let v = self.with_mask(c, &padded, |bld| bld.value(x, &i))?;
                 let lit = lit_for(*value, dt);
                 let p = self.emit(dt, |dst| Stmt::Const { dst, value: lit });
                 self.emit(dt, |dst| Stmt::Where { dst, c, a: v, b: p })
@@ -432,6 +465,7 @@ pub fn lower(cx: &Ctx, me: usize, dom: &Domain, roots: &[NodeId]) -> Result<Kern
         outer_cache: HashMap::new(),
         in_inner: false,
         mask: None,
+        guarded: Vec::new(),
         reds: HashMap::new(),
         bufs: Vec::new(),
         ops: Vec::new(),
@@ -530,4 +564,22 @@ pub fn lower(cx: &Ctx, me: usize, dom: &Domain, roots: &[NodeId]) -> Result<Kern
         bufs: b.bufs,
         column: dom.column(),
     })
+}
+
+/// In `Builder::guarded`: a guarded dim whose index mentions no loop variable.
+const GUARD_ALL: u32 = u32::MAX - 1;
+
+/// The loop variables `e` mentions (recursively), with `u32::MAX` for a temporary.
+fn loop_vars(e: &Expr, out: &mut Vec<u32>) {
+    for a in e.atoms() {
+        match a {
+            Atom::Var(v) => out.push(*v),
+            Atom::Tmp(_) => out.push(u32::MAX),
+            Atom::FloorDiv(x, y) | Atom::Mod(x, y) | Atom::Max(x, y) | Atom::Min(x, y) => {
+                loop_vars(x, out);
+                loop_vars(y, out);
+            }
+            _ => {}
+        }
+    }
 }
