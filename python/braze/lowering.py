@@ -406,6 +406,9 @@ class Lowerer:
         return self.op(f"layout strides=[{', '.join(map(str, strides))}]", i)
 
     _VIEW_OPS = ("permute", "expand", "reshape", "slice", "select")
+    # ATen ops not tagged as views that return a view when they can (eager's strides are then
+    # the view's, as braze's are).
+    _MAYBE_VIEWS = ("_unsafe_view", "reshape", "_reshape_alias", "flatten", "unflatten", "view_as", "reshape_as")
 
     def output_layout(self, a: torch.fx.Node, i: int) -> int:
         """Output `a` lowered to `i`. When eager computes `a` as a fresh tensor (no view op:
@@ -417,7 +420,8 @@ class Lowerer:
         strides (the backward reading saved tensors, which copied 24 of them per GPT-2 step),
         get what eager gives."""
         target = a.target if a.op == "call_function" else None
-        if not isinstance(target, torch._ops.OpOverload) or target.is_view or self.b.node_op(i) not in self._VIEW_OPS:
+        if (not isinstance(target, torch._ops.OpOverload) or target.is_view or self.b.node_op(i) not in self._VIEW_OPS
+                or target._schema.name.split("::")[-1] in self._MAYBE_VIEWS):
             return i
         va = a.meta.get("val")
         if not is_tensor_meta(va):

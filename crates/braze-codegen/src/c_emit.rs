@@ -245,7 +245,7 @@ impl Emitter<'_> {
             }
             ReduceKind::Any => vec![format!("bool a{n} = false;")],
             ReduceKind::All => vec![format!("bool a{n} = true;")],
-            ReduceKind::Var => vec![format!("{st} wm{n} = 0, wq{n} = 0; int64_t wn{n} = 0;")],
+            ReduceKind::Var => vec![format!("{st} wm{n} = 0, wq{n} = 0; bz_count_t wn{n} = 0;")],
         }
     }
 
@@ -259,7 +259,7 @@ impl Emitter<'_> {
             ReduceKind::Max | ReduceKind::Min => vec![(st, format!("a{n}"))],
             ReduceKind::ArgMax | ReduceKind::ArgMin => vec![(st, format!("a{n}")), ("int64_t", format!("ai{n}"))],
             ReduceKind::Any | ReduceKind::All => vec![("bool", format!("a{n}"))],
-            ReduceKind::Var => vec![(st, format!("wm{n}")), (st, format!("wq{n}")), ("int64_t", format!("wn{n}"))],
+            ReduceKind::Var => vec![(st, format!("wm{n}")), (st, format!("wq{n}")), ("bz_count_t", format!("wn{n}"))],
         }
     }
 

@@ -19,7 +19,7 @@
 use crate::c_emit::{index, Emitter};
 use crate::dialect::{compute_type, storage_type, Dialect};
 use crate::CodegenError;
-use braze_ir::{Expr, ReduceKind};
+use braze_ir::{DType, Expr, ReduceKind};
 use braze_sched::loop_ir::{Kernel, Stmt};
 use std::fmt::Write;
 
@@ -55,6 +55,8 @@ BZ float bz_self(int c, float a, float b) { return c ? a : b; }
 // reciprocal and a multiply, within 2 ulp) instead of IEEE division, which was most of the
 // work of a LayerNorm's statistics pass on the H100.
 BZ float bz_wdiv(float a, float b) { return __fdividef(a, b); }
+// Welford's element count per thread: 32-bit (its conversion to float is one instruction).
+typedef int bz_count_t;
 BZ double bz_wdivd(double a, double b) { return a / b; }
 BZ double bz_seld(int c, double a, double b) { return c ? a : b; }
 BZ int64_t bz_seli(int c, int64_t a, int64_t b) { return c ? a : b; }
@@ -261,6 +263,42 @@ pub struct Launch {
     pub cap: u32,
 }
 
+/// Most row elements a lane holds in registers across passes ([Note: persistent rows]).
+pub const PERSIST_MAX_ITERS: i64 = 32;
+/// Most registers the held loads may take per lane.
+pub const PERSIST_MAX_REGS: i64 = 64;
+
+/// [Note: persistent rows] A warp-per-row kernel with several passes over a short row of
+/// constant length (LayerNorm: statistics, then the normalized store) reloaded every element
+/// in each pass. Its lanes instead keep the first pass's loads of read-only buffers in
+/// register arrays (the loop fully unrolled, `per` elements per lane) and later passes read
+/// them there. Returns `per` and the held loads by (buffer, index), each with its array number
+/// and dtype; `None` when the kernel has one pass, a long or symbolic row, or nothing to hold.
+#[allow(clippy::type_complexity)]
+fn persistent_loads(k: &Kernel) -> Option<(i64, std::collections::HashMap<(u32, Expr), (usize, DType)>)> {
+    if k.passes.len() < 2 {
+        return None;
+    }
+    let n = product(&k.inner).as_const()?;
+    let per = (n + 31) / 32;
+    if per > PERSIST_MAX_ITERS {
+        return None;
+    }
+    let written: std::collections::HashSet<u32> = k.bufs.iter().filter(|b| b.written).map(|b| b.id).collect();
+    let later: Vec<&Stmt> = k.passes[1..].iter().flat_map(|p| p.body.iter()).collect();
+    let mut loads = std::collections::HashMap::new();
+    for st in &k.passes[0].body {
+        if let Stmt::Load { dst, buf, index, mask: None } = st {
+            let reused = later.iter().any(|s| matches!(s, Stmt::Load { buf: b, index: i, mask: None, .. } if b == buf && i == index));
+            if !written.contains(buf) && reused && !loads.contains_key(&(*buf, index.clone())) && (loads.len() as i64 + 1) * per <= PERSIST_MAX_REGS {
+                let id = loads.len();
+                loads.insert((*buf, index.clone()), (id, k.tmp_dtypes[*dst as usize]));
+            }
+        }
+    }
+    (!loads.is_empty()).then_some((per, loads))
+}
+
 /// Writes `idx`'s decomposition of a flat index `flat` over `dims`, variables from `first`.
 /// When the dims are constants whose product fits 32 bits, the divisions are 32-bit
 /// unsigned ones: a 64-bit `/` or `%` is a long software routine on the GPU, and a
@@ -434,24 +472,62 @@ pub fn emit_kernel(k: &Kernel, sms: u32, out: &mut String) -> Result<Launch, Cod
     } else {
         ("bz_block_reduce", "bz_block_welford", "bz_block_arg")
     };
-    for p in &k.passes {
+    let cache = if warp { persistent_loads(k) } else { None };
+    if let Some((per, loads)) = &cache {
+        for (i, dt) in loads.values() {
+            writeln!(out, "    {} c{i}[{per}];", compute_type(*dt)).unwrap();
+        }
+    }
+    for (pi, p) in k.passes.iter().enumerate() {
         for r in &p.reductions {
             for l in e.red_init(r) {
                 writeln!(out, "    {l}").unwrap();
             }
         }
-        // Four iterations' loads in flight per thread: one 2-byte load at a time left a
-        // 50 257-wide bf16 log-softmax at 1.2 TB/s on the H100.
-        if !serial {
-            writeln!(out, "    #pragma unroll 4").unwrap();
+        if let Some((per, loads)) = &cache {
+            // [Note: persistent rows] the row's loads stay in registers between passes.
+            let n = product(&k.inner).as_const().unwrap();
+            writeln!(out, "    #pragma unroll").unwrap();
+            writeln!(out, "    for (int j = 0; j < {per}; j++) {{").unwrap();
+            writeln!(out, "      const long long r = {lane} + 32 * j;").unwrap();
+            if n % 32 != 0 {
+                writeln!(out, "      if (r < {n}) {{").unwrap();
+            }
+            decompose(out, "      ", "r", &k.inner, n_outer);
+            for st in &p.body {
+                match st {
+                    Stmt::Load { dst, buf, index, mask: None } if loads.contains_key(&(*buf, index.clone())) => {
+                        let (c, dt) = loads[&(*buf, index.clone())];
+                        if pi == 0 {
+                            writeln!(out, "      {} c{c}[j] = t{dst};", emit_stmt(&e, st, body_guard)?).unwrap();
+                        } else {
+                            writeln!(out, "      {} t{dst} = c{c}[j];", compute_type(dt)).unwrap();
+                        }
+                    }
+                    _ => emit_list(&e, k, std::slice::from_ref(st), body_guard, "      ", out)?,
+                }
+            }
+            for r in &p.reductions {
+                writeln!(out, "      {}", e.red_update(r)).unwrap();
+            }
+            if n % 32 != 0 {
+                writeln!(out, "      }}").unwrap();
+            }
+            writeln!(out, "    }}").unwrap();
+        } else {
+            // Four iterations' loads in flight per thread: one 2-byte load at a time left a
+            // 50 257-wide bf16 log-softmax at 1.2 TB/s on the H100.
+            if !serial {
+                writeln!(out, "    #pragma unroll 4").unwrap();
+            }
+            writeln!(out, "    for (long long r = {lane}; r < {inner_total}; r += {step}) {{").unwrap();
+            decompose(out, "      ", "r", &k.inner, n_outer);
+            emit_list(&e, k, &p.body, body_guard, "      ", out)?;
+            for r in &p.reductions {
+                writeln!(out, "      {}", e.red_update(r)).unwrap();
+            }
+            writeln!(out, "    }}").unwrap();
         }
-        writeln!(out, "    for (long long r = {lane}; r < {inner_total}; r += {step}) {{").unwrap();
-        decompose(out, "      ", "r", &k.inner, n_outer);
-        emit_list(&e, k, &p.body, body_guard, "      ", out)?;
-        for r in &p.reductions {
-            writeln!(out, "      {}", e.red_update(r)).unwrap();
-        }
-        writeln!(out, "    }}").unwrap();
         for r in &p.reductions {
             let n = r.dst;
             let st = compute_type(k.tmp_dtypes[r.src as usize]);
@@ -464,7 +540,7 @@ pub fn emit_kernel(k: &Kernel, sms: u32, out: &mut String) -> Result<Launch, Cod
                 ReduceKind::All => format!("a{n} = {reduce}(a{n}, [](bool x, bool y) {{ return x && y; }});"),
                 ReduceKind::ArgMax => format!("{arg}(a{n}, ai{n}, true);"),
                 ReduceKind::ArgMin => format!("{arg}(a{n}, ai{n}, false);"),
-                ReduceKind::Var => format!("{{ {st} fn = ({st})wn{n}; {welford}(wm{n}, wq{n}, fn); wn{n} = (long long)fn; }}"),
+                ReduceKind::Var => format!("{{ {st} fn = ({st})wn{n}; {welford}(wm{n}, wq{n}, fn); wn{n} = (bz_count_t)fn; }}"),
             };
             if !serial {
                 writeln!(out, "    {line}").unwrap();

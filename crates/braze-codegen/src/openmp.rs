@@ -129,6 +129,7 @@ double pow(double, double);
 // Welford's mean update divides by the count: exactly on the CPU (see the CUDA prelude).
 static inline float bz_wdiv(float a, float b) { return a / b; }
 static inline double bz_wdivd(double a, double b) { return a / b; }
+typedef int64_t bz_count_t;
 static inline float bz_self(int c, float a, float b) { uint32_t x, y, m = -(uint32_t)(c != 0); memcpy(&x, &a, 4); memcpy(&y, &b, 4); x = (x & m) | (y & ~m); memcpy(&a, &x, 4); return a; }
 static inline double bz_seld(int c, double a, double b) { uint64_t x, y, m = -(uint64_t)(c != 0); memcpy(&x, &a, 8); memcpy(&y, &b, 8); x = (x & m) | (y & ~m); memcpy(&a, &x, 8); return a; }
 static inline int64_t bz_seli(int c, int64_t a, int64_t b) { int64_t m = -(int64_t)(c != 0); return (a & m) | (b & ~m); }
