@@ -114,23 +114,8 @@ fn one_hot_sum(g: &Graph, out: &mut Graph, map: &[NodeId], id: NodeId) -> Option
 }
 
 pub fn one_hot_sums(g: &Graph) -> Graph {
-    let mut out = Graph::new(&g.name);
-    let mut map: Vec<NodeId> = Vec::with_capacity(g.nodes.len());
-    let mut changed = false;
-    for id in g.ids() {
-        let n = g.node(id);
-        let new = match one_hot_sum(g, &mut out, &map, id) {
-            Some(v) if out.ty(v) == g.ty(id) => {
-                changed = true;
-                v
-            }
-            _ => out.add_typed(n.op.clone(), n.inputs.iter().map(|i| map[i.index()]).collect(), n.ty.clone()),
-        };
-        map.push(new);
+    match crate::rewrite::rebuild(g, one_hot_sum) {
+        Some(out) => dce(&out),
+        None => g.clone(),
     }
-    if !changed {
-        return g.clone();
-    }
-    out.outputs = g.outputs.iter().map(|o| map[o.index()]).collect();
-    dce(&out)
 }

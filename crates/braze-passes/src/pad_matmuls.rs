@@ -77,23 +77,8 @@ fn pad_one(g: &Graph, out: &mut Graph, map: &[NodeId], id: NodeId) -> Option<Nod
 }
 
 pub fn pad_matmuls(g: &Graph) -> Graph {
-    let mut out = Graph::new(&g.name);
-    let mut map: Vec<NodeId> = Vec::with_capacity(g.nodes.len());
-    let mut changed = false;
-    for id in g.ids() {
-        let n = g.node(id);
-        let new = match pad_one(g, &mut out, &map, id) {
-            Some(v) if out.ty(v) == g.ty(id) => {
-                changed = true;
-                v
-            }
-            _ => out.add_typed(n.op.clone(), n.inputs.iter().map(|i| map[i.index()]).collect(), n.ty.clone()),
-        };
-        map.push(new);
+    match crate::rewrite::rebuild(g, pad_one) {
+        Some(out) => dce(&cse(&out)),
+        None => g.clone(),
     }
-    if !changed {
-        return g.clone();
-    }
-    out.outputs = g.outputs.iter().map(|o| map[o.index()]).collect();
-    dce(&cse(&out))
 }

@@ -65,3 +65,25 @@ fn add_chain(out: &mut Graph, ops: Vec<(Op, Vec<Arg>)>, n: Node) -> NodeId {
         }
     }
 }
+
+/// Rebuilds `g` node by node, letting `build` replace a node by nodes it adds to the new graph
+/// (given the map from old to new ids so far); a replacement of another type is ignored (the
+/// node is copied). `None` when nothing was replaced. Unused nodes are left for `dce`.
+pub fn rebuild(g: &Graph, mut build: impl FnMut(&Graph, &mut Graph, &[NodeId], NodeId) -> Option<NodeId>) -> Option<Graph> {
+    let mut out = Graph::new(&g.name);
+    let mut map: Vec<NodeId> = Vec::with_capacity(g.nodes.len());
+    let mut changed = false;
+    for id in g.ids() {
+        let n = g.node(id);
+        let new = match build(g, &mut out, &map, id) {
+            Some(v) if out.ty(v) == g.ty(id) => {
+                changed = true;
+                v
+            }
+            _ => out.add_typed(n.op.clone(), n.inputs.iter().map(|i| map[i.index()]).collect(), n.ty.clone()),
+        };
+        map.push(new);
+    }
+    out.outputs = g.outputs.iter().map(|o| map[o.index()]).collect();
+    changed.then_some(out)
+}
