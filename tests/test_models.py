@@ -394,6 +394,43 @@ def test_max_pool_inference_is_fused(device, layout):
     torch.testing.assert_close(xg2.grad, xg.grad, equal_nan=True)
 
 
+def test_cpu_inference_convolutions_run_channels_last():
+    """On the CPU an inference graph's convolutions run channels_last (oneDNN's fast layout):
+    the input image is laid out once, the BatchNorm, ReLU, max pool and residual kernels
+    after a convolution write channels_last, the next convolution takes their result as it
+    is, and the graph's outputs have eager's strides."""
+    torch.manual_seed(0)
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.c1, self.b1 = torch.nn.Conv2d(3, 8, 3, padding=1, bias=False), torch.nn.BatchNorm2d(8)
+            self.c2, self.b2 = torch.nn.Conv2d(8, 8, 3, padding=1, bias=False), torch.nn.BatchNorm2d(8)
+            self.fc = torch.nn.Linear(8, 5)
+
+        def forward(self, x):
+            y = torch.nn.functional.max_pool2d(torch.relu(self.b1(self.c1(x))), 3, 2, 1)
+            z = torch.relu(self.b2(self.c2(y)) + y)
+            return self.fc(torch.flatten(torch.nn.functional.adaptive_avg_pool2d(z, 1), 1)), self.c2(z)
+
+    m = Net().eval()
+    with torch.no_grad():
+        for b in (m.b1, m.b2):
+            b.running_mean.uniform_(-1, 1)
+            b.running_var.uniform_(0.5, 2)
+    x = torch.randn(2, 3, 16, 16)
+    with torch.no_grad():
+        outs, refs = compiled(m)(x), m(x)
+    for o, r in zip(outs, refs):
+        torch.testing.assert_close(o, r, rtol=1e-4, atol=1e-4)
+        assert o.stride() == r.stride()
+    rec = braze.stats.records[-1]
+    assert rec["status"] == "compiled" and rec["kind"] == "inference"
+    copies = [k for k, _ in rec["kernels"] if "copy" in k]
+    # The input's layout and the returned convolution's eager strides; nothing between.
+    assert len(copies) == 2, rec["kernels"]
+
+
 def test_unsupported_dtype_falls_back():
     def f(x):
         return (x * 2).abs()

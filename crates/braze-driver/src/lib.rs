@@ -269,9 +269,14 @@ pub fn compile_with(g: Graph, target: Target, check_cuda: bool, check_arch: &str
         opt = braze_passes::split_reductions::split_reductions(&opt, 2 * sms as i64);
         // cuBLASLt's fast kernels need aligned matrices (per-target stage).
         opt = braze_passes::pad_matmuls::pad_matmuls(&opt);
-    } else if let Some(blocks) = std::env::var("BRAZE_SPLIT_REDUCTIONS_CPU").ok().and_then(|v| v.parse::<i64>().ok()) {
-        // A test hook: the GPU's split on the CPU, so the CPU suite checks its numerics.
-        opt = braze_passes::split_reductions::split_reductions(&opt, blocks);
+    } else {
+        // Convolutions of CPU inference graphs ask for channels_last inputs that are often
+        // channels_last already (per-target stage: not yet measured on the GPU).
+        opt = braze_passes::elide_layouts::elide_layouts(&opt);
+        if let Some(blocks) = std::env::var("BRAZE_SPLIT_REDUCTIONS_CPU").ok().and_then(|v| v.parse::<i64>().ok()) {
+            // A test hook: the GPU's split on the CPU, so the CPU suite checks its numerics.
+            opt = braze_passes::split_reductions::split_reductions(&opt, blocks);
+        }
     }
     let errs = braze_ir::verify::verify(&opt);
     if !errs.is_empty() {

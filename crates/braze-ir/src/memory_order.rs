@@ -14,7 +14,7 @@ use crate::sym::Expr;
 use std::collections::HashSet;
 
 /// How many elementwise ops to look through for a stored ancestor.
-const MAX_DEPTH: usize = 12;
+const MAX_DEPTH: usize = 32;
 
 /// The non-1 dims of `id`'s shape, outermost in memory first; `None` when that order is
 /// the logical (row-major) one or cannot be told (symbolic strides, no stored ancestor).
@@ -35,6 +35,8 @@ fn walk(g: &Graph, id: NodeId, depth: usize, seen: &mut HashSet<NodeId>) -> Opti
     match &n.op {
         Op::Input { strides, .. } | Op::ExternOut { strides, .. } | Op::Layout { strides } => from_strides(&g.ty(id).shape, strides),
         Op::Unary(_) | Op::Cast(_) if depth < MAX_DEPTH => walk(g, n.inputs[0], depth + 1, seen),
+        // A slice or pad keeps its operand's dims (a max pool's windows of a channels_last value).
+        Op::Slice { .. } | Op::Pad { .. } if depth < MAX_DEPTH => walk(g, n.inputs[0], depth + 1, seen),
         // A reshape that splits one dim into two (a view in any layout): the two take the
         // split dim's place, outer part first.
         Op::Reshape(to) if depth < MAX_DEPTH => {
@@ -95,7 +97,7 @@ pub fn inherited_order(g: &Graph, id: NodeId) -> Option<Vec<usize>> {
 
 /// Non-1 dims sorted by decreasing stride (ties keep logical order); `None` for symbolic
 /// strides.
-fn from_strides(shape: &[Expr], strides: &[Expr]) -> Option<Vec<usize>> {
+pub fn from_strides(shape: &[Expr], strides: &[Expr]) -> Option<Vec<usize>> {
     if strides.len() != shape.len() {
         return None;
     }

@@ -7,6 +7,7 @@
 pub mod const_fold;
 pub mod cse;
 pub mod dce;
+pub mod elide_layouts;
 pub mod matmul_epilogue;
 pub mod one_hot_sums;
 pub mod pad_matmuls;
@@ -33,6 +34,7 @@ pub const PASSES: &[(&str, Pass)] = &[
 pub const TARGET_PASSES: &[(&str, Pass)] = &[
     ("split_reductions", |g| split_reductions::split_reductions(g, 64)),
     ("pad_matmuls", pad_matmuls::pad_matmuls),
+    ("elide_layouts", elide_layouts::elide_layouts),
 ];
 
 pub fn pass_by_name(name: &str) -> Option<Pass> {
