@@ -393,17 +393,13 @@ class Lowerer:
         (channels_last activations): wrapped in `layout`, so that if it is stored its buffer
         has eager's strides (what the convolution or the caller gets in eager) and its kernel
         iterates in that order."""
-        shape, strides = list(val.shape), list(val.stride())
-        if any(not isinstance(x, int) for x in shape + strides) or len(shape) < 2:
+        order = _dense_order(val)
+        if order is None or val.dim() < 2 or order == [d for d in range(val.dim()) if val.shape[d] != 1] or self.b.node_op(i) in self._NO_LAYOUT:
             return i
-        dims = [d for d in range(len(shape)) if shape[d] != 1]
-        order = sorted(dims, key=lambda d: -strides[d])
-        expect, dense = 1, True
-        for d in reversed(order):
-            dense &= strides[d] == expect
-            expect *= shape[d]
-        if not dense or order == dims or self.b.node_op(i) in self._NO_LAYOUT:
-            return i
+        return self.layout(i, val.stride())
+
+    def layout(self, i: int, strides) -> int:
+        """`i` stored with `strides` (a `layout` node)."""
         return self.op(f"layout strides=[{', '.join(map(str, strides))}]", i)
 
     _VIEW_OPS = ("permute", "expand", "reshape", "slice", "select")
@@ -421,24 +417,15 @@ class Lowerer:
         strides (the backward reading saved tensors, which copied 24 of them per GPT-2 step),
         get what eager gives."""
         if i in self.relaid:
-            return self.op(f"layout strides=[{', '.join(map(str, self.relaid[i]))}]", i)
+            return self.layout(i, self.relaid[i])
         target = a.target if a.op == "call_function" else None
         if (not isinstance(target, torch._ops.OpOverload) or target.is_view or self.b.node_op(i) not in self._VIEW_OPS
                 or target._schema.name.split("::")[-1] in self._MAYBE_VIEWS):
             return i
         va = a.meta.get("val")
-        if not is_tensor_meta(va):
+        if not is_tensor_meta(va) or _dense_order(va) is None:
             return i
-        shape, strides = list(va.shape), list(va.stride())
-        if any(not isinstance(x, int) for x in shape + strides):
-            return i
-        dims = sorted((d for d in range(len(shape)) if shape[d] != 1), key=lambda d: -strides[d])
-        expect = 1
-        for d in reversed(dims):
-            if strides[d] != expect:
-                return i
-            expect *= shape[d]
-        return self.op(f"layout strides=[{', '.join(map(str, strides))}]", i)
+        return self.layout(i, va.stride())
 
     def extern(self, node: torch.fx.Node, target=None, call_args=None, name=None, island=None, out_strides=None):
         """The node as a call of its own ATen kernel (or of `target` with `call_args`, FX
@@ -549,6 +536,21 @@ def _tensors_in(v):
     if isinstance(v, (list, tuple)):
         return [t for x in v for t in _tensors_in(x)]
     return []
+
+
+def _dense_order(val):
+    """The non-1 dims of tensor metadata `val`, outermost in memory first, when its strides
+    are static and dense (a permutation of row-major, no gaps); `None` otherwise."""
+    shape, strides = list(val.shape), list(val.stride())
+    if any(not isinstance(x, int) for x in shape + strides):
+        return None
+    order = sorted((d for d in range(len(shape)) if shape[d] != 1), key=lambda d: -strides[d])
+    expect = 1
+    for d in reversed(order):
+        if strides[d] != expect:
+            return None
+        expect *= shape[d]
+    return order
 
 
 def _graph_device(gm):
@@ -1435,7 +1437,7 @@ def _convolution(L, node, x, weight, bias, stride, padding, dilation, transposed
             or any(not isinstance(d, int) for d in list(src.shape) + list(val.shape))
             or not src.is_contiguous() or not val.is_contiguous()):
         raise Unsupported("convolution runs with eager's layout")
-    xi = L.op(f"layout strides=[{', '.join(map(str, _channels_last_strides(list(src.shape))))}]", L.tensor(x))
+    xi = L.layout(L.tensor(x), _channels_last_strides(list(src.shape)))
     saved = L.env[x]
     L.env[x] = xi
     try:
