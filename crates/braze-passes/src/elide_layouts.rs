@@ -11,32 +11,18 @@ use braze_ir::memory_order::{from_strides, inherited_order};
 use braze_ir::{Graph, NodeId, Op};
 
 pub fn elide_layouts(g: &Graph) -> Graph {
-    let mut map: Vec<NodeId> = Vec::with_capacity(g.nodes.len());
-    let mut out = Graph::new(&g.name);
-    let mut changed = false;
-    for id in g.ids() {
-        let n = g.node(id);
-        let mut new = None;
-        if let Op::Layout { strides } = &n.op {
-            let x = n.inputs[0];
-            let same = !g.outputs.contains(&id)
-                && match &g.node(x).op {
-                    Op::Input { strides: s, .. } | Op::ExternOut { strides: s, .. } | Op::Layout { strides: s } => s == strides,
-                    _ => inherited_order(g, x).is_some_and(|o| Some(o) == from_strides(&g.ty(x).shape, strides)),
-                };
-            if same && g.ty(x) == g.ty(id) {
-                new = Some(map[x.index()]);
-                changed = true;
-            }
-        }
-        map.push(match new {
-            Some(v) => v,
-            None => out.add_typed(n.op.clone(), n.inputs.iter().map(|i| map[i.index()]).collect(), n.ty.clone()),
-        });
+    let elided = |g: &Graph, _: &mut Graph, map: &[NodeId], id: NodeId| {
+        let Op::Layout { strides } = &g.node(id).op else { return None };
+        let x = g.node(id).inputs[0];
+        let same = !g.outputs.contains(&id)
+            && match &g.node(x).op {
+                Op::Input { strides: s, .. } | Op::ExternOut { strides: s, .. } | Op::Layout { strides: s } => s == strides,
+                _ => inherited_order(g, x).is_some_and(|o| Some(o) == from_strides(&g.ty(x).shape, strides)),
+            };
+        same.then(|| map[x.index()])
+    };
+    match crate::rewrite::rebuild(g, elided) {
+        Some(out) => crate::dce::dce(&out),
+        None => g.clone(),
     }
-    if !changed {
-        return g.clone();
-    }
-    out.outputs = g.outputs.iter().map(|o| map[o.index()]).collect();
-    crate::dce::dce(&out)
 }
