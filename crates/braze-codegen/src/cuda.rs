@@ -263,6 +263,10 @@ pub struct Launch {
     pub cap: u32,
 }
 
+/// Loads held in registers ([Note: persistent rows]): by (buffer, index), the register array's
+/// number and the value's dtype.
+type Held = std::collections::HashMap<(u32, Expr), (usize, DType)>;
+
 /// Most row elements a lane holds in registers across passes ([Note: persistent rows]).
 pub const PERSIST_MAX_ITERS: i64 = 32;
 /// Most registers the held loads may take per lane.
@@ -274,8 +278,7 @@ pub const PERSIST_MAX_REGS: i64 = 64;
 /// register arrays (the loop fully unrolled, `per` elements per lane) and later passes read
 /// them there. Returns `per` and the held loads by (buffer, index), each with its array number
 /// and dtype; `None` when the kernel has one pass, a long or symbolic row, or nothing to hold.
-#[allow(clippy::type_complexity)]
-fn persistent_loads(k: &Kernel) -> Option<(i64, std::collections::HashMap<(u32, Expr), (usize, DType)>)> {
+fn persistent_loads(k: &Kernel) -> Option<(i64, Held)> {
     if k.passes.len() < 2 {
         return None;
     }
@@ -360,11 +363,24 @@ fn sincos_pairs(stmts: &[Stmt], k: &Kernel) -> std::collections::HashMap<u32, u3
 }
 
 /// Writes a statement list, pairing sin and cos of one value into one `sincos` call.
-fn emit_list(e: &Emitter, k: &Kernel, stmts: &[Stmt], guard: Option<&str>, pad: &str, out: &mut String) -> Result<(), CodegenError> {
+/// Statements of a loop body. With `held` ([Note: persistent rows]) the held loads are
+/// stored into their register arrays at iteration `j` (the first pass, `true`) or read from
+/// them (later passes).
+fn emit_list(e: &Emitter, k: &Kernel, stmts: &[Stmt], guard: Option<&str>, pad: &str, out: &mut String, held: Option<(&Held, bool)>) -> Result<(), CodegenError> {
     use braze_ir::UnaryOp;
     let pairs = sincos_pairs(stmts, k);
     let paired: std::collections::HashSet<u32> = pairs.values().copied().collect();
     for s in stmts {
+        if let (Stmt::Load { dst, buf, index, mask: None }, Some((h, first))) = (s, held) {
+            if let Some(&(c, dt)) = h.get(&(*buf, index.clone())) {
+                if first {
+                    writeln!(out, "{pad}{} c{c}[j] = t{dst};", emit_stmt(e, s, guard)?).unwrap();
+                } else {
+                    writeln!(out, "{pad}{} t{dst} = c{c}[j];", compute_type(dt)).unwrap();
+                }
+                continue;
+            }
+        }
         match s {
             Stmt::Unary { dst, op: UnaryOp::Sin, a } if pairs.contains_key(dst) => {
                 let c = pairs[dst];
@@ -431,7 +447,7 @@ pub fn emit_kernel(k: &Kernel, sms: u32, out: &mut String) -> Result<Launch, Cod
         }
         writeln!(out, "  for (long long x = (long long)blockIdx.x * blockDim.x + threadIdx.x; x < {total}; x += (long long)gridDim.x * blockDim.x) {{").unwrap();
         decompose(out, "    ", "x", &k.outer, 0);
-        emit_list(&e, k, &k.passes[0].body, None, "    ", out)?;
+        emit_list(&e, k, &k.passes[0].body, None, "    ", out, None)?;
         writeln!(out, "  }}\n}}\n").unwrap();
         return Ok(launch(outer_total, block as u64, sms.max(1) * 32));
     }
@@ -474,8 +490,11 @@ pub fn emit_kernel(k: &Kernel, sms: u32, out: &mut String) -> Result<Launch, Cod
     };
     let cache = if warp { persistent_loads(k) } else { None };
     if let Some((per, loads)) = &cache {
-        for (i, dt) in loads.values() {
-            writeln!(out, "    {} c{i}[{per}];", compute_type(*dt)).unwrap();
+        // In array order: the source (and so its cache key) must not depend on hash order.
+        let mut arrays: Vec<(usize, DType)> = loads.values().copied().collect();
+        arrays.sort_by_key(|a| a.0);
+        for (i, dt) in arrays {
+            writeln!(out, "    {} c{i}[{per}];", compute_type(dt)).unwrap();
         }
     }
     for (pi, p) in k.passes.iter().enumerate() {
@@ -484,36 +503,18 @@ pub fn emit_kernel(k: &Kernel, sms: u32, out: &mut String) -> Result<Launch, Cod
                 writeln!(out, "    {l}").unwrap();
             }
         }
-        if let Some((per, loads)) = &cache {
+        // A partial last iteration of a persistent row is guarded.
+        let mut tail_guard = false;
+        if let Some((per, _)) = &cache {
             // [Note: persistent rows] the row's loads stay in registers between passes.
             let n = product(&k.inner).as_const().unwrap();
             writeln!(out, "    #pragma unroll").unwrap();
             writeln!(out, "    for (int j = 0; j < {per}; j++) {{").unwrap();
             writeln!(out, "      const long long r = {lane} + 32 * j;").unwrap();
-            if n % 32 != 0 {
+            tail_guard = n % 32 != 0;
+            if tail_guard {
                 writeln!(out, "      if (r < {n}) {{").unwrap();
             }
-            decompose(out, "      ", "r", &k.inner, n_outer);
-            for st in &p.body {
-                match st {
-                    Stmt::Load { dst, buf, index, mask: None } if loads.contains_key(&(*buf, index.clone())) => {
-                        let (c, dt) = loads[&(*buf, index.clone())];
-                        if pi == 0 {
-                            writeln!(out, "      {} c{c}[j] = t{dst};", emit_stmt(&e, st, body_guard)?).unwrap();
-                        } else {
-                            writeln!(out, "      {} t{dst} = c{c}[j];", compute_type(dt)).unwrap();
-                        }
-                    }
-                    _ => emit_list(&e, k, std::slice::from_ref(st), body_guard, "      ", out)?,
-                }
-            }
-            for r in &p.reductions {
-                writeln!(out, "      {}", e.red_update(r)).unwrap();
-            }
-            if n % 32 != 0 {
-                writeln!(out, "      }}").unwrap();
-            }
-            writeln!(out, "    }}").unwrap();
         } else {
             // Four iterations' loads in flight per thread: one 2-byte load at a time left a
             // 50 257-wide bf16 log-softmax at 1.2 TB/s on the H100.
@@ -521,13 +522,16 @@ pub fn emit_kernel(k: &Kernel, sms: u32, out: &mut String) -> Result<Launch, Cod
                 writeln!(out, "    #pragma unroll 4").unwrap();
             }
             writeln!(out, "    for (long long r = {lane}; r < {inner_total}; r += {step}) {{").unwrap();
-            decompose(out, "      ", "r", &k.inner, n_outer);
-            emit_list(&e, k, &p.body, body_guard, "      ", out)?;
-            for r in &p.reductions {
-                writeln!(out, "      {}", e.red_update(r)).unwrap();
-            }
-            writeln!(out, "    }}").unwrap();
         }
+        decompose(out, "      ", "r", &k.inner, n_outer);
+        emit_list(&e, k, &p.body, body_guard, "      ", out, cache.as_ref().map(|(_, h)| (h, pi == 0)))?;
+        for r in &p.reductions {
+            writeln!(out, "      {}", e.red_update(r)).unwrap();
+        }
+        if tail_guard {
+            writeln!(out, "      }}").unwrap();
+        }
+        writeln!(out, "    }}").unwrap();
         for r in &p.reductions {
             let n = r.dst;
             let st = compute_type(k.tmp_dtypes[r.src as usize]);
@@ -666,7 +670,7 @@ fn emit_vector_path(e: &Emitter, k: &Kernel, v: i64, out: &mut String) -> Result
     // Ordinary statements keep their spelling (sin/cos pairing included).
     let mut ordinary = String::new();
     let plain: Vec<Stmt> = body.iter().filter(|s| !wide(s)).cloned().collect();
-    emit_list(e, k, &plain, None, "      ", &mut ordinary)?;
+    emit_list(e, k, &plain, None, "      ", &mut ordinary, None)?;
     let mut ord_lines = ordinary.lines();
     let pairs = sincos_pairs(&plain, k);
     let paired: std::collections::HashSet<u32> = pairs.values().copied().collect();
