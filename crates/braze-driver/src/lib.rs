@@ -209,15 +209,8 @@ fn prepare_matmul(g: &Graph, sched: &braze_sched::Schedule, step: &Step, ordinal
         }
         None => None,
     };
-    // The result's row stride and batch stride (its buffer's).
-    let ob = &sched.buffers[out as usize];
-    let r = ob.strides.len();
-    let out_ld = if ty.shape[r - 2].is_const(1) { c(&ty.shape[r - 1])? } else { c(&ob.strides[r - 2])? };
-    let out_batch_stride = if r == 3 { c(&ob.strides[0])? } else { 0 };
     let spec = MatmulSpec {
         name: format!("braze_matmul_{}", node.0),
-        out_ld,
-        out_batch_stride,
         a: operand(a)?,
         b: operand(b)?,
         bias,

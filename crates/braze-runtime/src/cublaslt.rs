@@ -153,14 +153,11 @@ pub struct Operand {
     pub batch_stride: i64,
 }
 
-/// `out[b] = epilogue(a[b] @ b[b] + bias + residual[b])`, row-major with row stride `out_ld`
-/// (the column count, or more for padded rows) and batch stride `out_batch_stride`; the
+/// `out[b] = epilogue(a[b] @ b[b] + bias + residual[b])`, row-major, `out` contiguous; the
 /// residual is cuBLASLt's C operand (beta = 1), row-major with its own row stride.
 #[derive(Clone, Debug)]
 pub struct MatmulSpec {
     pub name: String,
-    pub out_ld: i64,
-    pub out_batch_stride: i64,
     pub a: Operand,
     pub b: Operand,
     pub bias: Option<(u32, i64)>,
@@ -284,7 +281,7 @@ pub fn prepare(spec: MatmulSpec, tune_on: Option<i32>) -> Result<Prepared, Runti
     }
     let la = layout(l, ty, br, bc, bld, spec.batch, spec.b.batch_stride)?;
     let lb = layout(l, ty, ar, ac, ald, spec.batch, spec.a.batch_stride)?;
-    let ld = layout(l, ty, n, m, spec.out_ld, spec.batch, spec.out_batch_stride)?;
+    let ld = layout(l, ty, n, m, n as i64, spec.batch, (m * n) as i64)?;
     let lc = match c_layout {
         Some((cld, batch_stride)) => layout(l, ty, n, m, cld, spec.batch, batch_stride)?,
         None => ld,
@@ -371,7 +368,7 @@ impl Prepared {
         if let Some((buf, off)) = s.bias {
             touch(buf, off + s.b.cols as i64);
         }
-        touch(s.out, (s.batch as i64 - 1) * s.out_batch_stride + (s.a.rows as i64 - 1) * s.out_ld + s.b.cols as i64);
+        touch(s.out, (s.batch * s.a.rows * s.b.cols) as i64);
         need
     }
 
@@ -421,7 +418,7 @@ impl Prepared {
         let s = &self.spec;
         let o = |o: &Operand| (o.rows, o.cols, o.rs, o.cs, o.batch_stride, o.offset);
         format!(
-            "{:?} {} {:?} {} {:?} {:?} {:?} {} {} {}",
+            "{:?} {} {:?} {} {:?} {:?} {:?} {}",
             s.dtype,
             s.tf32,
             s.epilogue,
@@ -429,9 +426,7 @@ impl Prepared {
             o(&s.a),
             o(&s.b),
             s.residual.as_ref().map(o),
-            s.batch,
-            s.out_ld,
-            s.out_batch_stride
+            s.batch
         )
     }
 
