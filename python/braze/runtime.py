@@ -150,7 +150,7 @@ class CompiledGraph:
             allocs = tuple((b, shapes[b], strides[b], dts[b]) for b in self.allocs[s])
             frees = tuple(self.frees[s])
             if step[0] == "kernels":
-                plan.append((0, allocs, frees, step[1], step[2]))
+                plan.append((0, allocs, frees, s, None))
             else:
                 _, _, _, target, args, outs = step
                 call = self.ext_calls[target]
@@ -202,7 +202,7 @@ class CompiledGraph:
                 t = bufs[buf] = empty(shape, stride, dtype)
                 ptrs[buf] = t.data_ptr()
             if kind == 0:
-                run(a, b, ptrs, syms, stream, arena_ptr)
+                run(a, ptrs, syms, stream, arena_ptr)
             else:
                 target, build, views, results = a
                 tensors = [bufs[b] if v is None else bufs[b].as_strided(v[0], v[1], bufs[b].storage_offset() + v[2]) for b, v in views]

@@ -77,21 +77,15 @@ pub enum Module {
 }
 
 impl Module {
-    #[allow(clippy::too_many_arguments)] // the Python runtime's call, argument for argument
-    /// Runs items `lo..hi` with buffer pointers by id (arena buffers filled in from `arena`),
-    /// size symbols, and, for CUDA, PyTorch's current stream; CPU kernels run on `threads`
-    /// OpenMP threads (PyTorch's `torch.get_num_threads()`; 0 leaves the setting alone).
+    /// Runs `items` (`lo..hi`) with buffer pointers by id (`used`: the ids the items touch, the
+    /// only entries of `ptrs` read), size symbols, and, for CUDA, PyTorch's current stream;
+    /// CPU kernels run on `threads` OpenMP threads (PyTorch's `torch.get_num_threads()`; 0
+    /// leaves the setting alone).
     ///
     /// # Safety
-    /// Every pointer must address memory laid out as the plan's buffer of that id.
-    pub unsafe fn run(&self, lo: usize, hi: usize, ptrs: &mut [usize], syms: &[i64], stream: usize, arena: usize, arena_offsets: &[i64], threads: i32) -> Result<(), DriverError> {
-        if arena != 0 {
-            for (p, &off) in ptrs.iter_mut().zip(arena_offsets) {
-                if off >= 0 {
-                    *p = arena + off as usize;
-                }
-            }
-        }
+    /// Every pointer in `used` must address memory laid out as the plan's buffer of that id.
+    pub unsafe fn run(&self, items: std::ops::Range<usize>, used: &[u32], ptrs: &[usize], syms: &[i64], stream: usize, threads: i32) -> Result<(), DriverError> {
+        let (lo, hi) = (items.start, items.end);
         match self {
             Module::Cpu(m) => {
                 if hi > m.len() || lo > hi {
@@ -104,7 +98,7 @@ impl Module {
                 if hi > m.items.len() || lo > hi {
                     return Err(DriverError::Internal("kernel range out of bounds".into()));
                 }
-                Ok(m.run_items(lo, hi, ptrs, syms, stream)?)
+                Ok(m.run_items(lo, hi, used, ptrs, syms, stream)?)
             }
         }
     }
@@ -135,6 +129,9 @@ pub struct Plan {
     pub frees: Vec<Vec<u32>>,
     /// Temp buffers first written by each step (allocated just before it).
     pub allocs: Vec<Vec<u32>>,
+    /// The buffers each step's kernels and matmuls touch (empty for extern steps): the only
+    /// pointers a run reads, and the key of its CUDA-graph replay.
+    pub step_bufs: Vec<Vec<u32>>,
     /// Byte offset of each buffer in the per-call arena, or -1 (see [Note: arena]).
     pub arena_offsets: Vec<i64>,
     pub arena_bytes: i64,
@@ -368,7 +365,15 @@ pub fn compile_with(g: Graph, target: Target, check_cuda: bool, check_arch: &str
     let mut steps = Vec::new();
     let mut frees: Vec<Vec<u32>> = Vec::new();
     let mut item_writes: Vec<Vec<u32>> = Vec::new();
+    let mut step_bufs: Vec<Vec<u32>> = Vec::new();
     for (s, st) in sched.steps.iter().enumerate() {
+        let touched: Vec<u32> = match st {
+            Step::Kernel(k) => sched.kernels[*k].bufs.iter().map(|b| b.id).collect(),
+            Step::Matmul { a, b, bias, residual, out, .. } => {
+                [Some(a), Some(b), bias.as_ref(), residual.as_ref()].into_iter().flatten().map(|x| x.buf).chain([*out]).collect()
+            }
+            Step::Extern { .. } => Vec::new(),
+        };
         let writes = match st {
             Step::Kernel(k) => Some(sched.kernels[*k].bufs.iter().filter(|b| b.written).map(|b| b.id).collect::<Vec<_>>()),
             Step::Matmul { out, .. } => Some(vec![*out]),
@@ -381,17 +386,24 @@ pub fn compile_with(g: Graph, target: Target, check_cuda: bool, check_arch: &str
                 Some((kind, _, hi, _, _, _)) if kind == "kernels" && *hi == i => {
                     *hi = i + 1;
                     frees.last_mut().unwrap().extend(sched.frees[s].iter().copied());
+                    step_bufs.last_mut().unwrap().extend(touched);
                 }
                 _ => {
                     steps.push(("kernels".to_string(), i, i + 1, String::new(), vec![], vec![]));
                     frees.push(sched.frees[s].clone());
+                    step_bufs.push(touched);
                 }
             }
         } else if let Step::Extern { node, target, args, outs } = st {
             let a = args.iter().map(|x| tab.access(x)).collect();
             steps.push(("extern".to_string(), node.0, 0, target.clone(), a, outs.clone()));
             frees.push(sched.frees[s].clone());
+            step_bufs.push(Vec::new());
         }
+    }
+    for b in &mut step_bufs {
+        b.sort_unstable();
+        b.dedup();
     }
     let outputs = sched.outputs.iter().map(|a| tab.access(a)).collect();
     // [Note: arena] Temp buffers that only kernels and matmuls touch (not outputs, not extern
@@ -444,6 +456,7 @@ pub fn compile_with(g: Graph, target: Target, check_cuda: bool, check_arch: &str
     }
     let plan = Plan {
         allocs,
+        step_bufs,
         arena_offsets,
         arena_bytes,
         graph_before,

@@ -8,6 +8,7 @@ use braze_ir::{parse, DType, Expr, Graph, NodeId, Op, TensorTy};
 use pyo3::create_exception;
 use pyo3::exceptions::PyException;
 use pyo3::prelude::*;
+use pyo3::types::PyList;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 
 create_exception!(_core, Unsupported, PyException, "braze cannot compile this graph; it runs eagerly.");
@@ -298,22 +299,34 @@ impl Compiled {
         self.plan.exprs.iter().map(|e| e.eval_syms(&syms).ok_or_else(|| unsupported(format!("cannot evaluate {e}")))).collect()
     }
 
-    /// Runs kernels `lo..hi` on buffers `ptrs` (data pointers by buffer id) with sizes
+    /// Runs the kernels and matmuls of plan step `step` on buffers `ptrs` (a list of data
+    /// pointers by buffer id, of which only the step's own buffers are read) with sizes
     /// `syms`; CUDA kernels are launched on `stream` (PyTorch's current stream); buffers in
     /// the arena get their pointers from `arena`. CPU kernels run on PyTorch's thread count
     /// (`torch.get_num_threads()`, read on every call: the user may change it at any time).
-    #[pyo3(signature = (lo, hi, ptrs, syms, stream=0, arena=0))]
-    #[allow(clippy::too_many_arguments)] // the Python runtime's call, argument for argument
-    fn run(&self, py: Python<'_>, lo: usize, hi: usize, ptrs: Vec<usize>, syms: Vec<i64>, stream: usize, arena: usize) -> PyResult<()> {
+    #[pyo3(signature = (step, ptrs, syms, stream=0, arena=0))]
+    fn run(&self, py: Python<'_>, step: usize, ptrs: &Bound<'_, PyList>, syms: Vec<i64>, stream: usize, arena: usize) -> PyResult<()> {
         let m = self.module.as_ref().ok_or_else(|| InternalError::new_err("no kernels"))?;
-        let mut ptrs = ptrs;
+        let (Some(row), Some(used)) = (self.plan.steps.get(step), self.plan.step_bufs.get(step)) else {
+            return Err(InternalError::new_err(format!("no step {step}")));
+        };
+        let (lo, hi) = (row.1 as usize, row.2 as usize);
+        // Only the step's buffers are read: a graph has thousands, a step a handful.
+        let mut table = vec![0usize; self.plan.buffers.len()];
+        let offsets = &self.plan.arena_offsets;
+        for &b in used {
+            let b = b as usize;
+            table[b] = match offsets[b] {
+                off if off >= 0 && arena != 0 => arena + off as usize,
+                _ => ptrs.get_item(b)?.extract()?,
+            };
+        }
         let mut s = syms;
         s.resize(self.plan.num_syms.max(1), 0);
-        let offsets = &self.plan.arena_offsets;
         let threads = if matches!(m, Module::Cpu(_)) { torch_num_threads(py)? } else { 0 };
         // SAFETY: the Python runtime allocates every buffer as the plan describes before
-        // calling, and passes a pointer for each buffer id.
-        py.detach(|| unsafe { m.run(lo, hi, &mut ptrs, &s, stream, arena, offsets, threads) }).map_err(driver_err)
+        // calling, and passes a pointer for each buffer id the step touches.
+        py.detach(|| unsafe { m.run(lo..hi, used, &table, &s, stream, threads) }).map_err(driver_err)
     }
 }
 

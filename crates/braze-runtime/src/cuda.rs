@@ -13,6 +13,7 @@ pub mod relayout;
 use crate::cache::{cache_dir, key};
 use crate::RuntimeError;
 use libloading::Library;
+use std::collections::HashMap;
 use std::ffi::{c_char, c_int, c_uint, c_void, CStr, CString};
 use std::sync::OnceLock;
 
@@ -413,19 +414,26 @@ pub struct CudaModule {
 /// never while the caller's stream is itself being captured.
 #[derive(Default)]
 struct Replays {
-    /// Keys of the latest plain runs: a key seen again is captured (a loop whose outputs
-    /// alternate between two buffer sets, the previous step's still alive, repeats every
-    /// other call).
-    recent: Vec<Vec<u64>>,
-    /// Captured runs by key, most recent last.
-    execs: Vec<(Vec<u64>, usize)>,
+    /// Per run of items (`lo..hi`): a graph's runs are recorded and replayed independently.
+    runs: HashMap<(usize, usize), RunReplays>,
     /// Capture failed once: run plainly from then on.
     off: bool,
     /// The private stream captures are recorded on.
     stream: usize,
 }
 
-/// How many captured pointer sets a module keeps (a loop that alternates between a few sets,
+/// The replay state of one run of items.
+#[derive(Default)]
+struct RunReplays {
+    /// Keys of the latest plain runs: a key seen again is captured (a loop whose outputs
+    /// alternate between two buffer sets, the previous step's still alive, repeats every
+    /// other call).
+    recent: Vec<Vec<u64>>,
+    /// Captured runs by key, most recent last.
+    execs: Vec<(Vec<u64>, usize)>,
+}
+
+/// How many captured pointer sets a run keeps (a loop that alternates between a few sets,
 /// e.g. gradients kept across steps, still replays).
 const MAX_REPLAYS: usize = 4;
 
@@ -440,7 +448,7 @@ impl Drop for CudaModule {
         let r = self.graphs.get_mut().unwrap_or_else(|e| e.into_inner());
         // SAFETY: executables in flight are freed by the driver when they complete.
         unsafe {
-            for (_, e) in r.execs.drain(..) {
+            for (_, e) in r.runs.drain().flat_map(|(_, run)| run.execs) {
                 (d.graph_exec_destroy)(e as CuGraphExec);
             }
             if r.stream != 0 {
@@ -497,9 +505,10 @@ impl CudaModule {
     }
 
     /// Runs items `lo..hi` (kernels and matmuls) on `stream`, replaying a captured CUDA graph
-    /// when this run's pointers were seen before ([Note: replay]).
-    pub fn run_items(&self, lo: usize, hi: usize, ptrs: &[usize], syms: &[i64], stream: usize) -> Result<(), RuntimeError> {
-        match self.replayable(lo, hi, ptrs, syms, stream) {
+    /// when this run's pointers were seen before ([Note: replay]). `used` lists the buffer
+    /// ids the items touch: the pointers that key a replay.
+    pub fn run_items(&self, lo: usize, hi: usize, used: &[u32], ptrs: &[usize], syms: &[i64], stream: usize) -> Result<(), RuntimeError> {
+        match self.replayable(lo, hi, used, ptrs, syms, stream) {
             Some(exec) => {
                 let d = driver()?;
                 self.replays.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
@@ -512,7 +521,7 @@ impl CudaModule {
 
     /// The captured graph to launch for this run (capturing it now if its pointers were seen
     /// in one of the latest runs), or None to launch the items one by one.
-    fn replayable(&self, lo: usize, hi: usize, ptrs: &[usize], syms: &[i64], stream: usize) -> Option<usize> {
+    fn replayable(&self, lo: usize, hi: usize, used: &[u32], ptrs: &[usize], syms: &[i64], stream: usize) -> Option<usize> {
         if hi - lo < 2 || !self.replay || !replay_enabled() {
             return None;
         }
@@ -528,22 +537,23 @@ impl CudaModule {
         if rc != 0 || capturing != 0 {
             return None;
         }
-        let mut key: Vec<u64> = Vec::with_capacity(2 + ptrs.len() + syms.len());
+        let mut key: Vec<u64> = Vec::with_capacity(2 + used.len() + syms.len());
         key.extend([lo as u64, hi as u64]);
-        key.extend(ptrs.iter().map(|&p| p as u64));
+        key.extend(used.iter().map(|&b| ptrs[b as usize] as u64));
         key.extend(syms.iter().map(|&s| s as u64));
-        if let Some((_, exec)) = r.execs.iter().find(|(k, _)| *k == key) {
+        let run = r.runs.entry((lo, hi)).or_default();
+        if let Some((_, exec)) = run.execs.iter().find(|(k, _)| *k == key) {
             return Some(*exec);
         }
-        match r.recent.iter().position(|k| *k == key) {
+        match run.recent.iter().position(|k| *k == key) {
             Some(i) => {
-                r.recent.remove(i);
+                run.recent.remove(i);
             }
             None => {
-                if r.recent.len() == MAX_REPLAYS {
-                    r.recent.remove(0);
+                if run.recent.len() == MAX_REPLAYS {
+                    run.recent.remove(0);
                 }
-                r.recent.push(key);
+                run.recent.push(key);
                 return None;
             }
         }
@@ -551,12 +561,13 @@ impl CudaModule {
             r.off = true;
             return None;
         };
-        if r.execs.len() == MAX_REPLAYS {
-            let (_, old) = r.execs.remove(0);
+        let run = r.runs.entry((lo, hi)).or_default();
+        if run.execs.len() == MAX_REPLAYS {
+            let (_, old) = run.execs.remove(0);
             // SAFETY: freed by the driver once any launch of it completes.
             unsafe { (d.graph_exec_destroy)(old as CuGraphExec) };
         }
-        r.execs.push((key, exec));
+        run.execs.push((key, exec));
         Some(exec)
     }
 
@@ -623,7 +634,9 @@ impl CudaModule {
                     continue;
                 }
                 let rc = (d.launch)(self.fns[k], blocks, 1, 1, s.block, s.block_y, 1, 0, stream as CuStream, params.as_mut_ptr(), std::ptr::null_mut());
-                check(d, rc, &format!("launch of {}", s.name))?;
+                if rc != 0 {
+                    check(d, rc, &format!("launch of {}", s.name))?;
+                }
             }
         }
         Ok(())
