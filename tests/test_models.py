@@ -575,6 +575,28 @@ def test_arena_reuses_memory_by_lifetime(device, compiled_graphs):
     assert g.arena_bytes <= 2 * one + 4096, (g.arena_bytes, len(temps))
 
 
+def test_arena_windows_split_long_graphs(device, compiled_graphs):
+    """A graph of layers whose intermediates are large next to what crosses between layers
+    gets several arena windows ([Note: arena windows]): each is allocated for its steps only,
+    so one layer's intermediates are not held while later layers run. Values must not
+    change: a window's buffers are addressed from its own arena."""
+    def f(x):
+        for i in range(6):
+            h = torch.softmax(x * 1.5, dim=0)
+            x = x + torch.softmax(h * 0.5 + x, dim=1) * 0.1
+        return x
+
+    x = torch.randn(1024, 1024, device=device)
+    c = compiled(f)
+    for _ in range(2):
+        torch.testing.assert_close(c(x), f(x))
+    g = compiled_graphs[-1]
+    wins = g.arena_windows
+    assert len(wins) >= 2, wins
+    assert all(a[1] < b[0] for a, b in zip(wins, wins[1:])), wins
+    assert g.arena_bytes == max(w[2] for w in wins)
+
+
 def test_channels_last_values_keep_eager_strides(device, compiled_graphs):
     """A value eager lays out channels_last is stored channels_last (its kernel iterates in
     that order): outputs come back with eager's strides, and the convolution that reads a

@@ -269,6 +269,12 @@ class Lowerer:
         if self.device.type == "cpu" and self.static_inputs:
             from .cpu_linear import plan
             self.cpu_linears, self.absorbed = plan(self.gm, self.static_inputs)
+        out_node = next((n for n in reversed(self.gm.graph.nodes) if n.op == "output"), None)
+        graph_outs = set(out_node.all_input_nodes) if out_node is not None else set()
+        # Outputs in eager's layout, each made right after its value: a copy that runs at
+        # the end instead would hold what it reads (GPT-2's qkv projections, for its key and
+        # value cache) for the whole graph.
+        laid_out = {}
         for node in self.gm.graph.nodes:
             val = node.meta.get("val")
             if node.op == "placeholder":
@@ -289,13 +295,15 @@ class Lowerer:
                     self.env[node] = Num(val) if isinstance(val, (int, float)) else val
                     inputs.append(("other", val))
             elif node.op == "call_function":
-                self.env[node] = self.lower_node(node)
+                v = self.env[node] = self.lower_node(node)
+                if node in graph_outs and isinstance(v, int):
+                    laid_out[node] = self.output_layout(node, v)
             elif node.op == "output":
                 outs = []
                 for a in torch.fx.node.map_arg(node.args[0], lambda n: n) if isinstance(node.args[0], (list, tuple)) else [node.args[0]]:
                     v = self.env.get(a) if isinstance(a, torch.fx.Node) else a
                     if isinstance(v, int) and isinstance(a, torch.fx.Node):
-                        v = self.output_layout(a, v)
+                        v = laid_out[a] if a in laid_out else self.output_layout(a, v)
                         outputs.append(("t", len(outs)))
                         outs.append(v)
                         passthrough.append(a.op == "placeholder")

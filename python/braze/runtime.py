@@ -109,6 +109,7 @@ class CompiledGraph:
                 self.ext_calls[s[3]] = self.externs[s[3]]
         self.n_bufs = len(self.bufs)
         self.arena_bytes = compiled.arena_bytes
+        self.arena_windows = compiled.arena_windows
         ti = self.tensor_inputs
         consts = self.constants
         if consts:
@@ -146,18 +147,23 @@ class CompiledGraph:
         dts = [_TORCH_DTYPES[b[2]] for b in self.bufs]
         inputs = [(b, b_[1], shapes[b], strides[b]) for b, b_ in enumerate(self.bufs) if b_[0] == "input"]
         plan = []
+        # Arena windows ([Note: arena windows] in braze-driver): bytes to allocate before a
+        # step, and whether the window ends after it.
+        opens = {lo: n for lo, _, n in self.arena_windows}
+        closes = {hi for _, hi, _ in self.arena_windows}
         for s, step in enumerate(self.steps):
             allocs = tuple((b, shapes[b], strides[b], dts[b]) for b in self.allocs[s])
             frees = tuple(self.frees[s])
+            arena = (opens.get(s, 0), s in closes)
             if step[0] == "kernels":
-                plan.append((0, allocs, frees, s, None))
+                plan.append((0, allocs, frees, s, None, arena))
             else:
                 _, _, _, target, args, outs = step
                 call = self.ext_calls[target]
                 views = tuple((b, None if v is None else (tuple(vals[i] for i in v[0]), tuple(vals[i] for i in v[1]), vals[v[2]])) for b, v in args)
                 results = tuple((o, path, shapes[o], strides[o]) for o, path in zip(outs, call.out_paths) if o != _UNUSED)
                 build = _arg_builder(call, self.syms)
-                plan.append((1, allocs, frees, (call.target, build, views, results), tuple(call.host_outs)))
+                plan.append((1, allocs, frees, (call.target, build, views, results), tuple(call.host_outs), arena))
         outs = []
         for (b, view), copy in zip(self.outputs, self.copy_out):
             v = None
@@ -192,12 +198,16 @@ class CompiledGraph:
         for b, idx, shape, stride in inputs:
             t = bufs[b] = self._in_layout(tensor_args[idx], shape, stride, stream)
             ptrs[b] = t.data_ptr()
-        # One allocation for the buffers only braze's kernels touch ([Note: arena]).
+        # The buffers only braze's kernels touch live in arenas, one per window of steps
+        # ([Note: arena] in braze-driver).
         empty = self.empty
-        arena = empty((self.arena_bytes,), (1,), torch.uint8) if self.arena_bytes else None
-        arena_ptr = arena.data_ptr() if arena is not None else 0
+        arena = None
+        arena_ptr = 0
         run = self.c.run
-        for kind, allocs, frees, a, b in plan:
+        for kind, allocs, frees, a, b, (opens, closes) in plan:
+            if opens:
+                arena = empty((opens,), (1,), torch.uint8)
+                arena_ptr = arena.data_ptr()
             for buf, shape, stride, dtype in allocs:
                 t = bufs[buf] = empty(shape, stride, dtype)
                 ptrs[buf] = t.data_ptr()
@@ -222,6 +232,9 @@ class CompiledGraph:
             for buf in frees:
                 bufs[buf] = None
                 ptrs[buf] = 0
+            if closes:
+                arena = None
+                arena_ptr = 0
         outs = []
         for b, view, copy in out_plan:
             t = bufs[b]

@@ -261,6 +261,14 @@ impl Compiled {
         self.plan.arena_offsets.clone()
     }
 
+    /// (first plan step, last plan step, bytes) per arena window: each is allocated before
+    /// its first step and dropped after its last.
+    #[getter]
+    fn arena_windows(&self) -> Vec<(u32, u32, i64)> {
+        self.plan.arena_windows.clone()
+    }
+
+    /// The largest arena window.
     #[getter]
     fn arena_bytes(&self) -> i64 {
         self.plan.arena_bytes
@@ -302,7 +310,7 @@ impl Compiled {
     /// Runs the kernels and matmuls of plan step `step` on buffers `ptrs` (a list of data
     /// pointers by buffer id, of which only the step's own buffers are read) with sizes
     /// `syms`; CUDA kernels are launched on `stream` (PyTorch's current stream); buffers in
-    /// the arena get their pointers from `arena`. CPU kernels run on PyTorch's thread count
+    /// the arena get their pointers from `arena` (the arena window the step lies in). CPU kernels run on PyTorch's thread count
     /// (`torch.get_num_threads()`, read on every call: the user may change it at any time).
     #[pyo3(signature = (step, ptrs, syms, stream=0, arena=0))]
     fn run(&self, py: Python<'_>, step: usize, ptrs: &Bound<'_, PyList>, syms: Vec<i64>, stream: usize, arena: usize) -> PyResult<()> {
