@@ -562,18 +562,18 @@ type Window = (usize, usize, Vec<(usize, i64)>);
 /// Below this many bytes an arena is one window: splitting it saves less than it costs.
 const ARENA_WINDOW_MIN: i64 = 8 << 20;
 /// A window boundary may fall where the arena bytes live across it are at most this
-/// fraction (1/n) of the bytes the window holds.
-const ARENA_WINDOW_CROSSING: i64 = 8;
+/// fraction (1/n) of the most the window has had live at once.
+const ARENA_WINDOW_CROSSING: i64 = 3;
 
 /// [Note: arena windows] One arena for the whole call is alive for the whole call: its peak
 /// (say one transformer layer's intermediates) adds to what is allocated elsewhere at any
 /// other time (the logits at the end, the weight gradients of a backward). So the plan's
 /// steps are cut into windows, each with its own arena, allocated at the window's first
-/// step and dropped after its last. A cut falls between plan steps where few arena bytes are
-/// live (at most 1/`ARENA_WINDOW_CROSSING` of the window's: between the layers of a model,
-/// where only the residual stream crosses), once the window holds `ARENA_WINDOW_MIN` bytes
-/// of buffers (fewer cuts, fewer allocations per call); a buffer live across a cut leaves
-/// the arena and is allocated by itself, like any other temp. Returns (first plan step, last plan step,
+/// step and dropped after its last. A cut falls between steps where few arena bytes are live
+/// (at most 1/`ARENA_WINDOW_CROSSING` of the window's peak so far: after an MLP's hidden
+/// activations die, where only the residual stream crosses), once the window holds
+/// `ARENA_WINDOW_MIN` bytes of buffers (fewer cuts, fewer allocations per call); a buffer
+/// live across a cut leaves the arena and is allocated by itself, like any other temp. Returns (first plan step, last plan step,
 /// members) per window; `span` gives a member's first and last plan step.
 fn arena_window_groups(n_steps: usize, members: &[(usize, i64)], span: impl Fn(usize) -> (usize, usize)) -> Vec<Window> {
     let spans: Vec<(usize, usize)> = members.iter().map(|&(b, _)| span(b)).collect();
@@ -599,13 +599,15 @@ fn arena_window_groups(n_steps: usize, members: &[(usize, i64)], span: impl Fn(u
         born[f] += m.1;
     }
     let mut cuts = Vec::new();
-    let (mut live, mut held) = (0i64, 0i64);
+    let (mut live, mut held, mut peak) = (0i64, 0i64, 0i64);
     for t in 1..n_steps {
         live += crossing[t];
         held += born[t - 1];
-        if held >= ARENA_WINDOW_MIN && live * ARENA_WINDOW_CROSSING <= held {
+        // Live at step t - 1: what crosses into it and what it makes.
+        peak = peak.max(live + born[t - 1]);
+        if held >= ARENA_WINDOW_MIN && live * ARENA_WINDOW_CROSSING <= peak {
             cuts.push(t);
-            held = 0;
+            (held, peak) = (0, live);
         }
     }
     if cuts.is_empty() {
