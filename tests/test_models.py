@@ -597,6 +597,48 @@ def test_arena_windows_split_long_graphs(device, compiled_graphs):
     assert g.arena_bytes == max(w[2] for w in wins)
 
 
+def test_batchnorm_running_stats_stored_in_place(device, compiled_graphs):
+    """BatchNorm's running statistics in training are input mutations AOTAutograd keeps in the
+    graph ([Note: input mutations]): braze's kernels store the new values straight into the
+    buffers (no copy after the call), and they match eager's step after step."""
+    import copy
+
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.BatchNorm2d(8), torch.nn.ReLU(),
+                            torch.nn.Conv2d(8, 4, 3), torch.nn.BatchNorm2d(4)).to(device)
+    ref = copy.deepcopy(m)
+    c = compiled(m, options={"on_unsupported": "error"})
+    for _ in range(3):
+        x = torch.randn(2, 3, 10, 10, device=device)
+        c(x).sum().backward()
+        ref(x).sum().backward()
+    for (name, a), b in zip(m.named_buffers(), ref.buffers()):
+        torch.testing.assert_close(a, b, msg=name)
+    for a, b in zip(m.parameters(), ref.parameters()):
+        torch.testing.assert_close(a.grad, b.grad, atol=1e-4, rtol=1e-4)
+    fw = compiled_graphs[0]
+    # Mean, variance and batch count of both layers, all stored in place.
+    assert len(fw.mutations) == 6 and fw.in_place_mutations == 6, fw.mutations
+    assert braze.stats.graphs_eager == 0
+
+
+def test_input_mutation_read_after_it_is_copied(device, compiled_graphs):
+    """An input's new value that is also read by later values cannot be stored in place while
+    the input is still being read; it is copied into the input after the call."""
+    def f(x, y):
+        y.add_(x)
+        return y * 2 + x.sum()
+
+    x, y = torch.randn(8, 16, device=device), torch.randn(8, 16, device=device)
+    y_ref = y.clone()
+    out = compiled(f, options={"on_unsupported": "error"})(x, y)
+    ref = f(x, y_ref)
+    torch.testing.assert_close(out, ref)
+    torch.testing.assert_close(y, y_ref)
+    (g,) = compiled_graphs
+    assert len(g.mutations) == 1 and g.in_place_mutations == 0, g.mutations
+
+
 def test_channels_last_values_keep_eager_strides(device, compiled_graphs):
     """A value eager lays out channels_last is stored channels_last (its kernel iterates in
     that order): outputs come back with eager's strides, and the convolution that reads a

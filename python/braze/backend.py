@@ -248,5 +248,6 @@ def _aot_backend(cfg: Config):
         inference_compiler=inf,
         decompositions=decomposition_table() if cfg.decompose else {},
         partition_fn=min_cut_rematerialization_partition,
-        keep_inference_input_mutations=False,
+        # Input mutations stay in the graph as copy_ nodes ([Note: input mutations]).
+        keep_inference_input_mutations=True,
     )

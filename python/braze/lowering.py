@@ -130,6 +130,9 @@ class Lowered:
     bugs: dict = field(default_factory=dict)
     # The prepacked CPU linears (cpu_linear.CpuLinear) the graph calls.
     cpu_linears: list = field(default_factory=list)
+    # Input mutations kept in the graph ([Note: input mutations]): (IR output position of the
+    # new value, placeholder index of the input, whether the value may be stored in place).
+    mutations: list = field(default_factory=list)
     # op name -> count of calls run through PyTorch as islands: higher-order operators and
     # calls that return no tensor (asserts, effects).
     islands: dict = field(default_factory=dict)
@@ -166,6 +169,8 @@ class Lowerer:
         self.bugs = {}
         self.islands = {}
         self.relaid = {}  # ir id -> eager strides, for values braze lays out otherwise (CPU convolutions)
+        self.arg_index = {}  # placeholder node -> its position among the graph's arguments
+        self.mutations = []  # (placeholder node, FX node of the new value): aten.copy_ into an input
 
     # ---- emitting IR -------------------------------------------------------------------
     def op(self, text: str, *ins: int) -> int:
@@ -265,6 +270,7 @@ class Lowerer:
         inputs = []
         outputs = []
         passthrough = []
+        mutations = []
         self.device = _graph_device(self.gm)
         if self.device.type == "cpu" and self.static_inputs:
             from .cpu_linear import plan
@@ -278,6 +284,7 @@ class Lowerer:
         for node in self.gm.graph.nodes:
             val = node.meta.get("val")
             if node.op == "placeholder":
+                self.arg_index[node] = len(inputs)
                 if is_tensor_meta(val) and not check_tensor(val, self):
                     h = self.env[node] = self.host()
                     self.host_inputs.append((h.slot, len(inputs)))
@@ -317,6 +324,10 @@ class Lowerer:
                         raise Unsupported("tuple output")
                     else:
                         outputs.append(("const", v))
+                for dst, src in self.mutations:
+                    mutations.append((len(outs), self.arg_index[dst], _in_place_ok(dst, src)))
+                    outs.append(self.tensor(src, dst.meta["val"].dtype))
+                    passthrough.append(False)
                 self.b.set_outputs(outs)
             elif node.op == "get_attr":
                 val = _attr(self.gm, node.target)
@@ -330,7 +341,7 @@ class Lowerer:
         return Lowered(self.b, self.externs, outputs, inputs, self.fallbacks, self.lowered_ops, self.reasons,
                        self.device or torch.device("cpu"), passthrough, constants=self.constants, bugs=self.bugs,
                        islands=self.islands, n_host=self.n_host, host_inputs=self.host_inputs,
-                       cpu_linears=[spec for spec, _ in self.cpu_linears.values()])
+                       cpu_linears=[spec for spec, _ in self.cpu_linears.values()], mutations=mutations)
 
     def lower_node(self, node: torch.fx.Node):
         target = node.target
@@ -852,6 +863,56 @@ def _to_copy(L, node, x, **kw):
 @register(A("clone"), A("alias"), A("lift_fresh_copy"), A("detach"))
 def _identity(L, node, x, **kw):
     return L.tensor(x)
+
+
+@register(A("copy_"))
+def _copy_(L, node, dst, src, non_blocking=False):
+    """[Note: input mutations] AOTAutograd keeps a graph input's data mutation in the graph
+    (`keep_inference_input_mutations`) as `copy_(input, new value)` at its end: BatchNorm's
+    running statistics in training. braze computes the new value as an extra output and the
+    runtime writes it into the input: stored there in place by its kernel when that is safe
+    (`_in_place_ok`), else copied after the call. A copy into anything but an input stays an
+    ATen call."""
+    v = dst.meta.get("val")
+    if dst.op != "placeholder" or not is_tensor_meta(v) or not is_tensor_meta(src.meta.get("val")):
+        raise Unsupported("copy_ into a value other than a graph input")
+    if list(src.meta["val"].shape) != list(v.shape):
+        raise Unsupported("copy_ with broadcasting")
+    if any(d is dst for d, _ in L.mutations):
+        raise Unsupported("an input mutated twice")
+    L.mutations.append((dst, src))
+    return None
+
+
+def _in_place_ok(dst: torch.fx.Node, src: torch.fx.Node) -> bool:
+    """Whether the kernel computing `src` may store it straight into input `dst`: every
+    value computed from `dst` is elementwise (same shape, pointwise ops) and feeds `src`, so
+    each element of `dst` is read, by the kernels before `src`'s or by `src`'s own at the
+    element it writes, before it is overwritten."""
+    shape = list(dst.meta["val"].shape)
+    if src is dst or src.op != "call_function":
+        return False
+    feeds = set()
+    todo = [src]
+    while todo:  # src and everything it is computed from
+        n = todo.pop()
+        if n not in feeds:
+            feeds.add(n)
+            todo.extend(n.all_input_nodes)
+    todo = [u for u in dst.users if u.target is not torch.ops.aten.copy_.default]
+    seen = set()
+    while todo:  # everything computed from dst
+        n = todo.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        t = n.target
+        val = n.meta.get("val")
+        if (n not in feeds or not isinstance(t, torch._ops.OpOverload) or torch.Tag.pointwise not in t.tags
+                or not is_tensor_meta(val) or list(val.shape) != shape):
+            return False
+        todo.extend(u for u in n.users if u.target is not torch.ops.aten.copy_.default)
+    return True
 
 
 @register(A("copy"))

@@ -94,6 +94,7 @@ class CompiledGraph:
         # An output held in an input's buffer is copied unless the graph returns that input
         # itself (saved inputs of a forward graph, for one): clone(x) must not alias x.
         self.copy_out = [self.bufs[b][0] == "input" and not p for (b, _), p in zip(self.outputs, lowered.passthrough)]
+        self.mutations = list(lowered.mutations)
         self.device = lowered.device
         self.cuda = self.device.type == "cuda"
         if self.cuda:
@@ -146,13 +147,29 @@ class CompiledGraph:
         for dynamic ones. Steps are (kind, ...) tuples the call loop reads directly."""
         dts = [_TORCH_DTYPES[b[2]] for b in self.bufs]
         inputs = [(b, b_[1], shapes[b], strides[b]) for b, b_ in enumerate(self.bufs) if b_[0] == "input"]
+        # [Note: input mutations] (lowering.py): a new input value whose buffer is a temp of
+        # the input's layout is stored by its kernel straight into the input ("in place");
+        # the others are copied into it after the call.
+        in_place, copies = {}, []
+        allocated = {b for a in self.allocs for b in a}
+        out_bufs = [b for b, _ in self.outputs]
+        for pos, arg, ok in self.mutations:
+            b, view = self.outputs[pos]
+            if (ok and view is None and b in allocated and out_bufs.count(b) == 1
+                    and list(shapes[b]) == [int(x) if x.isdigit() else None for x in self.input_nodes[arg][1][1]]
+                    and list(strides[b]) == [int(x) if x.isdigit() else None for x in self.input_nodes[arg][1][2]]):
+                in_place[b] = arg
+            else:
+                copies.append((pos, arg))
+        self.in_place_mutations = len(in_place)
         plan = []
         # Arena windows ([Note: arena windows] in braze-driver): bytes to allocate before a
         # step, and whether the window ends after it.
         opens = {lo: n for lo, _, n in self.arena_windows}
         closes = {hi for _, hi, _ in self.arena_windows}
         for s, step in enumerate(self.steps):
-            allocs = tuple((b, shapes[b], strides[b], dts[b]) for b in self.allocs[s])
+            allocs = tuple((b, shapes[b], strides[b], dts[b]) if b not in in_place else (b, None, (in_place[b], shapes[b], strides[b], dts[b]), None)
+                           for b in self.allocs[s])
             frees = tuple(self.frees[s])
             arena = (opens.get(s, 0), s in closes)
             if step[0] == "kernels":
@@ -172,17 +189,17 @@ class CompiledGraph:
                 v = (tuple(vals[i] for i in sizes), tuple(vals[i] for i in st), vals[off])
             outs.append((b, v, copy))
         simple = len(self.out_spec) == len(outs) and all(k == "t" for k, _ in self.out_spec)
-        return inputs, plan, outs, simple
+        return inputs, plan, outs, (simple, tuple(copies))
 
     def __call__(self, args):
         if self.dynamic:
             syms = self.syms.resolve(args)
             vals, shapes, strides = self._layouts(self.c.eval(syms))
-            inputs, plan, out_plan, simple = self._plan(vals, shapes, strides)
+            inputs, plan, out_plan, (simple, copies) = self._plan(vals, shapes, strides)
         else:
             syms = _NO_SYMS
             vals, shapes, strides = self.static
-            inputs, plan, out_plan, simple = self.static_plan
+            inputs, plan, out_plan, (simple, copies) = self.static_plan
         bufs = [None] * self.n_bufs
         # Data pointers by buffer id, kept in step with `bufs` (one list for the whole call:
         # rebuilding it for every run of kernels cost O(runs x buffers) host time).
@@ -209,7 +226,15 @@ class CompiledGraph:
                 arena = empty((opens,), (1,), torch.uint8)
                 arena_ptr = arena.data_ptr()
             for buf, shape, stride, dtype in allocs:
-                t = bufs[buf] = empty(shape, stride, dtype)
+                if shape is None:  # an input's new value, stored in place when the input allows
+                    arg, shape, stride, dtype = stride
+                    t = args[arg]
+                    if t.stride() != stride or t.dtype != dtype or t.shape != shape:
+                        t = empty(shape, stride, dtype)
+                        copies = (*copies, (None, arg, t))
+                else:
+                    t = empty(shape, stride, dtype)
+                bufs[buf] = t
                 ptrs[buf] = t.data_ptr()
             if kind == 0:
                 run(a, ptrs, syms, stream, arena_ptr)
@@ -241,6 +266,8 @@ class CompiledGraph:
             if view is not None:
                 t = t.as_strided(view[0], view[1], t.storage_offset() + view[2])
             outs.append(t.clone() if copy else t)
+        for pos, arg, *t in copies:
+            args[arg].copy_(t[0] if t else outs[pos])
         if simple:
             return outs
         res = []
