@@ -65,6 +65,26 @@ def test_inference_graph_runs_direct(device):
     assert braze.stats.records[-1]["runtime"] == "direct"
 
 
+def test_dynamic_graphs_run_direct_and_reuse_plans(device, compiled_graphs):
+    """A graph with dynamic sizes (Dynamo passes them as SymInt arguments) runs direct, in
+    inference and training, and keeps one plan per size it was called with."""
+    torch._dynamo.reset()
+    c = compiled(_mlp, dynamic=True)
+    w = [x.detach() for x in _mlp_inputs(device)[1:]]
+    with torch.no_grad():
+        for n in (8, 8, 12, 8, 12):
+            x = torch.randn(n, 16, device=device)
+            torch.testing.assert_close(c(x, *w), _mlp(x, *w), rtol=1e-4, atol=1e-4)
+    assert braze.stats.records[-1]["runtime"] == "direct"
+    (g,) = compiled_graphs
+    assert g.dynamic and len(g.plans) == 2, list(g.plans)
+    torch._dynamo.reset()
+    for n in (8, 12):
+        ins = _mlp_inputs(device)
+        ins[0] = torch.randn(n, 16, device=device, requires_grad=True)
+        grads_match(_mlp, ins, compiled(_mlp, dynamic=True))
+
+
 def test_non_differentiable_and_unused_outputs(device):
     def f(x, w):
         y = torch.tanh(x @ w)

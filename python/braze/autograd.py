@@ -97,8 +97,9 @@ def _not_simple(cap, gm):
         if isinstance(x, torch.Tensor):
             if type(x) not in (torch.Tensor, torch.nn.Parameter) or x.is_complex():
                 return "an input is a tensor subclass or complex"
-        elif not isinstance(x, (int, float, bool)) or isinstance(x, torch.SymInt):
-            return "an input is neither a tensor nor a constant"
+        elif not isinstance(x, (int, float, bool, torch.SymInt)):
+            # A SymInt (a dynamic size Dynamo passes as an argument) is an int at run time.
+            return "an input is neither a tensor, a size nor a constant"
     if torch._C._is_any_autocast_enabled():
         return "autocast is enabled"
     if getattr(torch._dynamo.config, "compiled_autograd", False):

@@ -15,6 +15,8 @@ from .lowering import DTYPES, ExternCall, Host, Ref, SymRef, Unsupported
 _TORCH_DTYPES = {v: k for k, v in DTYPES.items()}
 _UNUSED = 0xFFFFFFFF  # an extern result nothing reads
 _NO_SYMS: list = []
+#: Plans a dynamic graph keeps, by the symbol values they were built for (oldest dropped).
+_PLANS_KEPT = 16
 
 
 _SYM = re.compile(r"\bs(\d+)\b")
@@ -117,6 +119,7 @@ class CompiledGraph:
             self.tensor_args_of = lambda args: [*(args[i] for i in ti), *consts]
         else:
             self.tensor_args_of = (lambda args: args) if ti == list(range(len(ti))) else (lambda args: [args[i] for i in ti])
+        self.plans = {}  # symbol values -> (vals, shapes, strides, plan) of a dynamic graph
         if not self.dynamic:
             self.static = self._layouts(compiled.eval([]))
             self.static_plan = self._plan(*self.static)
@@ -194,8 +197,17 @@ class CompiledGraph:
     def __call__(self, args):
         if self.dynamic:
             syms = self.syms.resolve(args)
-            vals, shapes, strides = self._layouts(self.c.eval(syms))
-            inputs, plan, out_plan, (simple, copies) = self._plan(vals, shapes, strides)
+            # Plans by symbol values: a loop calling with the sizes it called with before
+            # reuses the plan instead of evaluating and rebuilding it.
+            key = tuple(syms)
+            hit = self.plans.get(key)
+            if hit is None:
+                vals, shapes, strides = self._layouts(self.c.eval(syms))
+                hit = (vals, shapes, strides, self._plan(vals, shapes, strides))
+                if len(self.plans) >= _PLANS_KEPT:
+                    del self.plans[next(iter(self.plans))]
+                self.plans[key] = hit
+            vals, shapes, strides, (inputs, plan, out_plan, (simple, copies)) = hit
         else:
             syms = _NO_SYMS
             vals, shapes, strides = self.static
