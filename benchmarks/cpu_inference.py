@@ -85,6 +85,8 @@ def run(name, build, backends, rounds):
     for be in backends:
         if be == "eager":
             fns[be] = model
+        elif be == "braze-freeze":  # parameters constant between updates: prepacked weights
+            fns[be] = torch.compile(model, backend="braze", options={"freeze_weights": True})
         else:
             fns[be] = torch.compile(model, backend=_BACKENDS[be])
     res = {}
@@ -115,7 +117,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--only", nargs="*")
-    ap.add_argument("--backends", nargs="*", default=["eager", "braze-aten", "braze", "inductor", "inductor-freezing"])
+    ap.add_argument("--backends", nargs="*", default=["eager", "braze-aten", "braze", "braze-freeze", "inductor", "inductor-freezing"])
     ap.add_argument("--rounds", type=int, default=20)
     ap.add_argument("--json")
     a = ap.parse_args()

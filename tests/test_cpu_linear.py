@@ -212,3 +212,26 @@ def test_prepacking_is_opt_in():
         m[0].weight.data.mul_(2.0)
         torch.testing.assert_close(c(x), m(x))
     assert not any("mkl" in k or "mkldnn" in k for k in braze.stats.extern_ops), braze.stats.extern_ops
+
+
+def test_conv_weights_laid_out_once(compiled_graphs):
+    """CPU inference convolutions run channels_last; with freeze_weights a parameter's
+    channels_last copy is made once and reused ([Note: CPU convolutions]), and made again
+    after an in-place update."""
+    from braze.cpu_conv import CpuConv
+
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
+                      nn.Conv2d(8, 8, 3, stride=2, groups=2), nn.ReLU(), nn.Conv2d(8, 4, 1)).eval()
+    c = torch.compile(m, backend="braze", options={**FREEZE, "on_unsupported": "error"})
+    with torch.no_grad():
+        for _ in range(3):
+            x = torch.randn(2, 3, 12, 12)
+            torch.testing.assert_close(c(x), m(x), atol=1e-4, rtol=1e-4)
+        (g,) = compiled_graphs
+        convs = [e.target for e in g.externs.values() if isinstance(e.target, CpuConv)]
+        assert len(convs) == 3 and all(s.copies == 1 for s in convs), [s.copies for s in convs]
+        m[3].weight.mul_(-0.5)
+        x = torch.randn(2, 3, 12, 12)
+        torch.testing.assert_close(c(x), m(x), atol=1e-4, rtol=1e-4)
+        assert sorted(s.copies for s in convs) == [1, 1, 2]

@@ -17,6 +17,7 @@ import torch
 import torch.fx
 
 from . import _core
+from .cpu_conv import CpuConv
 
 aten = torch.ops.aten
 
@@ -1510,7 +1511,16 @@ def _convolution(L, node, x, weight, bias, stride, padding, dilation, transposed
     saved = L.env[x]
     L.env[x] = xi
     try:
-        out = L.extern(node, out_strides=_channels_last_strides(list(val.shape)))
+        out_strides = _channels_last_strides(list(val.shape))
+        wv = weight.meta.get("val")
+        if (isinstance(weight, torch.fx.Node) and weight.op == "placeholder" and L.arg_index.get(weight) in L.static_inputs
+                and is_tensor_meta(wv) and wv.dim() == 4 and wv.is_contiguous()):
+            # A parameter's channels_last copy made once ([Note: CPU convolutions]).
+            spec = CpuConv(stride, padding, dilation, groups)
+            L.reasons[spec.__name__] = "library convolution, weight laid out once"
+            out = L.extern(node, target=spec, call_args=(x, weight, bias), name=spec.__name__, island=False, out_strides=out_strides)
+        else:
+            out = L.extern(node, out_strides=out_strides)
     finally:
         L.env[x] = saved
     L.relaid[out] = list(val.stride())
