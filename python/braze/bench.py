@@ -28,26 +28,31 @@ import braze  # noqa: E402
 from braze.workloads import MatmulHeavy, PointwiseHeavy, TinyBlock  # noqa: E402
 
 
+#: "seed": the seed documents' sizes on the CPU too (`--sizes seed`); "default": smaller CPU sizes.
+_SIZES = ["default"]
+
+
 def workloads(device):
     gpu = device.type == "cuda"
+    full = gpu or _SIZES[0] == "seed"
 
     def pw():
         m = PointwiseHeavy(4096).to(device)
         return m, (torch.randn(1024, 4096, device=device),), "fp32 1024x4096", False
 
     def mm():
-        dim, rows = (4096, 1024) if gpu else (1024, 512)
+        dim, rows = (4096, 1024) if full else (1024, 512)
         m = MatmulHeavy(dim, 4).to(device)
         return m, (torch.randn(rows, dim, device=device),), f"fp32 {rows}x{dim}, 4 layers", False
 
     def tiny_inf():
         dtype = torch.float16 if gpu else torch.float32
-        b, s = (32, 128) if gpu else (8, 64)
+        b, s = (32, 128) if gpu else (8, 128) if full else (8, 64)
         m = TinyBlock(768, 4).to(device=device, dtype=dtype).eval()
         return m, (torch.randn(b, s, 768, device=device, dtype=dtype),), f"{str(dtype)[6:]} {b}x{s}x768", False
 
     def tiny_train():
-        b, s = (32, 128) if gpu else (8, 64)
+        b, s = (32, 128) if gpu else (8, 128) if full else (8, 64)
         m = TinyBlock(768, 4).to(device)
         return m, (torch.randn(b, s, 768, device=device),), f"fp32 {b}x{s}x768 fwd+bwd", True
 
@@ -128,7 +133,7 @@ def first_call(name, be, device):
 
 
 def first_call_subprocess(name, be, device):
-    cmd = [sys.executable, "-m", "braze.bench", "--first-call", name, "--backend", be, "--device", str(device)]
+    cmd = [sys.executable, "-m", "braze.bench", "--first-call", name, "--backend", be, "--device", str(device), "--sizes", _SIZES[0]]
     p = subprocess.run(cmd, capture_output=True, text=True)
     for line in reversed(p.stdout.splitlines()):
         if line.startswith("FIRST_CALL "):
@@ -265,10 +270,14 @@ def main(argv=None):
     p.add_argument("--fsdp", action="store_true", help="with --suite models: also GPT-2 training under FSDP2 "
                    "(fully_shard per block) on every GPU through torchrun (2 or more GPUs; 2 processes on a CPU)")
     p.add_argument("--plot", help="with --suite models: draw speedup and step peak memory per workload to this image (matplotlib)")
+    p.add_argument("--sizes", choices=("default", "seed"), default="default",
+                   help="seed suite on the CPU: 'seed' runs the seed documents' sizes (matmul-heavy 1024x4096, TinyBlock "
+                        "8x128x768) instead of the smaller default ones; the GPU always runs the seed sizes")
     p.add_argument("--first-call", help=argparse.SUPPRESS)  # internal: one cold first call
     p.add_argument("--backend", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     device = torch.device(args.device)
+    _SIZES[0] = args.sizes
     # Cold first calls for everyone: Inductor's on-disk caches off (the environment variable
     # alone is read too late when braze's package imported torch first).
     import torch._inductor.config as inductor_config

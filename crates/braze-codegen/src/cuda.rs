@@ -693,74 +693,38 @@ fn emit_vector_path(e: &Emitter, k: &Kernel, v: i64, out: &mut String) -> Result
 
 /// The whole CUDA module of a graph's kernels and their launch facts.
 pub fn emit_module(kernels: &[Kernel], sms: u32) -> Result<(String, Vec<Launch>), CodegenError> {
-    let (mut units, launches) = emit_units(kernels, sms, usize::MAX)?;
+    let (mut units, launches) = emit_units(kernels, sms, Some(usize::MAX))?;
     Ok((units.pop().unwrap_or_else(|| format!("{}\n", Cuda.prelude())), launches))
 }
 
-/// The module as translation units of at most `per_unit` kernels each, in kernel order, each
-/// with the prelude (see [`crate::units`]); the launches of all kernels, in order.
+/// The module as translation units of distinct kernels, in kernel order, each with the
+/// prelude (see [`crate::units`]; `per_unit` kernels each, or by the machine's cores when
+/// `None`); the launches of all kernels, in order.
 ///
 /// A kernel whose code is identical to an earlier one's up to its name and the buffer ids in
 /// its parameter names (the same block in another layer) is not emitted again: its launch
-/// calls the earlier function with its own pointers. The repeated layers of a transformer
-/// then cost NVRTC once.
-pub fn emit_units(kernels: &[Kernel], sms: u32, per_unit: usize) -> Result<(Vec<String>, Vec<Launch>), CodegenError> {
-    let mut units: Vec<String> = Vec::new();
-    let mut in_unit = 0usize;
-    let mut launches = Vec::new();
-    let mut seen: std::collections::HashMap<String, (String, usize)> = std::collections::HashMap::new();
+/// calls the earlier function with its own pointers ([Note: kernel dedup]).
+pub fn emit_units(kernels: &[Kernel], sms: u32, per_unit: Option<usize>) -> Result<(Vec<String>, Vec<Launch>), CodegenError> {
+    let mut texts = Vec::with_capacity(kernels.len());
+    let mut launches = Vec::with_capacity(kernels.len());
+    let mut keys = Vec::with_capacity(kernels.len());
     for k in kernels {
         let mut text = String::new();
-        let mut launch = emit_kernel(k, sms, &mut text)?;
-        let key = canonical(&text, &k.name, &launch.bufs);
-        if let Some((name, unit)) = seen.get(&key) {
-            launch.name = name.clone();
-            launch.unit = *unit;
-            launches.push(launch);
-            continue;
-        }
-        if units.is_empty() || in_unit >= per_unit.max(1) {
-            units.push(format!("{}\n", Cuda.prelude()));
-            in_unit = 0;
-        }
-        let unit = units.len() - 1;
-        units[unit].push_str(&text);
-        in_unit += 1;
-        launch.unit = unit;
-        seen.insert(key, (k.name.clone(), unit));
+        let launch = emit_kernel(k, sms, &mut text)?;
+        keys.push(crate::dedup::canonical(&text, &k.name, &launch.bufs));
+        texts.push(text);
         launches.push(launch);
     }
-    Ok((units, launches))
-}
-
-/// A kernel's code with its name, its leading comment and its buffer parameters' ids
-/// (`b17` -> `p0`, in parameter order) taken out: equal keys mean interchangeable functions.
-fn canonical(text: &str, name: &str, bufs: &[u32]) -> String {
-    let body = text.split_once('\n').map_or(text, |(first, rest)| if first.starts_with("/*") { rest } else { text });
-    let body = body.replace(name, "K");
-    let pos: std::collections::HashMap<u32, usize> = bufs.iter().enumerate().map(|(i, &b)| (b, i)).collect();
-    let mut out = String::with_capacity(body.len());
-    let bytes = body.as_bytes();
-    let mut i = 0;
-    while i < bytes.len() {
-        let c = bytes[i];
-        let starts_ident = c == b'b' && (i == 0 || !(bytes[i - 1].is_ascii_alphanumeric() || bytes[i - 1] == b'_'));
-        if starts_ident {
-            let mut j = i + 1;
-            while j < bytes.len() && bytes[j].is_ascii_digit() {
-                j += 1;
+    let mut units: Vec<String> = Vec::new();
+    for (i, (owner, unit)) in crate::dedup::assign(&keys, per_unit).into_iter().enumerate() {
+        if owner == i {
+            while units.len() <= unit {
+                units.push(format!("{}\n", Cuda.prelude()));
             }
-            let ends = j == bytes.len() || !(bytes[j].is_ascii_alphanumeric() || bytes[j] == b'_');
-            if j > i + 1 && ends {
-                if let Some(p) = body[i + 1..j].parse::<u32>().ok().and_then(|b| pos.get(&b)) {
-                    out.push_str(&format!("p{p}"));
-                    i = j;
-                    continue;
-                }
-            }
+            units[unit].push_str(&texts[i]);
         }
-        out.push(c as char);
-        i += 1;
+        launches[i].name = kernels[owner].name.clone();
+        launches[i].unit = unit;
     }
-    out
+    Ok((units, launches))
 }

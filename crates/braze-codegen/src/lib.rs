@@ -6,6 +6,7 @@
 
 pub mod c_emit;
 pub mod cuda;
+pub mod dedup;
 pub mod dialect;
 pub mod openmp;
 

@@ -168,8 +168,10 @@ fn product(v: &[Expr]) -> Expr {
     v.iter().fold(Expr::one(), |a, b| a.mul(b))
 }
 
-/// Emits one kernel as a C function.
-pub fn emit_kernel(k: &Kernel, out: &mut String) -> Result<(), CodegenError> {
+/// Emits one kernel as a C function taking its buffers by position (`B[0]` is the buffer of
+/// lowest id the kernel touches, and so on) and the graph's size symbols by id; returns the
+/// buffer ids in parameter order.
+pub fn emit_kernel(k: &Kernel, out: &mut String) -> Result<Vec<u32>, CodegenError> {
     let d = OpenMp;
     let e = Emitter { k, d: &d };
     let ix = crate::c_emit::index;
@@ -180,10 +182,11 @@ pub fn emit_kernel(k: &Kernel, out: &mut String) -> Result<(), CodegenError> {
     }
     let mut bufs = k.bufs.clone();
     bufs.sort_by_key(|b| b.id);
-    for b in &bufs {
+    for (pos, b) in bufs.iter().enumerate() {
         let c = if b.written { "" } else { "const " };
-        writeln!(out, "  {c}{t}* restrict b{id} = ({c}{t}*)B[{id}];", t = storage_type(b.dtype), id = b.id).unwrap();
+        writeln!(out, "  {c}{t}* restrict b{id} = ({c}{t}*)B[{pos}];", t = storage_type(b.dtype), id = b.id).unwrap();
     }
+    let params: Vec<u32> = bufs.iter().map(|b| b.id).collect();
     let n_outer = k.outer.len();
     let total = product(&k.outer).mul(&product(&k.inner));
     let par_if = format!("if({} >= {PARALLEL_MIN})", ix(&total));
@@ -216,12 +219,12 @@ pub fn emit_kernel(k: &Kernel, out: &mut String) -> Result<(), CodegenError> {
             writeln!(out, "{}}}", pad(depth)).unwrap();
         }
         writeln!(out, "}}\n").unwrap();
-        return Ok(());
+        return Ok(params);
     }
     if k.column && k.passes.len() == 1 && k.prelude.is_empty() && n_outer > 0 {
         emit_column(k, &e, out, &par_if)?;
         writeln!(out, "}}\n").unwrap();
-        return Ok(());
+        return Ok(params);
     }
     // Reduction: parallel over outer points; per point, passes over the inner dims.
     for (i, size) in k.outer.iter().enumerate() {
@@ -282,7 +285,7 @@ pub fn emit_kernel(k: &Kernel, out: &mut String) -> Result<(), CodegenError> {
         writeln!(out, "{}}}", pad(depth)).unwrap();
     }
     writeln!(out, "}}\n").unwrap();
-    Ok(())
+    Ok(params)
 }
 
 /// Lanes of a blocked row reduction: partial states per lane, updated by a vector loop over
@@ -472,23 +475,47 @@ fn emit_column(k: &Kernel, e: &Emitter, out: &mut String, par_if: &str) -> Resul
     Ok(())
 }
 
-/// The whole C module of a graph's kernels.
-pub fn emit_module(kernels: &[Kernel]) -> Result<String, CodegenError> {
-    Ok(emit_units(kernels, usize::MAX)?.pop().unwrap_or_else(|| format!("{}\n", OpenMp.prelude())))
+/// A kernel of a module: the C function it calls (an identical earlier kernel's function,
+/// [Note: kernel dedup]), the translation unit defining that function, and the buffer ids
+/// it is handed, in parameter order.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Entry {
+    pub name: String,
+    pub unit: usize,
+    pub params: Vec<u32>,
 }
 
-/// The module as translation units of at most `per_unit` kernels each, in kernel order, each
-/// with the prelude (see [`crate::units`]).
-pub fn emit_units(kernels: &[Kernel], per_unit: usize) -> Result<Vec<String>, CodegenError> {
-    kernels
-        .chunks(per_unit.max(1))
-        .map(|chunk| {
-            let mut out = String::from(OpenMp.prelude());
-            out.push('\n');
-            for k in chunk {
-                emit_kernel(k, &mut out)?;
+/// The whole C module of a graph's kernels, and its kernels' entries.
+pub fn emit_module(kernels: &[Kernel]) -> Result<(String, Vec<Entry>), CodegenError> {
+    let (mut units, entries) = emit_units(kernels, Some(usize::MAX))?;
+    Ok((units.pop().unwrap_or_else(|| format!("{}\n", OpenMp.prelude())), entries))
+}
+
+/// The module as translation units of distinct kernels, in kernel order, each with the
+/// prelude (see [`crate::units`]; `per_unit` kernels each, or by the machine's cores when
+/// `None`), and every kernel's entry. A kernel identical to an earlier one ([Note: kernel
+/// dedup]) is not emitted again.
+pub fn emit_units(kernels: &[Kernel], per_unit: Option<usize>) -> Result<(Vec<String>, Vec<Entry>), CodegenError> {
+    let mut texts = Vec::with_capacity(kernels.len());
+    let mut params = Vec::with_capacity(kernels.len());
+    let mut keys = Vec::with_capacity(kernels.len());
+    for k in kernels {
+        let mut text = String::new();
+        let p = emit_kernel(k, &mut text)?;
+        keys.push(crate::dedup::canonical(&text, &k.name, &p));
+        texts.push(text);
+        params.push(p);
+    }
+    let mut units: Vec<String> = Vec::new();
+    let mut entries = Vec::with_capacity(kernels.len());
+    for (i, ((owner, unit), p)) in crate::dedup::assign(&keys, per_unit).into_iter().zip(params).enumerate() {
+        if owner == i {
+            while units.len() <= unit {
+                units.push(format!("{}\n", OpenMp.prelude()));
             }
-            Ok(out)
-        })
-        .collect()
+            units[unit].push_str(&texts[i]);
+        }
+        entries.push(Entry { name: kernels[owner].name.clone(), unit, params: p });
+    }
+    Ok((units, entries))
 }

@@ -20,9 +20,8 @@ fn graphs() -> Vec<braze_ir::Graph> {
 fn filetest_kernels_compile() {
     for g in graphs() {
         let s = schedule(&g).unwrap();
-        let src = braze_codegen::openmp::emit_module(&s.kernels).unwrap();
-        let names: Vec<String> = s.kernels.iter().map(|k| k.name.clone()).collect();
-        if let Err(e) = braze_runtime::cpu::CpuModule::load(&src, &names, "test") {
+        let (src, entries) = braze_codegen::openmp::emit_module(&s.kernels).unwrap();
+        if let Err(e) = braze_runtime::cpu::CpuModule::load(&src, &entries, "test") {
             panic!("{e}\n{src}");
         }
     }
@@ -42,9 +41,8 @@ fn fused_pointwise_runs() {
     )
     .unwrap();
     let s = schedule(&braze_passes::optimize(&g)).unwrap();
-    let src = braze_codegen::openmp::emit_module(&s.kernels).unwrap();
-    let names: Vec<String> = s.kernels.iter().map(|k| k.name.clone()).collect();
-    let m = braze_runtime::cpu::CpuModule::load(&src, &names, "test").unwrap();
+    let (src, entries) = braze_codegen::openmp::emit_module(&s.kernels).unwrap();
+    let m = braze_runtime::cpu::CpuModule::load(&src, &entries, "test").unwrap();
     let x: Vec<f32> = (0..35).map(|i| (i as f32 * 0.37).cos() * 3.0).collect();
     let w: Vec<f32> = (0..7).map(|i| 0.5 + i as f32 * 0.25).collect();
     let mut y = vec![f32::NAN; 35];
@@ -64,5 +62,66 @@ fn fused_pointwise_runs() {
             acc += v;
         }
         assert!((r[i] - acc).abs() < 1e-4, "{} vs {acc}", r[i]);
+    }
+}
+
+/// [Note: kernel dedup]: two identical softmaxes separated by an extern call (a library op,
+/// as the matmuls between a transformer's layers are) are emitted once; the second calls the
+/// first one's function with its own buffers, and both compute what a plain loop does.
+#[test]
+fn identical_kernels_share_a_function() {
+    let g = braze_ir::parse::parse_graph(
+        "graph g {
+  %0 = input index=0 strides=[16, 1] : f32[6, 16]
+  %1 = amax dims=[1] keepdim=true %0 : f32[6, 1]
+  %2 = sub %0, %1 : f32[6, 16]
+  %3 = exp %2 : f32[6, 16]
+  %4 = sum dims=[1] keepdim=true %3 : f32[6, 1]
+  %5 = div %3, %4 : f32[6, 16]
+  %6 = extern target=\"aten.neg.default\" outputs=1 %5
+  %7 = extern_out index=0 strides=[16, 1] %6 : f32[6, 16]
+  %8 = amax dims=[1] keepdim=true %7 : f32[6, 1]
+  %9 = sub %7, %8 : f32[6, 16]
+  %10 = exp %9 : f32[6, 16]
+  %11 = sum dims=[1] keepdim=true %10 : f32[6, 1]
+  %12 = div %10, %11 : f32[6, 16]
+  return %12
+}",
+    )
+    .unwrap();
+    let s = schedule(&braze_passes::optimize(&g)).unwrap();
+    let (src, entries) = braze_codegen::openmp::emit_module(&s.kernels).unwrap();
+    assert_eq!(entries.len(), 2, "{src}");
+    assert_eq!(entries[0].name, entries[1].name, "{src}");
+    assert_ne!(entries[0].params, entries[1].params);
+    assert_eq!(src.matches("void braze_").count(), 1, "{src}");
+    let m = braze_runtime::cpu::CpuModule::load(&src, &entries, "test").unwrap();
+    let x: Vec<f32> = (0..96).map(|i| (i as f32 * 0.37).cos() * 3.0).collect();
+    let mut bufs: Vec<Vec<f32>> = s.buffers.iter().map(|_| vec![f32::NAN; 96]).collect();
+    let mut ptrs: Vec<usize> = bufs.iter_mut().map(|t| t.as_mut_ptr() as usize).collect();
+    ptrs[0] = x.as_ptr() as usize;
+    let ext = entries[1].params[0] as usize; // the extern's result, read by the second kernel
+    // SAFETY: every buffer holds the 96 elements the schedule's largest buffer needs.
+    unsafe { m.run(0, 1, &ptrs, &[], 0) }.expect("first kernel runs");
+    let mid: Vec<f32> = bufs[entries[0].params[1] as usize].iter().map(|v| -v).collect();
+    bufs[ext].copy_from_slice(&mid);
+    // SAFETY: as above.
+    unsafe { m.run(1, 2, &ptrs, &[], 0) }.expect("second kernel runs");
+    let softmax = |v: &[f32]| -> Vec<f32> {
+        let mut out = vec![0f32; 96];
+        for r in 0..6 {
+            let row = &v[r * 16..(r + 1) * 16];
+            let mx = row.iter().cloned().fold(f32::MIN, f32::max);
+            let sum: f32 = row.iter().map(|a| (a - mx).exp()).sum();
+            for c in 0..16 {
+                out[r * 16 + c] = (row[c] - mx).exp() / sum;
+            }
+        }
+        out
+    };
+    let first = softmax(&x);
+    let want = softmax(&first.iter().map(|v| -v).collect::<Vec<_>>());
+    for (a, b) in bufs[s.outputs[0].buf as usize].iter().zip(&want) {
+        assert!((a - b).abs() < 1e-5, "{a} vs {b}");
     }
 }

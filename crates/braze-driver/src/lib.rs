@@ -281,18 +281,17 @@ pub fn compile_with(g: Graph, target: Target, check_cuda: bool, check_arch: &str
     lap("schedule", &mut times);
     let names: Vec<String> = sched.kernels.iter().map(|k| k.name.clone()).collect();
     let version = env!("CARGO_PKG_VERSION");
-    // Several translation units, compiled in parallel and cached each on its own
-    // (braze-codegen's [Note: units]).
-    let per_unit = braze_codegen::units::kernels_per_unit(sched.kernels.len());
+    // Several translation units of distinct kernels, compiled in parallel and cached each on
+    // its own (braze-codegen's [Note: units] and [Note: kernel dedup]).
     let mut cuda_source = String::new();
     let (source, module) = match target {
         Target::Cpu => {
             if sched.steps.iter().any(|s| matches!(s, Step::Matmul { .. })) {
                 return Err(unsupported("library matmuls run on CUDA only"));
             }
-            let units = braze_codegen::openmp::emit_units(&sched.kernels, per_unit).map_err(unsupported)?;
+            let (units, entries) = braze_codegen::openmp::emit_units(&sched.kernels, None).map_err(unsupported)?;
             if check_cuda && !names.is_empty() {
-                let (cu, _) = braze_codegen::cuda::emit_units(&sched.kernels, 132, per_unit).map_err(unsupported)?;
+                let (cu, _) = braze_codegen::cuda::emit_units(&sched.kernels, 132, None).map_err(unsupported)?;
                 braze_runtime::cuda::compile_cubins(&cu, check_arch, version).map_err(DriverError::from)?;
                 cuda_source = cu.concat();
             }
@@ -300,15 +299,14 @@ pub fn compile_with(g: Graph, target: Target, check_cuda: bool, check_arch: &str
             let m = if names.is_empty() {
                 None
             } else {
-                let unit_names: Vec<Vec<String>> = names.chunks(per_unit).map(|c| c.to_vec()).collect();
-                Some(Module::Cpu(CpuModule::load_units(&units, &unit_names, version).map_err(DriverError::from)?))
+                Some(Module::Cpu(CpuModule::load_units(&units, &entries, version).map_err(DriverError::from)?))
             };
             lap("cc", &mut times);
-            (if units.is_empty() { braze_codegen::openmp::emit_module(&[]).map_err(unsupported)? } else { units.concat() }, m)
+            (if units.is_empty() { braze_codegen::openmp::emit_module(&[]).map_err(unsupported)?.0 } else { units.concat() }, m)
         }
         Target::Cuda(ordinal) => {
             let (arch, sms) = braze_runtime::cuda::device_info(ordinal).map_err(DriverError::from)?;
-            let (units, launches) = braze_codegen::cuda::emit_units(&sched.kernels, sms as u32, per_unit).map_err(unsupported)?;
+            let (units, launches) = braze_codegen::cuda::emit_units(&sched.kernels, sms as u32, None).map_err(unsupported)?;
             lap("codegen", &mut times);
             let mut items = Vec::new();
             for st in &sched.steps {

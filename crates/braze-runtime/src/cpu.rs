@@ -1,7 +1,9 @@
 //! CPU modules: each translation unit of the graph's C source is compiled once by the system
 //! C compiler (`$CC` or `cc`) into a shared library, cached on disk, and loaded into the
 //! process; the units compile in parallel. Every kernel
-//! has the signature `void k(void** buffers, const int64_t* sizes)`.
+//! has the signature `void k(void** buffers, const int64_t* sizes)`: its own buffers by
+//! position (an [`Entry`]'s `params`), the graph's size symbols by id. Identical kernels share
+//! one function ([Note: kernel dedup] in braze-codegen).
 //!
 //! Modules are built with `-march=native`, so the cache key holds the host CPU's identity
 //! ([`cpu_id`]): a cache directory shared by machines never hands one code built for another
@@ -10,6 +12,7 @@
 
 use crate::cache::{cache_dir, key};
 use crate::RuntimeError;
+pub use braze_codegen::openmp::Entry;
 use std::ffi::c_void;
 use std::process::Command;
 use std::sync::OnceLock;
@@ -30,7 +33,11 @@ pub const LIBS: &[&str] = if cfg!(all(target_arch = "x86_64", target_os = "linux
 
 pub struct CpuModule {
     _libs: Vec<libloading::Library>,
+    /// Each kernel's function and the buffer ids it is handed, in parameter order.
     fns: Vec<KernelFn>,
+    params: Vec<Vec<u32>>,
+    /// The most parameters a kernel has.
+    max_params: usize,
     /// Addresses of each unit's `braze_oob` flag (a C `int`): set by a kernel that read an
     /// out-of-range index.
     oob: Vec<usize>,
@@ -128,34 +135,36 @@ fn build(source: &str, version: &str) -> Result<(std::path::PathBuf, bool), Runt
 }
 
 impl CpuModule {
-    /// Compiles (or finds in the cache) `source` and resolves the kernels `names`.
-    pub fn load(source: &str, names: &[String], version: &str) -> Result<CpuModule, RuntimeError> {
-        Self::load_units(&[source.to_string()], &[names.to_vec()], version)
+    /// Compiles (or finds in the cache) `source`, one unit defining every kernel of `entries`.
+    pub fn load(source: &str, entries: &[Entry], version: &str) -> Result<CpuModule, RuntimeError> {
+        Self::load_units(&[source.to_string()], entries, version)
     }
 
-    /// Compiles (or finds in the cache) each translation unit, in parallel, and resolves the
-    /// kernels `names[u]` of unit `u`; kernels are numbered in unit order.
-    pub fn load_units(units: &[String], names: &[Vec<String>], version: &str) -> Result<CpuModule, RuntimeError> {
+    /// Compiles (or finds in the cache) each translation unit, in parallel, and resolves each
+    /// entry's function in its unit; kernels are numbered as `entries` are.
+    pub fn load_units(units: &[String], entries: &[Entry], version: &str) -> Result<CpuModule, RuntimeError> {
         let built = crate::parallel_map(units.len(), |u| build(&units[u], version)).into_iter().collect::<Result<Vec<_>, _>>()?;
         let mut libs = Vec::with_capacity(built.len());
-        let mut fns = Vec::new();
-        for ((so, _), names) in built.iter().zip(names) {
+        for (so, _) in &built {
             // SAFETY: the library is braze's own generated code, compiled just now or earlier
             // from the same source; loading it runs no initializers of ours.
-            let lib = unsafe { libloading::Library::new(so) }.map_err(|e| RuntimeError::Environment(format!("cannot load {}: {e}", so.display())))?;
-            for n in names {
-                // SAFETY: every kernel is emitted with exactly the `KernelFn` signature.
-                let f: libloading::Symbol<KernelFn> = unsafe { lib.get(n.as_bytes()) }.map_err(|e| RuntimeError::Compile(format!("kernel {n} missing: {e}")))?;
-                fns.push(*f);
-            }
-            libs.push(lib);
+            libs.push(unsafe { libloading::Library::new(so) }.map_err(|e| RuntimeError::Environment(format!("cannot load {}: {e}", so.display())))?);
         }
+        let mut fns = Vec::with_capacity(entries.len());
+        for e in entries {
+            let lib = libs.get(e.unit).ok_or_else(|| RuntimeError::Compile(format!("kernel {} in unit {} of {}", e.name, e.unit, libs.len())))?;
+            // SAFETY: every kernel is emitted with exactly the `KernelFn` signature.
+            let f: libloading::Symbol<KernelFn> = unsafe { lib.get(e.name.as_bytes()) }.map_err(|err| RuntimeError::Compile(format!("kernel {} missing: {err}", e.name)))?;
+            fns.push(*f);
+        }
+        let params: Vec<Vec<u32>> = entries.iter().map(|e| e.params.clone()).collect();
+        let max_params = params.iter().map(Vec::len).max().unwrap_or(0);
         let cached = built.iter().all(|(_, c)| *c);
         // SAFETY: `braze_oob` is an `int` defined by the generated prelude of each unit.
         let oob = libs.iter().filter_map(|l| unsafe { l.get::<*mut i32>(b"braze_oob") }.ok().map(|s| *s as usize)).collect();
         // SAFETY: `omp_set_num_threads(int)` of the OpenMP runtime the units link (-fopenmp).
         let set_threads = libs.iter().find_map(|l| unsafe { l.get::<SetThreadsFn>(b"omp_set_num_threads") }.ok().map(|s| *s));
-        Ok(CpuModule { _libs: libs, fns, oob, set_threads, paths: built.into_iter().map(|(p, _)| p).collect(), cached })
+        Ok(CpuModule { _libs: libs, fns, params, max_params, oob, set_threads, paths: built.into_iter().map(|(p, _)| p).collect(), cached })
     }
 
     pub fn len(&self) -> usize {
@@ -181,9 +190,15 @@ impl CpuModule {
             // SAFETY: `omp_set_num_threads(int)`, called with a positive count.
             unsafe { set(threads) };
         }
-        for f in &self.fns[lo..hi] {
+        let mut args: Vec<*mut c_void> = Vec::with_capacity(self.max_params);
+        for (f, params) in self.fns[lo..hi].iter().zip(&self.params[lo..hi]) {
+            args.clear();
+            for &b in params {
+                let p = *buffers.get(b as usize).ok_or_else(|| RuntimeError::Launch(format!("buffer {b} has no pointer")))?;
+                args.push(p as *mut c_void);
+            }
             // SAFETY: guaranteed by the caller (see above).
-            unsafe { f(buffers.as_ptr() as *const *mut c_void, sizes.as_ptr()) };
+            unsafe { f(args.as_ptr(), sizes.as_ptr()) };
             for &addr in &self.oob {
                 // SAFETY: an aligned C `int` that lives as long as the library.
                 let flag = unsafe { &*(addr as *const std::sync::atomic::AtomicI32) };

@@ -479,8 +479,8 @@ unsafe impl Sync for CudaModule {}
 
 impl CudaModule {
     /// Loads the cubins of a graph's units into device `ordinal`'s primary context and
-    /// resolves the kernels: `specs` in order, the first `per_unit` in the first cubin, the
-    /// next `per_unit` in the second, and so on.
+    /// resolves the kernels: `specs` in order, each in the cubin of its unit (identical
+    /// kernels name one function, [Note: kernel dedup] in braze-codegen).
     pub fn load(cubins: &[Vec<u8>], ordinal: i32, specs: Vec<LaunchSpec>, items: Vec<Item>, cached: bool) -> Result<CudaModule, RuntimeError> {
         let d = driver()?;
         let mut modules: Vec<CuModule> = Vec::with_capacity(cubins.len());

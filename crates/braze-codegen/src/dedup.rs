@@ -1,0 +1,58 @@
+//! [Note: kernel dedup] Kernels whose code is the same up to their names and the buffers
+//! they are handed (the same block in each layer of a transformer) are emitted once: every
+//! later copy calls the first one's function with its own buffers. The repeated layers of a
+//! graph then cost the compiler (NVRTC or cc) once. Both targets pass buffers by position
+//! (CUDA as kernel parameters, C through a per-kernel pointer array), so a kernel's text
+//! with its buffer ids replaced by their positions is the key.
+
+/// Where each kernel's function is: for kernel `i` with canonical text `keys[i]`, the index
+/// of the first kernel with the same key (whose function it calls; `i` itself when it is the
+/// first) and the translation unit defining that function. Distinct kernels fill units in
+/// order, `per_unit` each, or as many as [`crate::units::kernels_per_unit`] gives for the
+/// number of distinct kernels (what the compiler runs on), when `per_unit` is `None`.
+pub(crate) fn assign(keys: &[String], per_unit: Option<usize>) -> Vec<(usize, usize)> {
+    let mut first: std::collections::HashMap<&str, usize> = std::collections::HashMap::new();
+    let owner: Vec<usize> = keys.iter().enumerate().map(|(i, k)| *first.entry(k.as_str()).or_insert(i)).collect();
+    let per = per_unit.unwrap_or_else(|| crate::units::kernels_per_unit(first.len())).max(1);
+    let mut unit_of = vec![0; keys.len()];
+    let mut n = 0;
+    for (i, &o) in owner.iter().enumerate() {
+        if o == i {
+            unit_of[i] = n / per;
+            n += 1;
+        }
+    }
+    owner.iter().map(|&o| (o, unit_of[o])).collect()
+}
+
+/// A kernel's code with its name, its leading comment and its buffer parameters' ids
+/// (`b17` -> `p0`, in parameter order) taken out: equal keys mean interchangeable functions.
+pub(crate) fn canonical(text: &str, name: &str, bufs: &[u32]) -> String {
+    let body = text.split_once('\n').map_or(text, |(first, rest)| if first.starts_with("/*") { rest } else { text });
+    let body = body.replace(name, "K");
+    let pos: std::collections::HashMap<u32, usize> = bufs.iter().enumerate().map(|(i, &b)| (b, i)).collect();
+    let mut out = String::with_capacity(body.len());
+    let bytes = body.as_bytes();
+    let mut i = 0;
+    while i < bytes.len() {
+        let c = bytes[i];
+        let starts_ident = c == b'b' && (i == 0 || !(bytes[i - 1].is_ascii_alphanumeric() || bytes[i - 1] == b'_'));
+        if starts_ident {
+            let mut j = i + 1;
+            while j < bytes.len() && bytes[j].is_ascii_digit() {
+                j += 1;
+            }
+            let ends = j == bytes.len() || !(bytes[j].is_ascii_alphanumeric() || bytes[j] == b'_');
+            if j > i + 1 && ends {
+                if let Some(p) = body[i + 1..j].parse::<u32>().ok().and_then(|b| pos.get(&b)) {
+                    out.push_str(&format!("p{p}"));
+                    i = j;
+                    continue;
+                }
+            }
+        }
+        out.push(c as char);
+        i += 1;
+    }
+    out
+}
