@@ -1,6 +1,7 @@
 """End-to-end: the seed workloads, training, graph breaks, dynamic shapes, mutation and
 the user-facing surface (entry point, modes, options, explain, logs). Every check compares
 against eager PyTorch on fresh random inputs."""
+import re
 import subprocess
 import sys
 import warnings
@@ -49,11 +50,13 @@ def test_matmul_heavy(device):
         torch.testing.assert_close(compiled(m)(x), m(x))
     rec = braze.stats.records[-1]
     assert rec["status"] == "compiled"
-    if device == "cuda":
-        # cuBLASLt matmuls with bias and relu as the epilogue: no kernels, no ATen calls.
+    if device == "cuda" or braze._core.cpu_blas_ready():
+        # Library matmuls (cuBLASLt; the CPU's BLAS from Rust, [Note: CPU matmuls]) with bias
+        # and relu fused: no kernels, no ATen calls, one call into Rust.
         assert rec["schedule"].count("matmul") == 3 and not rec["externs"] and not rec["kernels"]
     else:
-        # On CPU the matmuls are ATen calls; bias add and relu are one kernel after each.
+        # Without a BLAS braze can call, the matmuls are ATen calls; bias add and relu are one
+        # kernel after each.
         assert sum(n for op, n in rec["externs"].items() if "mm" in op) == 3
 
 
@@ -293,6 +296,36 @@ def test_dynamic_true(device):
     for n, k in ((4, 6), (9, 6), (5, 13)):
         x = torch.randn(n, k, device=device)
         torch.testing.assert_close(c(x), f(x))
+
+
+def test_matmuls_with_dynamic_sizes(device):
+    """Linears, a transposed-weight mm and a bmm under dynamic=True, called with several
+    sizes (one of them 1): on the CPU they are braze's BLAS matmuls, their sizes read from
+    each call's symbols ([Note: CPU matmuls]), with the relu and residual epilogues; on CUDA
+    (symbolic sizes) ATen's. Training too: the backward's matmuls take the same path."""
+    torch.manual_seed(0)
+    lin1, lin2 = torch.nn.Linear(24, 40).to(device), torch.nn.Linear(40, 24).to(device)
+
+    def f(x, y, z):
+        h = torch.relu(lin1(x))
+        out = lin2(h) + x
+        return out, torch.bmm(y, z.transpose(1, 2)) * 0.5, y[:, 0] @ lin1.weight[:, :y.shape[-1]].t()
+
+    c = compiled(f, dynamic=True)
+    for n, b in ((5, 2), (1, 3), (13, 1)):
+        args = (torch.randn(n, 24, device=device, requires_grad=True), torch.randn(b, n, 16, device=device), torch.randn(b, 7, 16, device=device))
+        got, want = c(*args), f(*args)
+        for g_, w_ in zip(got, want):
+            torch.testing.assert_close(g_, w_, atol=1e-4, rtol=1e-4)
+        grads = torch.autograd.grad(sum(o.square().sum() for o in got), [args[0], lin1.weight])
+        ref = torch.autograd.grad(sum(o.square().sum() for o in want), [args[0], lin1.weight])
+        for g_, w_ in zip(grads, ref):
+            torch.testing.assert_close(g_, w_, atol=1e-3, rtol=1e-4)
+    assert braze.stats.graphs_eager == 0
+    if device == "cpu" and braze._core.cpu_blas_ready():
+        recs = [r for r in braze.stats.records if r.get("status") == "compiled"]
+        assert recs and all(not any("mm" in op for op in r["externs"]) for r in recs), [r["externs"] for r in recs]
+        assert any("matmul" in r["schedule"] and re.search(r"\bs\d+\b", r["schedule"]) for r in recs)
 
 
 def test_input_mutation_and_inplace():

@@ -815,7 +815,7 @@ def _leaky_relu(L, node, x, slope=0.01):
 @register(A("gelu"))
 def _gelu(L, node, x, approximate="none"):
     od = out_dtype(node)
-    if approximate == "tanh" and len(x.users) == 1 and L.env.get(x) in L.matmuls and x.meta["val"].dtype == od:
+    if approximate == "tanh" and len(x.users) == 1 and L.env.get(x) in L.matmuls and x.meta["val"].dtype == od and L.device.type == "cuda":
         # cuBLASLt's GELU epilogue is this tanh approximation: the matmul applies it.
         tf32, ins = L.matmuls[L.env[x]]
         return L.op(f"matmul epilogue=gelu tf32={tf32}", *ins)
@@ -1251,26 +1251,36 @@ def _layer_norm(L, node, x, normalized_shape, w, b, eps):
     return (L.cast(out, od), L.cast(mean, vals[1].dtype), L.cast(rstd, vals[2].dtype))
 
 
-# ---- matmul (CUDA: cuBLASLt with fused epilogue; elsewhere ATen) ---------------------
+# ---- matmul (CUDA: cuBLASLt with fused epilogue; CPU: the BLAS PyTorch ships) ---------
 
 def _matmul_ok(L, node, *xs):
-    """Library matmuls: CUDA graphs, static shapes, f32/f16/bf16 operands of one dtype."""
+    """Library matmuls, in static shapes with operands of one dtype: on CUDA f32/f16/bf16
+    through cuBLASLt; on the CPU f32 through PyTorch's own BLAS, called from braze's runs
+    ([Note: CPU matmuls] in braze-runtime). Anything else is ATen's."""
     from . import cuda
 
-    if L.device is None or L.device.type != "cuda" or not cuda.cublaslt_ready():
-        raise Unsupported("matmul runs through ATen here")
     v = node.meta["val"]
+    if L.device is not None and L.device.type == "cpu":
+        if v.dtype != torch.float32 or not _core.cpu_blas_ready():
+            raise Unsupported("matmul runs through ATen here")
+    elif L.device is None or L.device.type != "cuda" or not cuda.cublaslt_ready():
+        raise Unsupported("matmul runs through ATen here")
     if v.dtype not in (torch.float32, torch.float16, torch.bfloat16):
         raise Unsupported(f"matmul on {v.dtype}")
+    # The CPU's matmuls take their sizes from each call's symbols; cuBLASLt's are planned
+    # (and tuned) for static ones.
+    symbolic_ok = L.device.type == "cpu"
     for x in xs:
         m = x.meta["val"]
-        if m.dtype != v.dtype or any(not isinstance(s, int) for s in list(m.shape) + list(m.stride())):
-            raise Unsupported("matmul operands differ in dtype or have symbolic sizes")
-        if m.numel() == 0:
+        if m.dtype != v.dtype:
+            raise Unsupported("matmul operands differ in dtype")
+        if not symbolic_ok and any(not isinstance(s, int) for s in list(m.shape) + list(m.stride())):
+            raise Unsupported("matmul operands have symbolic sizes")
+        if isinstance(m.numel(), int) and m.numel() == 0:
             raise Unsupported("matmul of an empty operand")
-    if v.numel() == 0:
+    if isinstance(v.numel(), int) and v.numel() == 0:
         raise Unsupported("matmul with an empty result")
-    tf32 = v.dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32
+    tf32 = v.dtype == torch.float32 and L.device.type == "cuda" and torch.backends.cuda.matmul.allow_tf32
     return "true" if tf32 else "false"
 
 

@@ -6,8 +6,8 @@
 //! binding (braze-py) only converts these to Python objects.
 
 use braze_ir::{Expr, Graph, Op};
-use braze_runtime::cpu::CpuModule;
-use braze_runtime::cublaslt::{MatmulSpec, Operand};
+use braze_runtime::cpu::{CpuItem, CpuModule};
+use braze_runtime::matmul::{MatmulExprs, MatmulSpec, OperandExprs};
 use braze_runtime::cuda::{CudaModule, Item};
 use braze_runtime::RuntimeError;
 use braze_sched::{Access, BufKind, Step};
@@ -172,27 +172,26 @@ impl ExprTable {
     }
 }
 
-/// A matmul step's operands as cuBLASLt operands (static layouts only).
-fn prepare_matmul(g: &Graph, sched: &braze_sched::Schedule, step: &Step, ordinal: i32, tune: bool) -> Result<braze_runtime::cublaslt::Prepared, DriverError> {
+/// A matmul step as the matrix libraries take it, its sizes as expressions.
+fn matmul_exprs(g: &Graph, sched: &braze_sched::Schedule, step: &Step) -> Result<MatmulExprs, DriverError> {
     let Step::Matmul { node, a, b, bias, residual, out } = step else { return Err(DriverError::Internal("not a matmul step".into())) };
     let (node, out, bias, residual) = (*node, *out, bias.as_ref(), residual.as_ref());
-    let c = |e: &Expr| e.as_const().ok_or_else(|| unsupported("matmul with symbolic sizes"));
-    let operand = |x: &Access| -> Result<Operand, DriverError> {
+    let operand = |x: &Access| -> OperandExprs {
         let buf = &sched.buffers[x.buf as usize];
         let (sizes, strides, offset) = match &x.view {
             Some(v) => (v.sizes.clone(), v.strides.clone(), v.offset.clone()),
             None => (buf.shape.clone(), buf.strides.clone(), Expr::zero()),
         };
         let r = sizes.len();
-        Ok(Operand {
+        OperandExprs {
             buf: x.buf,
-            offset: c(&offset)?,
-            rows: c(&sizes[r - 2])? as u64,
-            cols: c(&sizes[r - 1])? as u64,
-            rs: c(&strides[r - 2])?,
-            cs: c(&strides[r - 1])?,
-            batch_stride: if r == 3 { c(&strides[0])? } else { 0 },
-        })
+            offset,
+            rows: sizes[r - 2].clone(),
+            cols: sizes[r - 1].clone(),
+            rs: strides[r - 2].clone(),
+            cs: strides[r - 1].clone(),
+            batch_stride: if r == 3 { strides[0].clone() } else { Expr::zero() },
+        }
     };
     let Op::Matmul { epilogue, tf32, .. } = g.node(node).op else { return Err(DriverError::Internal("not a matmul".into())) };
     let ty = g.ty(node);
@@ -201,7 +200,7 @@ fn prepare_matmul(g: &Graph, sched: &braze_sched::Schedule, step: &Step, ordinal
     }
     let bias = match bias {
         Some(x) => {
-            let off = x.view.as_ref().map(|v| c(&v.offset)).transpose()?.unwrap_or(0);
+            let off = x.view.as_ref().map(|v| v.offset.clone()).unwrap_or_else(Expr::zero);
             let unit = x.view.as_ref().map(|v| v.strides[0].is_const(1)).unwrap_or(true);
             if !unit {
                 return Err(unsupported("strided matmul bias"));
@@ -210,19 +209,23 @@ fn prepare_matmul(g: &Graph, sched: &braze_sched::Schedule, step: &Step, ordinal
         }
         None => None,
     };
-    let spec = MatmulSpec {
+    Ok(MatmulExprs {
         name: format!("braze_matmul_{}", node.0),
-        a: operand(a)?,
-        b: operand(b)?,
+        a: operand(a),
+        b: operand(b),
         bias,
-        residual: residual.map(operand).transpose()?,
+        residual: residual.map(operand),
         out,
-        batch: if ty.rank() == 3 { c(&ty.shape[0])? as u64 } else { 1 },
+        batch: if ty.rank() == 3 { ty.shape[0].clone() } else { Expr::one() },
         dtype: ty.dtype,
         tf32,
         epilogue,
-    };
-    braze_runtime::cublaslt::prepare(spec, tune.then_some(ordinal)).map_err(DriverError::from)
+    })
+}
+
+/// A matmul step with static sizes, as cuBLASLt takes it.
+fn matmul_spec(g: &Graph, sched: &braze_sched::Schedule, step: &Step) -> Result<MatmulSpec, DriverError> {
+    matmul_exprs(g, sched, step)?.eval(&[]).ok_or_else(|| unsupported("matmul with symbolic sizes"))
 }
 
 /// Per-graph choices of the user's options (`braze.compile(..., options=...)`).
@@ -286,8 +289,14 @@ pub fn compile_with(g: Graph, target: Target, check_cuda: bool, check_arch: &str
     let mut cuda_source = String::new();
     let (source, module) = match target {
         Target::Cpu => {
-            if sched.steps.iter().any(|s| matches!(s, Step::Matmul { .. })) {
-                return Err(unsupported("library matmuls run on CUDA only"));
+            // Kernels and matmuls ([Note: CPU matmuls]) in plan order.
+            let mut items = Vec::new();
+            for st in &sched.steps {
+                match st {
+                    Step::Kernel(k) => items.push(CpuItem::Kernel(*k)),
+                    Step::Matmul { .. } => items.push(CpuItem::Matmul(Box::new(braze_runtime::cpu_blas::prepare(matmul_exprs(&opt, &sched, st)?).map_err(DriverError::from)?))),
+                    Step::Extern { .. } => {}
+                }
             }
             let (units, entries) = braze_codegen::openmp::emit_units(&sched.kernels, None).map_err(unsupported)?;
             if check_cuda && !names.is_empty() {
@@ -296,10 +305,10 @@ pub fn compile_with(g: Graph, target: Target, check_cuda: bool, check_arch: &str
                 cuda_source = cu.concat();
             }
             lap("codegen", &mut times);
-            let m = if names.is_empty() {
+            let m = if items.is_empty() {
                 None
             } else {
-                Some(Module::Cpu(CpuModule::load_units(&units, &entries, version).map_err(DriverError::from)?))
+                Some(Module::Cpu(CpuModule::load_units(&units, &entries, version).and_then(|m| m.with_items(items)).map_err(DriverError::from)?))
             };
             lap("cc", &mut times);
             (if units.is_empty() { braze_codegen::openmp::emit_module(&[]).map_err(unsupported)?.0 } else { units.concat() }, m)
@@ -312,7 +321,10 @@ pub fn compile_with(g: Graph, target: Target, check_cuda: bool, check_arch: &str
             for st in &sched.steps {
                 match st {
                     Step::Kernel(k) => items.push(Item::Kernel(*k)),
-                    Step::Matmul { .. } => items.push(Item::Matmul(Box::new(prepare_matmul(&opt, &sched, st, ordinal, opts.matmul_tune)?))),
+                    Step::Matmul { .. } => {
+                        let spec = matmul_spec(&opt, &sched, st)?;
+                        items.push(Item::Matmul(Box::new(braze_runtime::cublaslt::prepare(spec, opts.matmul_tune.then_some(ordinal)).map_err(DriverError::from)?)))
+                    }
                     Step::Extern { .. } => {}
                 }
             }
@@ -347,9 +359,6 @@ pub fn compile_with(g: Graph, target: Target, check_cuda: bool, check_arch: &str
     for k in &sched.kernels {
         syms.extend(k.syms());
     }
-    syms.sort();
-    syms.dedup();
-    let num_syms = syms.last().map(|m| *m as usize + 1).unwrap_or(0);
     let buffers = sched
         .buffers
         .iter()
@@ -468,6 +477,24 @@ pub fn compile_with(g: Graph, target: Target, check_cuda: bool, check_arch: &str
             }
         }
     }
+    // Every symbol an expression of the plan or a CPU matmul reads, also those only in a
+    // stride or offset (a saved tensor's stride `s59*s94` where no shape holds s94): the
+    // runtime resolves exactly these from the inputs.
+    for e in &tab.0 {
+        e.syms(&mut syms);
+    }
+    for st in &sched.steps {
+        if let Step::Matmul { a, b, bias, residual, .. } = st {
+            for v in [Some(a), Some(b), bias.as_ref(), residual.as_ref()].into_iter().flatten().filter_map(|x| x.view.as_ref()) {
+                for e in v.sizes.iter().chain(&v.strides).chain([&v.offset]) {
+                    e.syms(&mut syms);
+                }
+            }
+        }
+    }
+    syms.sort();
+    syms.dedup();
+    let num_syms = syms.last().map(|m| *m as usize + 1).unwrap_or(0);
     let plan = Plan {
         allocs,
         step_bufs,

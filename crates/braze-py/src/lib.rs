@@ -145,6 +145,13 @@ fn cuda_init(nvrtc: &str, builtins: Option<&str>, driver: Option<&str>, cublaslt
 
 /// The host CPU's identity as CPU modules' cache keys hold it (the target flags
 /// `-march=native` expands to); read once per process.
+/// Whether f32 matmuls on the CPU can run as plan items through the BLAS of the loaded
+/// PyTorch ([Note: CPU matmuls] in braze-runtime).
+#[pyfunction]
+fn cpu_blas_ready() -> bool {
+    braze_runtime::cpu_blas::available()
+}
+
 #[pyfunction]
 fn cpu_id(py: Python<'_>) -> String {
     py.detach(|| braze_runtime::cpu::cpu_id().to_string())
@@ -395,6 +402,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(nvrtc_compile, m)?)?;
     m.add_function(wrap_pyfunction!(nvrtc_warm_up, m)?)?;
     m.add_function(wrap_pyfunction!(cpu_id, m)?)?;
+    m.add_function(wrap_pyfunction!(cpu_blas_ready, m)?)?;
     m.add_function(wrap_pyfunction!(relayout, m)?)?;
     m.add_function(wrap_pyfunction!(relayout_source, m)?)?;
     m.add("Unsupported", m.py().get_type::<Unsupported>())?;

@@ -31,7 +31,16 @@ pub const CFLAGS: &[&str] = &[
 /// Libraries linked after the source: libm, and libmvec (glibc's vector math) on x86-64.
 pub const LIBS: &[&str] = if cfg!(all(target_arch = "x86_64", target_os = "linux")) { &["-lmvec", "-lm"] } else { &["-lm"] };
 
+/// One item of a CPU module's runs: a generated kernel (by index into the module's entries)
+/// or a library matmul ([Note: CPU matmuls] in `cpu_blas.rs`).
+pub enum CpuItem {
+    Kernel(usize),
+    Matmul(Box<crate::cpu_blas::CpuMatmul>),
+}
+
 pub struct CpuModule {
+    /// What runs, in plan order: kernels and matmuls.
+    items: Vec<CpuItem>,
     _libs: Vec<libloading::Library>,
     /// Each kernel's function and the buffer ids it is handed, in parameter order.
     fns: Vec<KernelFn>,
@@ -164,18 +173,29 @@ impl CpuModule {
         let oob = libs.iter().filter_map(|l| unsafe { l.get::<*mut i32>(b"braze_oob") }.ok().map(|s| *s as usize)).collect();
         // SAFETY: `omp_set_num_threads(int)` of the OpenMP runtime the units link (-fopenmp).
         let set_threads = libs.iter().find_map(|l| unsafe { l.get::<SetThreadsFn>(b"omp_set_num_threads") }.ok().map(|s| *s));
-        Ok(CpuModule { _libs: libs, fns, params, max_params, oob, set_threads, paths: built.into_iter().map(|(p, _)| p).collect(), cached })
+        let items = (0..fns.len()).map(CpuItem::Kernel).collect();
+        Ok(CpuModule { items, _libs: libs, fns, params, max_params, oob, set_threads, paths: built.into_iter().map(|(p, _)| p).collect(), cached })
     }
 
+    /// The module's items in plan order, in place of one item per kernel (the default).
+    pub fn with_items(mut self, items: Vec<CpuItem>) -> Result<CpuModule, RuntimeError> {
+        if items.iter().any(|i| matches!(i, CpuItem::Kernel(k) if *k >= self.fns.len())) {
+            return Err(RuntimeError::Compile("a kernel item past the module's kernels".into()));
+        }
+        self.items = items;
+        Ok(self)
+    }
+
+    /// The number of items (kernels and matmuls).
     pub fn len(&self) -> usize {
-        self.fns.len()
+        self.items.len()
     }
 
     pub fn is_empty(&self) -> bool {
-        self.fns.is_empty()
+        self.items.is_empty()
     }
 
-    /// Runs kernels `lo..hi` in order, on `threads` OpenMP threads when `threads > 0`.
+    /// Runs items `lo..hi` in order, kernels on `threads` OpenMP threads when `threads > 0`.
     ///
     /// The count is the calling thread's OpenMP setting (an ICV of the OpenMP runtime, per
     /// thread), so it is set on every call: PyTorch may have changed it, or (when PyTorch
@@ -191,7 +211,16 @@ impl CpuModule {
             unsafe { set(threads) };
         }
         let mut args: Vec<*mut c_void> = Vec::with_capacity(self.max_params);
-        for (f, params) in self.fns[lo..hi].iter().zip(&self.params[lo..hi]) {
+        for item in &self.items[lo..hi] {
+            let k = match item {
+                CpuItem::Kernel(k) => *k,
+                CpuItem::Matmul(m) => {
+                    // SAFETY: guaranteed by the caller (see above).
+                    unsafe { m.run(buffers, sizes) }?;
+                    continue;
+                }
+            };
+            let (f, params) = (&self.fns[k], &self.params[k]);
             args.clear();
             for &b in params {
                 let p = *buffers.get(b as usize).ok_or_else(|| RuntimeError::Launch(format!("buffer {b} has no pointer")))?;

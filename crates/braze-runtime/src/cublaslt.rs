@@ -141,33 +141,7 @@ fn ok(st: Status, what: &str) -> Result<(), RuntimeError> {
     if st == 0 { Ok(()) } else { Err(RuntimeError::Launch(format!("cuBLASLt {what} failed (status {st})"))) }
 }
 
-/// One matrix operand: element `(b, r, c)` is at `offset + b*batch_stride + r*rs + c*cs`.
-#[derive(Clone, Debug)]
-pub struct Operand {
-    pub buf: u32,
-    pub offset: i64,
-    pub rows: u64,
-    pub cols: u64,
-    pub rs: i64,
-    pub cs: i64,
-    pub batch_stride: i64,
-}
-
-/// `out[b] = epilogue(a[b] @ b[b] + bias + residual[b])`, row-major, `out` contiguous; the
-/// residual is cuBLASLt's C operand (beta = 1), row-major with its own row stride.
-#[derive(Clone, Debug)]
-pub struct MatmulSpec {
-    pub name: String,
-    pub a: Operand,
-    pub b: Operand,
-    pub bias: Option<(u32, i64)>,
-    pub residual: Option<Operand>,
-    pub out: u32,
-    pub batch: u64,
-    pub dtype: DType,
-    pub tf32: bool,
-    pub epilogue: Epilogue,
-}
+pub use crate::matmul::{MatmulSpec, Operand};
 
 pub struct Prepared {
     pub spec: MatmulSpec,

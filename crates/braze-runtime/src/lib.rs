@@ -45,8 +45,10 @@ pub fn parallel_map<T: Send>(n: usize, f: impl Fn(usize) -> T + Sync) -> Vec<T> 
 
 pub mod cache;
 pub mod cpu;
+pub mod cpu_blas;
 pub mod cublaslt;
 pub mod cuda;
+pub mod matmul;
 
 #[derive(Debug, thiserror::Error)]
 pub enum RuntimeError {
