@@ -122,3 +122,39 @@ def test_stage_times_grow_linearly(monkeypatch):
     report = ", ".join(f"{s} {small[s] * 1e3:.1f} -> {big[s] * 1e3:.1f} ms" for s in STAGES)
     over = [s for s in STAGES if big[s] > SLACK * ratio * max(small[s], FLOOR_S)]
     assert not over, f"stages {over} grew faster than the graph ({small_nodes} -> {big_nodes} FX nodes, x{ratio:.1f}): {report}"
+
+
+def _train_step(n_layers, compiled):
+    torch.manual_seed(0)
+    model = Bert(n_layers).train()
+    ids = torch.randint(0, 128, (2, 16))
+    attn = torch.ones(2, 16, dtype=torch.long)
+    torch.manual_seed(1)
+    fn = torch.compile(model, backend="braze", options={"on_unsupported": "error"}) if compiled else model
+    loss = fn(ids, ids, attn)
+    loss.backward()
+    return loss.detach(), [p.grad for p in model.parameters()]
+
+
+def test_kernels_cached_one_by_one(monkeypatch, tmp_path):
+    """[Note: kernel dedup] and [Note: per-kernel cache]: a 3-layer training step emits each
+    repeated layer's kernels once, and a 2-layer model compiled afterwards (other graphs,
+    other buffer ids) finds every kernel in the disk cache and compiles nothing; both match
+    eager (dropout included: both draw from the same seed)."""
+    monkeypatch.setenv("BRAZE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("BRAZE_CHECK_CUDA", "0")
+    for layers, cached in ((3, False), (2, True)):
+        torch._dynamo.reset()
+        n0 = len(braze.stats.records)
+        loss, grads = _train_step(layers, compiled=True)
+        recs = braze.stats.records[n0:]
+        assert [r["status"] for r in recs] == ["compiled", "compiled"]
+        assert all(r["cached"] == cached for r in recs), [(r["name"], r["cached"], r["times"].get("cc")) for r in recs]
+        if layers == 3:
+            fns = sum(r["source"].count("\nvoid braze_") for r in recs)
+            kernels = sum(len(r["kernels"]) for r in recs)
+            assert fns < 0.6 * kernels, (fns, kernels)
+        want_loss, want_grads = _train_step(layers, compiled=False)
+        torch.testing.assert_close(loss, want_loss, atol=1e-4, rtol=1e-4)
+        for g, w in zip(grads, want_grads):
+            torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-3)

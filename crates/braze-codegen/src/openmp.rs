@@ -485,17 +485,23 @@ pub struct Entry {
     pub params: Vec<u32>,
 }
 
-/// The whole C module of a graph's kernels, and its kernels' entries.
-pub fn emit_module(kernels: &[Kernel]) -> Result<(String, Vec<Entry>), CodegenError> {
-    let (mut units, entries) = emit_units(kernels, Some(usize::MAX))?;
-    Ok((units.pop().unwrap_or_else(|| format!("{}\n", OpenMp.prelude())), entries))
+/// One distinct kernel's C function: its name, its text, and its canonical text (the key
+/// that equal kernels share: [Note: kernel dedup]).
+#[derive(Clone, Debug)]
+pub struct KernelSource {
+    pub name: String,
+    pub text: String,
+    pub key: String,
 }
 
-/// The module as translation units of distinct kernels, in kernel order, each with the
-/// prelude (see [`crate::units`]; `per_unit` kernels each, or by the machine's cores when
-/// `None`), and every kernel's entry. A kernel identical to an earlier one ([Note: kernel
-/// dedup]) is not emitted again.
-pub fn emit_units(kernels: &[Kernel], per_unit: Option<usize>) -> Result<(Vec<String>, Vec<Entry>), CodegenError> {
+/// The C prelude every translation unit starts with.
+pub fn prelude() -> &'static str {
+    PRELUDE
+}
+
+/// A graph's distinct kernels ([Note: kernel dedup]) and, per kernel in order, the distinct
+/// kernel it calls (`Entry::unit` is its index in the first list) and its buffers.
+pub fn emit_kernels(kernels: &[Kernel]) -> Result<(Vec<KernelSource>, Vec<Entry>), CodegenError> {
     let mut texts = Vec::with_capacity(kernels.len());
     let mut params = Vec::with_capacity(kernels.len());
     let mut keys = Vec::with_capacity(kernels.len());
@@ -506,16 +512,34 @@ pub fn emit_units(kernels: &[Kernel], per_unit: Option<usize>) -> Result<(Vec<St
         texts.push(text);
         params.push(p);
     }
-    let mut units: Vec<String> = Vec::new();
+    let mut distinct: Vec<KernelSource> = Vec::new();
+    let mut index = vec![0usize; kernels.len()];
     let mut entries = Vec::with_capacity(kernels.len());
-    for (i, ((owner, unit), p)) in crate::dedup::assign(&keys, per_unit).into_iter().zip(params).enumerate() {
+    for (i, ((owner, _), p)) in crate::dedup::assign(&keys, Some(usize::MAX)).into_iter().zip(params).enumerate() {
         if owner == i {
-            while units.len() <= unit {
-                units.push(format!("{}\n", OpenMp.prelude()));
-            }
-            units[unit].push_str(&texts[i]);
+            index[i] = distinct.len();
+            distinct.push(KernelSource { name: kernels[i].name.clone(), text: std::mem::take(&mut texts[i]), key: std::mem::take(&mut keys[i]) });
         }
-        entries.push(Entry { name: kernels[owner].name.clone(), unit, params: p });
+        entries.push(Entry { name: kernels[owner].name.clone(), unit: index[owner], params: p });
     }
-    Ok((units, entries))
+    Ok((distinct, entries))
+}
+
+/// The whole C module of a graph's kernels (one unit: the prelude, then each distinct
+/// kernel), and its kernels' entries.
+pub fn emit_module(kernels: &[Kernel]) -> Result<(String, Vec<Entry>), CodegenError> {
+    let (distinct, mut entries) = emit_kernels(kernels)?;
+    for e in &mut entries {
+        e.unit = 0;
+    }
+    Ok((module_source(&distinct), entries))
+}
+
+/// The prelude followed by every kernel of `distinct`.
+pub fn module_source(distinct: &[KernelSource]) -> String {
+    let mut out = format!("{PRELUDE}\n");
+    for k in distinct {
+        out.push_str(&k.text);
+    }
+    out
 }

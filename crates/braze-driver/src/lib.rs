@@ -298,7 +298,7 @@ pub fn compile_with(g: Graph, target: Target, check_cuda: bool, check_arch: &str
                     Step::Extern { .. } => {}
                 }
             }
-            let (units, entries) = braze_codegen::openmp::emit_units(&sched.kernels, None).map_err(unsupported)?;
+            let (distinct, entries) = braze_codegen::openmp::emit_kernels(&sched.kernels).map_err(unsupported)?;
             if check_cuda && !names.is_empty() {
                 let (cu, _) = braze_codegen::cuda::emit_units(&sched.kernels, 132, None).map_err(unsupported)?;
                 braze_runtime::cuda::compile_cubins(&cu, check_arch, version).map_err(DriverError::from)?;
@@ -308,10 +308,10 @@ pub fn compile_with(g: Graph, target: Target, check_cuda: bool, check_arch: &str
             let m = if items.is_empty() {
                 None
             } else {
-                Some(Module::Cpu(CpuModule::load_units(&units, &entries, version).and_then(|m| m.with_items(items)).map_err(DriverError::from)?))
+                Some(Module::Cpu(CpuModule::load_kernels(&distinct, &entries, version).and_then(|m| m.with_items(items)).map_err(DriverError::from)?))
             };
             lap("cc", &mut times);
-            (if units.is_empty() { braze_codegen::openmp::emit_module(&[]).map_err(unsupported)?.0 } else { units.concat() }, m)
+            (braze_codegen::openmp::module_source(&distinct), m)
         }
         Target::Cuda(ordinal) => {
             let (arch, sms) = braze_runtime::cuda::device_info(ordinal).map_err(DriverError::from)?;

@@ -12,7 +12,7 @@
 
 use crate::cache::{cache_dir, key};
 use crate::RuntimeError;
-pub use braze_codegen::openmp::Entry;
+pub use braze_codegen::openmp::{Entry, KernelSource};
 use std::ffi::c_void;
 use std::process::Command;
 use std::sync::OnceLock;
@@ -52,9 +52,9 @@ pub struct CpuModule {
     oob: Vec<usize>,
     /// The OpenMP runtime's `omp_set_num_threads`, as the units resolve it.
     set_threads: Option<SetThreadsFn>,
-    /// The shared library of each unit.
+    /// The shared libraries the kernels are in.
     pub paths: Vec<std::path::PathBuf>,
-    /// True when every unit came from the disk cache.
+    /// True when every kernel came from the disk cache.
     pub cached: bool,
 }
 
@@ -143,6 +143,12 @@ fn build(source: &str, version: &str) -> Result<(std::path::PathBuf, bool), Runt
     Ok((so, false))
 }
 
+/// A translation unit of the distinct kernels `ks`.
+fn module_source_of(distinct: &[KernelSource], ks: &[usize]) -> String {
+    let chosen: Vec<KernelSource> = ks.iter().map(|&k| distinct[k].clone()).collect();
+    braze_codegen::openmp::module_source(&chosen)
+}
+
 impl CpuModule {
     /// Compiles (or finds in the cache) `source`, one unit defining every kernel of `entries`.
     pub fn load(source: &str, entries: &[Entry], version: &str) -> Result<CpuModule, RuntimeError> {
@@ -166,15 +172,88 @@ impl CpuModule {
             let f: libloading::Symbol<KernelFn> = unsafe { lib.get(e.name.as_bytes()) }.map_err(|err| RuntimeError::Compile(format!("kernel {} missing: {err}", e.name)))?;
             fns.push(*f);
         }
-        let params: Vec<Vec<u32>> = entries.iter().map(|e| e.params.clone()).collect();
-        let max_params = params.iter().map(Vec::len).max().unwrap_or(0);
         let cached = built.iter().all(|(_, c)| *c);
+        Ok(Self::assemble(libs, fns, entries, built.into_iter().map(|(p, _)| p).collect(), cached))
+    }
+
+    /// [Note: per-kernel cache] Loads a graph's distinct kernels, compiling only those the
+    /// disk cache does not hold. Each kernel is cached on its own: an index entry
+    /// (`cpu/k/<hash>`, the hash of its canonical text, the prelude, the compiler, the host
+    /// CPU, the flags and braze's version) names the library holding it and its symbol
+    /// there, whichever graph's unit that library was built from. The kernels not found are
+    /// compiled as units (braze-codegen's [Note: units], sized by their number) in parallel,
+    /// and indexed. A graph that shares most kernels with one compiled before (the same
+    /// model with another depth, a recompile after a guard failed) compiles only the rest.
+    /// `uses[i]` is kernel `i`'s entry: `unit` names its distinct kernel.
+    pub fn load_kernels(distinct: &[KernelSource], uses: &[Entry], version: &str) -> Result<CpuModule, RuntimeError> {
+        let cc = compiler();
+        let flags = format!("{} {}", CFLAGS.join(" "), LIBS.join(" "));
+        let base = [braze_codegen::openmp::prelude(), compiler_id()?, cpu_id(), &cc, &flags, version];
+        let dir = cache_dir().join("cpu");
+        let kdir = dir.join("k");
+        std::fs::create_dir_all(&kdir).map_err(|e| RuntimeError::Environment(format!("cache dir {}: {e}", kdir.display())))?;
+        let hashes: Vec<String> = distinct.iter().map(|k| key(&[&[k.key.as_str()], &base[..]].concat())).collect();
+        // (library, symbol) per distinct kernel, from the index where it is there.
+        let mut found: Vec<Option<(std::path::PathBuf, String)>> = hashes
+            .iter()
+            .map(|h| {
+                let text = std::fs::read_to_string(kdir.join(h)).ok()?;
+                let (lib, sym) = text.split_once('\n')?;
+                let so = dir.join(lib);
+                so.exists().then(|| (so, sym.trim().to_string()))
+            })
+            .collect();
+        let misses: Vec<usize> = (0..distinct.len()).filter(|&k| found[k].is_none()).collect();
+        let per = braze_codegen::units::kernels_per_unit(misses.len());
+        let units: Vec<(String, &[usize])> = misses.chunks(per.max(1)).map(|ks| (module_source_of(distinct, ks), ks)).collect();
+        let built = crate::parallel_map(units.len(), |u| build(&units[u].0, version)).into_iter().collect::<Result<Vec<_>, _>>()?;
+        for ((so, _), (_, ks)) in built.iter().zip(&units) {
+            let lib = so.file_name().map(|f| f.to_string_lossy().to_string()).unwrap_or_default();
+            for &k in *ks {
+                let tmp = kdir.join(format!("{}.{}.tmp", hashes[k], std::process::id()));
+                // A failed index write only costs a later compile.
+                if std::fs::write(&tmp, format!("{lib}\n{}\n", distinct[k].name)).is_ok() {
+                    let _ = std::fs::rename(&tmp, kdir.join(&hashes[k]));
+                }
+                found[k] = Some((so.clone(), distinct[k].name.clone()));
+            }
+        }
+        // Each library once, then each distinct kernel's function in it.
+        let mut libs: Vec<libloading::Library> = Vec::new();
+        let mut paths: Vec<std::path::PathBuf> = Vec::new();
+        let mut kfns = Vec::with_capacity(distinct.len());
+        for f in &found {
+            let (so, sym) = f.as_ref().ok_or_else(|| RuntimeError::Compile("a kernel neither cached nor compiled".into()))?;
+            let li = match paths.iter().position(|p| p == so) {
+                Some(i) => i,
+                None => {
+                    // SAFETY: braze's own generated code, compiled from the source its index
+                    // entry was hashed from; loading it runs no initializers of ours.
+                    libs.push(unsafe { libloading::Library::new(so) }.map_err(|e| RuntimeError::Environment(format!("cannot load {}: {e}", so.display())))?);
+                    paths.push(so.clone());
+                    libs.len() - 1
+                }
+            };
+            // SAFETY: every kernel is emitted with exactly the `KernelFn` signature.
+            let f: libloading::Symbol<KernelFn> = unsafe { libs[li].get(sym.as_bytes()) }.map_err(|e| RuntimeError::Compile(format!("kernel {sym} missing in {}: {e}", so.display())))?;
+            kfns.push(*f);
+        }
+        let mut fns = Vec::with_capacity(uses.len());
+        for e in uses {
+            fns.push(*kfns.get(e.unit).ok_or_else(|| RuntimeError::Compile(format!("kernel {} has no function", e.name)))?);
+        }
+        Ok(Self::assemble(libs, fns, uses, paths, misses.is_empty()))
+    }
+
+    fn assemble(libs: Vec<libloading::Library>, fns: Vec<KernelFn>, uses: &[Entry], paths: Vec<std::path::PathBuf>, cached: bool) -> CpuModule {
+        let params: Vec<Vec<u32>> = uses.iter().map(|e| e.params.clone()).collect();
+        let max_params = params.iter().map(Vec::len).max().unwrap_or(0);
         // SAFETY: `braze_oob` is an `int` defined by the generated prelude of each unit.
         let oob = libs.iter().filter_map(|l| unsafe { l.get::<*mut i32>(b"braze_oob") }.ok().map(|s| *s as usize)).collect();
         // SAFETY: `omp_set_num_threads(int)` of the OpenMP runtime the units link (-fopenmp).
         let set_threads = libs.iter().find_map(|l| unsafe { l.get::<SetThreadsFn>(b"omp_set_num_threads") }.ok().map(|s| *s));
         let items = (0..fns.len()).map(CpuItem::Kernel).collect();
-        Ok(CpuModule { items, _libs: libs, fns, params, max_params, oob, set_threads, paths: built.into_iter().map(|(p, _)| p).collect(), cached })
+        CpuModule { items, _libs: libs, fns, params, max_params, oob, set_threads, paths, cached }
     }
 
     /// The module's items in plan order, in place of one item per kernel (the default).
