@@ -47,16 +47,22 @@ class SymResolver:
         if missing:
             raise Unsupported("size symbol(s) " + ", ".join(f"s{n}" for n in missing) + " not found among the inputs")
         self.sources = {n: src for n, src in self.sources.items() if n in needed}
+        self.order = tuple(self.sources.values())
 
     def _add(self, expr, src):
         if expr.startswith("s") and expr[1:].isdigit():
             self.sources.setdefault(int(expr[1:]), src)
 
-    def resolve(self, args):
+    def key(self, args):
+        """The values of the needed symbols, in `sources` order (a plan cache key)."""
+        return tuple([int(args[i]) if kind == "int" else (args[i].shape[d] if kind == "size" else args[i].stride(d))
+                      for kind, i, d in self.order])
+
+    def expand(self, key):
+        """The full symbol list (`syms[n]` is `sN`) from `key`'s values."""
         out = [0] * self.num_syms
-        for n, (kind, i, d) in self.sources.items():
-            a = args[i]
-            out[n] = int(a) if kind == "int" else (a.shape[d] if kind == "size" else a.stride(d))
+        for n, v in zip(self.sources, key):
+            out[n] = v
         return out
 
 
@@ -121,6 +127,7 @@ class CompiledGraph:
             self.tensor_args_of = (lambda args: args) if ti == list(range(len(ti))) else (lambda args: [args[i] for i in ti])
         self.plans = {}  # symbol values -> (vals, shapes, strides, plan) of a dynamic graph
         if not self.dynamic:
+            self.static_syms = compiled.sym_vals([])
             self.static = self._layouts(compiled.eval([]))
             self.static_plan = self._plan(*self.static)
 
@@ -196,20 +203,21 @@ class CompiledGraph:
 
     def __call__(self, args):
         if self.dynamic:
-            syms = self.syms.resolve(args)
             # Plans by symbol values: a loop calling with the sizes it called with before
-            # reuses the plan instead of evaluating and rebuilding it.
-            key = tuple(syms)
+            # reuses the plan (and the symbol values as the runs take them) instead of
+            # evaluating and rebuilding it.
+            key = self.syms.key(args)
             hit = self.plans.get(key)
             if hit is None:
+                syms = self.syms.expand(key)
                 vals, shapes, strides = self._layouts(self.c.eval(syms))
-                hit = (vals, shapes, strides, self._plan(vals, shapes, strides))
+                hit = (syms, self.c.sym_vals(syms), vals, shapes, strides, self._plan(vals, shapes, strides))
                 if len(self.plans) >= _PLANS_KEPT:
                     del self.plans[next(iter(self.plans))]
                 self.plans[key] = hit
-            vals, shapes, strides, (inputs, plan, out_plan, (simple, copies)) = hit
+            syms, run_syms, vals, shapes, strides, (inputs, plan, out_plan, (simple, copies)) = hit
         else:
-            syms = _NO_SYMS
+            syms, run_syms = _NO_SYMS, self.static_syms
             vals, shapes, strides = self.static
             inputs, plan, out_plan, (simple, copies) = self.static_plan
         bufs = [None] * self.n_bufs
@@ -249,7 +257,7 @@ class CompiledGraph:
                 bufs[buf] = t
                 ptrs[buf] = t.data_ptr()
             if kind == 0:
-                run(a, ptrs, syms, stream, arena_ptr)
+                run(a, ptrs, run_syms, stream, arena_ptr)
             else:
                 target, build, views, results = a
                 tensors = [bufs[b] if v is None else bufs[b].as_strided(v[0], v[1], bufs[b].storage_offset() + v[2]) for b, v in views]

@@ -143,8 +143,6 @@ fn cuda_init(nvrtc: &str, builtins: Option<&str>, driver: Option<&str>, cublaslt
     braze_runtime::cuda::nvrtc_version().map_err(runtime_err)
 }
 
-/// The host CPU's identity as CPU modules' cache keys hold it (the target flags
-/// `-march=native` expands to); read once per process.
 /// Whether f32 matmuls on the CPU can run as plan items through the BLAS of the loaded
 /// PyTorch ([Note: CPU matmuls] in braze-runtime).
 #[pyfunction]
@@ -152,6 +150,8 @@ fn cpu_blas_ready() -> bool {
     braze_runtime::cpu_blas::available()
 }
 
+/// The host CPU's identity as CPU modules' cache keys hold it (the target flags
+/// `-march=native` expands to); read once per process.
 #[pyfunction]
 fn cpu_id(py: Python<'_>) -> String {
     py.detach(|| braze_runtime::cpu::cpu_id().to_string())
@@ -310,6 +310,12 @@ impl Compiled {
     }
 
     /// Every size expression of the plan evaluated for these symbol values.
+    /// A call's symbol values (`syms[n]` is `sN`) as `run` takes them without converting a
+    /// list per run: made once per size set of a dynamic graph.
+    fn sym_vals(&self, syms: Vec<i64>) -> SymVals {
+        SymVals { v: padded(syms, self.plan.num_syms) }
+    }
+
     fn eval(&self, syms: Vec<i64>) -> PyResult<Vec<i64>> {
         self.plan.exprs.iter().map(|e| e.eval_syms(&syms).ok_or_else(|| unsupported(format!("cannot evaluate {e}")))).collect()
     }
@@ -320,7 +326,7 @@ impl Compiled {
     /// the arena get their pointers from `arena` (the arena window the step lies in). CPU kernels run on PyTorch's thread count
     /// (`torch.get_num_threads()`, read on every call: the user may change it at any time).
     #[pyo3(signature = (step, ptrs, syms, stream=0, arena=0))]
-    fn run(&self, py: Python<'_>, step: usize, ptrs: &Bound<'_, PyList>, syms: Vec<i64>, stream: usize, arena: usize) -> PyResult<()> {
+    fn run(&self, py: Python<'_>, step: usize, ptrs: &Bound<'_, PyList>, syms: &Bound<'_, PyAny>, stream: usize, arena: usize) -> PyResult<()> {
         let m = self.module.as_ref().ok_or_else(|| InternalError::new_err("no kernels"))?;
         let (Some(row), Some(used)) = (self.plan.steps.get(step), self.plan.step_bufs.get(step)) else {
             return Err(InternalError::new_err(format!("no step {step}")));
@@ -336,13 +342,40 @@ impl Compiled {
                 _ => ptrs.get_item(b)?.extract()?,
             };
         }
-        let mut s = syms;
-        s.resize(self.plan.num_syms.max(1), 0);
+        // Prepared values (`sym_vals`) as they are; a list converted (a type check first:
+        // a failed extraction would build a Python exception per call).
+        let owned;
+        let vals = syms.cast::<SymVals>().ok().map(|v| v.get());
+        let s: &[i64] = match vals {
+            Some(v) if v.v.len() >= self.plan.num_syms.max(1) => &v.v,
+            Some(v) => {
+                owned = padded(v.v.clone(), self.plan.num_syms);
+                &owned
+            }
+            None => {
+                owned = padded(syms.extract()?, self.plan.num_syms);
+                &owned
+            }
+        };
         let threads = if matches!(m, Module::Cpu(_)) { torch_num_threads(py)? } else { 0 };
         // SAFETY: the Python runtime allocates every buffer as the plan describes before
         // calling, and passes a pointer for each buffer id the step touches.
-        py.detach(|| unsafe { m.run(lo..hi, used, &table, &s, stream, threads) }).map_err(driver_err)
+        py.detach(|| unsafe { m.run(lo..hi, used, &table, s, stream, threads) }).map_err(driver_err)
     }
+}
+
+/// Size-symbol values made once (`Compiled.sym_vals`) and passed to every run of a call.
+#[pyclass(module = "braze._core", frozen)]
+pub struct SymVals {
+    v: Vec<i64>,
+}
+
+/// `v` extended with zeros to at least one entry per symbol id of the plan (and one).
+fn padded(mut v: Vec<i64>, num_syms: usize) -> Vec<i64> {
+    if v.len() < num_syms.max(1) {
+        v.resize(num_syms.max(1), 0);
+    }
+    v
 }
 
 /// `torch.get_num_threads()` (the function looked up once per process).
@@ -398,6 +431,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<GraphBuilder>()?;
     m.add_class::<Compiled>()?;
     m.add_class::<ScalarFn>()?;
+    m.add_class::<SymVals>()?;
     m.add_function(wrap_pyfunction!(cuda_init, m)?)?;
     m.add_function(wrap_pyfunction!(nvrtc_compile, m)?)?;
     m.add_function(wrap_pyfunction!(nvrtc_warm_up, m)?)?;
