@@ -163,6 +163,32 @@ def test_inference(name, device):
     assert braze.stats.graphs_compiled == compiled, "the second call recompiled"
 
 
+@pytest.mark.parametrize("name", ["gpt2", "bert", "llama"])
+def test_fp32_training_step_matmuls_in_braze(name, device):
+    """The same models in fp32 (no autocast), forward and backward: every matmul is braze's
+    (cuBLASLt on CUDA; on the CPU the BLAS called from Rust, [Note: CPU matmuls]), none is an
+    ATen call, and outputs and gradients match eager."""
+    if name not in MODELS:
+        pytest.skip(f"{name} not in this transformers")
+    eager, comp, _, kind, _ = _three(name, device)
+    eager.train()
+    comp.train()
+    inp = _inputs(kind, device)
+    c = torch.compile(comp, backend="braze", options={"on_unsupported": "error"})
+    out_ref, loss_ref = _call(eager, inp, False, device)
+    out_res, loss_res = _call(c, inp, False, device)
+    loss_ref.backward()
+    loss_res.backward()
+    _check_compiled_everything()
+    torch.testing.assert_close(out_res, out_ref, atol=2e-4, rtol=1e-4)
+    for (pn, p), p2 in zip(eager.named_parameters(), comp.parameters()):
+        if p.grad is not None:
+            torch.testing.assert_close(p2.grad, p.grad, atol=2e-4, rtol=1e-3, msg=lambda m, pn=pn: f"grad {pn}: {m}")
+    if device == "cuda" or braze._core.cpu_blas_ready():
+        mm = {k: v for k, v in braze.stats.extern_ops.items() if k.split(".")[1] in ("mm", "addmm", "bmm", "baddbmm")}
+        assert not mm, mm
+
+
 @pytest.mark.parametrize("name", list(MODELS))
 def test_training_step(name, device):
     eager, comp, f64, kind, ckpt = _three(name, device)
