@@ -201,7 +201,12 @@ class CompiledGraph:
         simple = len(self.out_spec) == len(outs) and all(k == "t" for k, _ in self.out_spec)
         return inputs, plan, outs, (simple, tuple(copies))
 
-    def __call__(self, args):
+    def __call__(self, args, on_step=None):
+        """Runs the graph on `args` (boxed: the list may be cleared by callers). `on_step`, for
+        debugging tools (`benchmarks/step_probe.py`): called after each plan step, before
+        its buffers are freed, as `on_step(kind, what, bufs)` with kind 0 (a run of kernels
+        and matmuls; `what` its plan step) or 1 (an extern call; `what` its target), and
+        `bufs` the live tensors by buffer id."""
         if self.dynamic:
             # Plans by symbol values: a loop calling with the sizes it called with before
             # reuses the plan (and the symbol values as the runs take them) instead of
@@ -274,6 +279,8 @@ class CompiledGraph:
                         t = t[k]
                     t = bufs[o] = self._in_layout(t, shape, stride, stream)
                     ptrs[o] = t.data_ptr()
+            if on_step is not None:
+                on_step(kind, a if kind == 0 else a[0], bufs)
             for buf in frees:
                 bufs[buf] = None
                 ptrs[buf] = 0

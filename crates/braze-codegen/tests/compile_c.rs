@@ -125,3 +125,46 @@ fn identical_kernels_share_a_function() {
         assert!((a - b).abs() < 1e-5, "{a} vs {b}");
     }
 }
+
+/// A column kernel of two passes (column sums, then a pointwise pass reading them, as in
+/// BatchNorm's backward in channels_last) over 70 columns: two chunks of the column emitter,
+/// values of each column carried between the passes in arrays; computes what a loop does.
+#[test]
+fn multi_pass_column_kernel_runs() {
+    let g = braze_ir::parse::parse_graph(
+        "graph g {
+  %0 = input index=0 strides=[70, 1] : f32[50, 70]
+  %1 = input index=1 strides=[70, 1] : f32[50, 70]
+  %2 = sum dims=[0] keepdim=true %0 : f32[1, 70]
+  %3 = mul %0, %1 : f32[50, 70]
+  %4 = sum dims=[0] keepdim=true %3 : f32[1, 70]
+  %5 = mul %2, %4 : f32[1, 70]
+  %6 = sub %0, %5 : f32[50, 70]
+  return %6, %2
+}",
+    )
+    .unwrap();
+    let s = schedule(&braze_passes::optimize(&g)).unwrap();
+    assert!(s.kernels.iter().any(|k| k.column && k.passes.len() > 1), "{s}");
+    let (src, entries) = braze_codegen::openmp::emit_module(&s.kernels).unwrap();
+    let m = braze_runtime::cpu::CpuModule::load(&src, &entries, "test").unwrap();
+    let x: Vec<f32> = (0..3500).map(|i| ((i * 37 % 101) as f32) * 0.01 - 0.5).collect();
+    let y: Vec<f32> = (0..3500).map(|i| ((i * 53 % 89) as f32) * 0.02 - 0.9).collect();
+    let mut bufs: Vec<Vec<f32>> = s.buffers.iter().map(|_| vec![f32::NAN; 3500]).collect();
+    let mut ptrs: Vec<usize> = bufs.iter_mut().map(|t| t.as_mut_ptr() as usize).collect();
+    ptrs[0] = x.as_ptr() as usize;
+    ptrs[1] = y.as_ptr() as usize;
+    // SAFETY: every buffer holds the 3500 elements the largest one needs.
+    unsafe { m.run(0, m.len(), &ptrs, &[], 0) }.expect("kernels run");
+    let (out, sums) = (&bufs[s.outputs[0].buf as usize], &bufs[s.outputs[1].buf as usize]);
+    for c in 0..70 {
+        let sx: f32 = (0..50).map(|r| x[r * 70 + c]).sum();
+        let sxy: f32 = (0..50).map(|r| x[r * 70 + c] * y[r * 70 + c]).sum();
+        assert!((sums[c] - sx).abs() < 1e-3, "column {c}: {} vs {sx}", sums[c]);
+        for r in 0..50 {
+            let want = x[r * 70 + c] - sx * sxy;
+            let got = out[r * 70 + c];
+            assert!((got - want).abs() < 1e-3 * want.abs().max(1.0), "({r}, {c}): {got} vs {want}\n{src}");
+        }
+    }
+}
