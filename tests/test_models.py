@@ -630,6 +630,31 @@ def test_arena_windows_split_long_graphs(device, compiled_graphs):
     assert g.arena_bytes == max(w[2] for w in wins)
 
 
+def test_cpu_arenas_kept_between_calls(device, compiled_graphs):
+    """[Note: CPU arenas]: on the CPU a graph's arenas are kept between calls and reused (the
+    same memory on the next call), and results stay right on new inputs (nothing of the
+    previous call leaks through); on CUDA PyTorch's caching allocator keeps them instead."""
+    def f(x):
+        for i in range(4):
+            x = torch.softmax(x * 1.5, dim=i % 2) + x
+        return x
+
+    c = compiled(f)
+    x = torch.randn(256, 512, device=device)
+    torch.testing.assert_close(c(x), f(x))
+    g = compiled_graphs[-1]
+    assert g.arena_windows, "expected arena buffers"
+    if device != "cpu":
+        assert g.arena_pool is None
+        return
+    kept = {n: [t.data_ptr() for t in ts] for n, ts in g.arena_pool.items()}
+    assert kept and all(kept.values()), g.arena_pool
+    for _ in range(3):
+        x = torch.randn(256, 512, device=device)
+        torch.testing.assert_close(c(x), f(x))
+    assert {n: [t.data_ptr() for t in ts] for n, ts in g.arena_pool.items()} == kept
+
+
 def test_batchnorm_running_stats_stored_in_place(device, compiled_graphs):
     """BatchNorm's running statistics in training are input mutations AOTAutograd keeps in the
     graph ([Note: input mutations]): braze's kernels store the new values straight into the
