@@ -653,6 +653,24 @@ def test_cpu_arenas_kept_between_calls(device, compiled_graphs):
         x = torch.randn(256, 512, device=device)
         torch.testing.assert_close(c(x), f(x))
     assert {n: [t.data_ptr() for t in ts] for n, ts in g.arena_pool.items()} == kept
+    # Calls from several threads at once (runs release the GIL) each take their own arena.
+    import threading
+    errors = []
+
+    def worker(seed):
+        gen = torch.Generator().manual_seed(seed)
+        for _ in range(10):
+            x = torch.randn(256, 512, generator=gen)
+            try:
+                torch.testing.assert_close(c(x), f(x))
+            except Exception as e:  # noqa: BLE001 - reported below
+                errors.append(e)
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[0]
 
 
 def test_batchnorm_running_stats_stored_in_place(device, compiled_graphs):

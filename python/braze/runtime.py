@@ -260,8 +260,14 @@ class CompiledGraph:
         run = self.c.run
         for kind, allocs, frees, a, b, (opens, closes) in plan:
             if opens:
-                free = pool.get(opens) if pool is not None else None
-                arena = free.pop() if free else empty((opens,), (1,), torch.uint8)
+                arena = None
+                if pool is not None:
+                    try:  # one pop: another thread may take the last arena between a check and it
+                        arena = pool[opens].pop()
+                    except (KeyError, IndexError):
+                        pass
+                if arena is None:
+                    arena = empty((opens,), (1,), torch.uint8)
                 arena_ptr = arena.data_ptr()
             for buf, shape, stride, dtype in allocs:
                 if shape is None:  # an input's new value, stored in place when the input allows
