@@ -415,29 +415,15 @@ const COL_CHUNK: i64 = 64;
 /// walked each column alone with a stride of the row length (BatchNorm backward of a
 /// ResNet-50 in channels_last: 10–20 ms per kernel at batch 2 on the 2-core machine).
 fn emit_column(k: &Kernel, e: &Emitter, out: &mut String, par_if: &str) -> Result<(), CodegenError> {
-    use braze_sched::loop_ir::Stmt;
     let ix = crate::c_emit::index;
     let n_outer = k.outer.len();
     let last = n_outer - 1;
     let c = ix(&k.outer[last]);
     let lead = product(&k.outer[..last]);
-    let defined = |stmts: &[Stmt]| -> Vec<u32> {
-        stmts
-            .iter()
-            .filter_map(|s| match s {
-                Stmt::Store { .. } => None,
-                Stmt::Load { dst, .. }
-                | Stmt::Const { dst, .. }
-                | Stmt::Index { dst, .. }
-                | Stmt::InRange { dst, .. }
-                | Stmt::Unary { dst, .. }
-                | Stmt::Binary { dst, .. }
-                | Stmt::Where { dst, .. }
-                | Stmt::Cast { dst, .. }
-                | Stmt::Bounded { dst, .. } => Some(*dst),
-            })
-            .collect()
-    };
+    let defined = |stmts: &[braze_sched::loop_ir::Stmt]| -> Vec<u32> { stmts.iter().filter_map(|s| s.dst()).collect() };
+    // What a pass leaves for later passes, per column: its reductions' results and the
+    // temporaries of its `after` statements.
+    let pass_values = |p: &braze_sched::loop_ir::Pass| -> Vec<u32> { p.reductions.iter().map(|r| r.dst).chain(defined(&p.after)).collect() };
     let ctype = |t: u32| crate::dialect::compute_type(k.tmp_dtypes[t as usize]);
     writeln!(out, "  const int64_t nch = ({c} + {COL_CHUNK} - 1) / {COL_CHUNK};").unwrap();
     writeln!(out, "  #pragma omp parallel for schedule(static) {par_if}").unwrap();
@@ -463,16 +449,13 @@ fn emit_column(k: &Kernel, e: &Emitter, out: &mut String, par_if: &str) -> Resul
             writeln!(out, "      t{t}_v[j] = t{t};").unwrap();
         }
     };
+    // Arrays for the values later passes read: the prelude's and every pass's but the last's.
     let mut point_values: Vec<u32> = defined(&k.prelude);
-    for p in &k.passes {
-        point_values.extend(p.reductions.iter().map(|r| r.dst));
-        point_values.extend(defined(&p.after));
+    for p in &k.passes[..k.passes.len().saturating_sub(1)] {
+        point_values.extend(pass_values(p));
     }
-    let later_passes = k.passes.len() > 1 || !k.prelude.is_empty();
-    if later_passes {
-        for &t in &point_values {
-            writeln!(out, "    {} t{t}_v[{COL_CHUNK}];", ctype(t)).unwrap();
-        }
+    for &t in &point_values {
+        writeln!(out, "    {} t{t}_v[{COL_CHUNK}];", ctype(t)).unwrap();
     }
     if !k.prelude.is_empty() {
         writeln!(out, "    for (int64_t j = 0; j < cn; j++) {{").unwrap();
@@ -531,9 +514,8 @@ fn emit_column(k: &Kernel, e: &Emitter, out: &mut String, par_if: &str) -> Resul
         for st in &p.after {
             writeln!(out, "      {}", e.stmt(st)?).unwrap();
         }
-        if later_passes && pi + 1 < k.passes.len() {
-            let mut ts: Vec<u32> = p.reductions.iter().map(|r| r.dst).collect();
-            ts.extend(defined(&p.after));
+        if pi + 1 < k.passes.len() {
+            let ts = pass_values(p);
             keep(out, &ts);
             known.extend(ts);
         }
@@ -544,12 +526,12 @@ fn emit_column(k: &Kernel, e: &Emitter, out: &mut String, par_if: &str) -> Resul
 }
 
 /// A kernel of a module: the C function it calls (an identical earlier kernel's function,
-/// [Note: kernel dedup]), the translation unit defining that function, and the buffer ids
-/// it is handed, in parameter order.
+/// [Note: kernel dedup]), the index of that function among the graph's distinct kernels,
+/// and the buffer ids it is handed, in parameter order.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Entry {
     pub name: String,
-    pub unit: usize,
+    pub distinct: usize,
     pub params: Vec<u32>,
 }
 
@@ -568,7 +550,7 @@ pub fn prelude() -> &'static str {
 }
 
 /// A graph's distinct kernels ([Note: kernel dedup]) and, per kernel in order, the distinct
-/// kernel it calls (`Entry::unit` is its index in the first list) and its buffers.
+/// kernel it calls (`Entry::distinct`, its index in the first list) and its buffers.
 pub fn emit_kernels(kernels: &[Kernel]) -> Result<(Vec<KernelSource>, Vec<Entry>), CodegenError> {
     let mut texts = Vec::with_capacity(kernels.len());
     let mut params = Vec::with_capacity(kernels.len());
@@ -588,19 +570,15 @@ pub fn emit_kernels(kernels: &[Kernel]) -> Result<(Vec<KernelSource>, Vec<Entry>
             index[i] = distinct.len();
             distinct.push(KernelSource { name: kernels[i].name.clone(), text: std::mem::take(&mut texts[i]), key: std::mem::take(&mut keys[i]) });
         }
-        entries.push(Entry { name: kernels[owner].name.clone(), unit: index[owner], params: p });
+        entries.push(Entry { name: kernels[owner].name.clone(), distinct: index[owner], params: p });
     }
     Ok((distinct, entries))
 }
 
-/// The whole C module of a graph's kernels (one unit: the prelude, then each distinct
-/// kernel), and its kernels' entries.
-pub fn emit_module(kernels: &[Kernel]) -> Result<(String, Vec<Entry>), CodegenError> {
-    let (distinct, mut entries) = emit_kernels(kernels)?;
-    for e in &mut entries {
-        e.unit = 0;
-    }
-    Ok((module_source(&distinct), entries))
+/// The whole C module of a graph's kernels, as one unit: the prelude, then each distinct
+/// kernel (what the logs show).
+pub fn emit_module(kernels: &[Kernel]) -> Result<String, CodegenError> {
+    Ok(module_source(&emit_kernels(kernels)?.0))
 }
 
 /// The prelude followed by every kernel of `distinct`.

@@ -20,9 +20,9 @@ fn graphs() -> Vec<braze_ir::Graph> {
 fn filetest_kernels_compile() {
     for g in graphs() {
         let s = schedule(&g).unwrap();
-        let (src, entries) = braze_codegen::openmp::emit_module(&s.kernels).unwrap();
-        if let Err(e) = braze_runtime::cpu::CpuModule::load(&src, &entries, "test") {
-            panic!("{e}\n{src}");
+        let (distinct, entries) = braze_codegen::openmp::emit_kernels(&s.kernels).unwrap();
+        if let Err(e) = braze_runtime::cpu::CpuModule::load_kernels(&distinct, &entries, "test") {
+            panic!("{e}\n{}", braze_codegen::openmp::module_source(&distinct));
         }
     }
 }
@@ -41,8 +41,8 @@ fn fused_pointwise_runs() {
     )
     .unwrap();
     let s = schedule(&braze_passes::optimize(&g)).unwrap();
-    let (src, entries) = braze_codegen::openmp::emit_module(&s.kernels).unwrap();
-    let m = braze_runtime::cpu::CpuModule::load(&src, &entries, "test").unwrap();
+    let (distinct, entries) = braze_codegen::openmp::emit_kernels(&s.kernels).unwrap();
+    let m = braze_runtime::cpu::CpuModule::load_kernels(&distinct, &entries, "test").unwrap();
     let x: Vec<f32> = (0..35).map(|i| (i as f32 * 0.37).cos() * 3.0).collect();
     let w: Vec<f32> = (0..7).map(|i| 0.5 + i as f32 * 0.25).collect();
     let mut y = vec![f32::NAN; 35];
@@ -90,12 +90,14 @@ fn identical_kernels_share_a_function() {
     )
     .unwrap();
     let s = schedule(&braze_passes::optimize(&g)).unwrap();
-    let (src, entries) = braze_codegen::openmp::emit_module(&s.kernels).unwrap();
+    let (distinct, entries) = braze_codegen::openmp::emit_kernels(&s.kernels).unwrap();
+    let src = braze_codegen::openmp::module_source(&distinct);
     assert_eq!(entries.len(), 2, "{src}");
+    assert_eq!((entries[0].distinct, entries[1].distinct, distinct.len()), (0, 0, 1), "{src}");
     assert_eq!(entries[0].name, entries[1].name, "{src}");
     assert_ne!(entries[0].params, entries[1].params);
     assert_eq!(src.matches("void braze_").count(), 1, "{src}");
-    let m = braze_runtime::cpu::CpuModule::load(&src, &entries, "test").unwrap();
+    let m = braze_runtime::cpu::CpuModule::load_kernels(&distinct, &entries, "test").unwrap();
     let x: Vec<f32> = (0..96).map(|i| (i as f32 * 0.37).cos() * 3.0).collect();
     let mut bufs: Vec<Vec<f32>> = s.buffers.iter().map(|_| vec![f32::NAN; 96]).collect();
     let mut ptrs: Vec<usize> = bufs.iter_mut().map(|t| t.as_mut_ptr() as usize).collect();
@@ -146,8 +148,9 @@ fn multi_pass_column_kernel_runs() {
     .unwrap();
     let s = schedule(&braze_passes::optimize(&g)).unwrap();
     assert!(s.kernels.iter().any(|k| k.column && k.passes.len() > 1), "{s}");
-    let (src, entries) = braze_codegen::openmp::emit_module(&s.kernels).unwrap();
-    let m = braze_runtime::cpu::CpuModule::load(&src, &entries, "test").unwrap();
+    let (distinct, entries) = braze_codegen::openmp::emit_kernels(&s.kernels).unwrap();
+    let src = braze_codegen::openmp::module_source(&distinct);
+    let m = braze_runtime::cpu::CpuModule::load_kernels(&distinct, &entries, "test").unwrap();
     let x: Vec<f32> = (0..3500).map(|i| ((i * 37 % 101) as f32) * 0.01 - 0.5).collect();
     let y: Vec<f32> = (0..3500).map(|i| ((i * 53 % 89) as f32) * 0.02 - 0.9).collect();
     let mut bufs: Vec<Vec<f32>> = s.buffers.iter().map(|_| vec![f32::NAN; 3500]).collect();

@@ -418,9 +418,7 @@ pub fn compile_with(g: Graph, target: Target, check_cuda: bool, check_arch: &str
     for (s, st) in sched.steps.iter().enumerate() {
         let touched: Vec<u32> = match st {
             Step::Kernel(k) => sched.kernels[*k].bufs.iter().map(|b| b.id).collect(),
-            Step::Matmul { a, b, bias, residual, out, .. } => {
-                [Some(a), Some(b), bias.as_ref(), residual.as_ref()].into_iter().flatten().map(|x| x.buf).chain([*out]).collect()
-            }
+            Step::Matmul { out, .. } => st.matmul_operands().map(|x| x.buf).chain([*out]).collect(),
             Step::Extern { .. } => Vec::new(),
         };
         let writes = match st {
@@ -483,13 +481,9 @@ pub fn compile_with(g: Graph, target: Target, check_cuda: bool, check_arch: &str
     for e in &tab.0 {
         e.syms(&mut syms);
     }
-    for st in &sched.steps {
-        if let Step::Matmul { a, b, bias, residual, .. } = st {
-            for v in [Some(a), Some(b), bias.as_ref(), residual.as_ref()].into_iter().flatten().filter_map(|x| x.view.as_ref()) {
-                for e in v.sizes.iter().chain(&v.strides).chain([&v.offset]) {
-                    e.syms(&mut syms);
-                }
-            }
+    for v in sched.steps.iter().flat_map(Step::matmul_operands).filter_map(|x| x.view.as_ref()) {
+        for e in v.sizes.iter().chain(&v.strides).chain([&v.offset]) {
+            e.syms(&mut syms);
         }
     }
     syms.sort();
@@ -569,8 +563,8 @@ fn lifetimes(sched: &braze_sched::Schedule) -> (Vec<usize>, Vec<usize>) {
     for (s, st) in sched.steps.iter().enumerate() {
         match st {
             Step::Kernel(k) => sched.kernels[*k].bufs.iter().for_each(|b| touch(b.id as usize, s)),
-            Step::Matmul { a, b, bias, residual, out, .. } => {
-                for x in [Some(a), Some(b), bias.as_ref(), residual.as_ref()].into_iter().flatten() {
+            Step::Matmul { out, .. } => {
+                for x in st.matmul_operands() {
                     touch(x.buf as usize, s);
                 }
                 touch(*out as usize, s);

@@ -150,32 +150,6 @@ fn module_source_of(distinct: &[KernelSource], ks: &[usize]) -> String {
 }
 
 impl CpuModule {
-    /// Compiles (or finds in the cache) `source`, one unit defining every kernel of `entries`.
-    pub fn load(source: &str, entries: &[Entry], version: &str) -> Result<CpuModule, RuntimeError> {
-        Self::load_units(&[source.to_string()], entries, version)
-    }
-
-    /// Compiles (or finds in the cache) each translation unit, in parallel, and resolves each
-    /// entry's function in its unit; kernels are numbered as `entries` are.
-    pub fn load_units(units: &[String], entries: &[Entry], version: &str) -> Result<CpuModule, RuntimeError> {
-        let built = crate::parallel_map(units.len(), |u| build(&units[u], version)).into_iter().collect::<Result<Vec<_>, _>>()?;
-        let mut libs = Vec::with_capacity(built.len());
-        for (so, _) in &built {
-            // SAFETY: the library is braze's own generated code, compiled just now or earlier
-            // from the same source; loading it runs no initializers of ours.
-            libs.push(unsafe { libloading::Library::new(so) }.map_err(|e| RuntimeError::Environment(format!("cannot load {}: {e}", so.display())))?);
-        }
-        let mut fns = Vec::with_capacity(entries.len());
-        for e in entries {
-            let lib = libs.get(e.unit).ok_or_else(|| RuntimeError::Compile(format!("kernel {} in unit {} of {}", e.name, e.unit, libs.len())))?;
-            // SAFETY: every kernel is emitted with exactly the `KernelFn` signature.
-            let f: libloading::Symbol<KernelFn> = unsafe { lib.get(e.name.as_bytes()) }.map_err(|err| RuntimeError::Compile(format!("kernel {} missing: {err}", e.name)))?;
-            fns.push(*f);
-        }
-        let cached = built.iter().all(|(_, c)| *c);
-        Ok(Self::assemble(libs, fns, entries, built.into_iter().map(|(p, _)| p).collect(), cached))
-    }
-
     /// [Note: per-kernel cache] Loads a graph's distinct kernels, compiling only those the
     /// disk cache does not hold. Each kernel is cached on its own: an index entry
     /// (`cpu/k/<hash>`, the hash of its canonical text, the prelude, the compiler, the host
@@ -184,7 +158,7 @@ impl CpuModule {
     /// compiled as units (braze-codegen's [Note: units], sized by their number) in parallel,
     /// and indexed. A graph that shares most kernels with one compiled before (the same
     /// model with another depth, a recompile after a guard failed) compiles only the rest.
-    /// `uses[i]` is kernel `i`'s entry: `unit` names its distinct kernel.
+    /// `uses[i]` is kernel `i`'s entry, naming its distinct kernel.
     pub fn load_kernels(distinct: &[KernelSource], uses: &[Entry], version: &str) -> Result<CpuModule, RuntimeError> {
         let cc = compiler();
         let flags = format!("{} {}", CFLAGS.join(" "), LIBS.join(" "));
@@ -240,12 +214,8 @@ impl CpuModule {
         }
         let mut fns = Vec::with_capacity(uses.len());
         for e in uses {
-            fns.push(*kfns.get(e.unit).ok_or_else(|| RuntimeError::Compile(format!("kernel {} has no function", e.name)))?);
+            fns.push(*kfns.get(e.distinct).ok_or_else(|| RuntimeError::Compile(format!("kernel {} has no function", e.name)))?);
         }
-        Ok(Self::assemble(libs, fns, uses, paths, misses.is_empty()))
-    }
-
-    fn assemble(libs: Vec<libloading::Library>, fns: Vec<KernelFn>, uses: &[Entry], paths: Vec<std::path::PathBuf>, cached: bool) -> CpuModule {
         let params: Vec<Vec<u32>> = uses.iter().map(|e| e.params.clone()).collect();
         let max_params = params.iter().map(Vec::len).max().unwrap_or(0);
         // SAFETY: `braze_oob` is an `int` defined by the generated prelude of each unit.
@@ -253,7 +223,7 @@ impl CpuModule {
         // SAFETY: `omp_set_num_threads(int)` of the OpenMP runtime the units link (-fopenmp).
         let set_threads = libs.iter().find_map(|l| unsafe { l.get::<SetThreadsFn>(b"omp_set_num_threads") }.ok().map(|s| *s));
         let items = (0..fns.len()).map(CpuItem::Kernel).collect();
-        CpuModule { items, _libs: libs, fns, params, max_params, oob, set_threads, paths, cached }
+        Ok(CpuModule { items, _libs: libs, fns, params, max_params, oob, set_threads, paths, cached: misses.is_empty() })
     }
 
     /// The module's items in plan order, in place of one item per kernel (the default).

@@ -129,6 +129,24 @@ impl Kernel {
     }
 }
 
+impl Stmt {
+    /// The temporary the statement assigns (none for a store).
+    pub fn dst(&self) -> Option<Tmp> {
+        match self {
+            Stmt::Store { .. } => None,
+            Stmt::Load { dst, .. }
+            | Stmt::Const { dst, .. }
+            | Stmt::Index { dst, .. }
+            | Stmt::InRange { dst, .. }
+            | Stmt::Unary { dst, .. }
+            | Stmt::Binary { dst, .. }
+            | Stmt::Where { dst, .. }
+            | Stmt::Cast { dst, .. }
+            | Stmt::Bounded { dst, .. } => Some(*dst),
+        }
+    }
+}
+
 impl fmt::Display for Stmt {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {

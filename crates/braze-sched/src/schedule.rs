@@ -68,6 +68,18 @@ pub enum Step {
     Extern { node: NodeId, target: String, args: Vec<Access>, outs: Vec<BufId> },
 }
 
+impl Step {
+    /// A matmul step's operands (a, b, then bias and residual where present); none for
+    /// other steps.
+    pub fn matmul_operands(&self) -> impl Iterator<Item = &Access> {
+        let ops = match self {
+            Step::Matmul { a, b, bias, residual, .. } => [Some(a), Some(b), bias.as_ref(), residual.as_ref()],
+            _ => [None, None, None, None],
+        };
+        ops.into_iter().flatten()
+    }
+}
+
 #[derive(Clone, Debug, Default)]
 pub struct Schedule {
     pub buffers: Vec<Buffer>,
@@ -453,8 +465,8 @@ fn plan_frees(buffers: &[Buffer], kernels: &[Kernel], steps: &[Step], outputs: &
                     last[b.id as usize] = Some(s);
                 }
             }
-            Step::Matmul { a, b, bias, residual, out, .. } => {
-                for x in [Some(a), Some(b), bias.as_ref(), residual.as_ref()].into_iter().flatten() {
+            Step::Matmul { out, .. } => {
+                for x in st.matmul_operands() {
                     last[x.buf as usize] = Some(s);
                 }
                 if last[*out as usize].is_none() {
