@@ -630,6 +630,23 @@ def test_arena_windows_split_long_graphs(device, compiled_graphs):
     assert g.arena_bytes == max(w[2] for w in wins)
 
 
+def test_on_step_sees_every_plan_step(device, compiled_graphs):
+    """`CompiledGraph.__call__(args, on_step=...)` (the hook of `benchmarks/step_probe.py`)
+    is called once per plan step, with each step's kind and live buffers, and leaves the
+    result as it is."""
+    def f(x):
+        return torch.softmax(x * 2, dim=0).sum(1) + x.mean()
+
+    x = torch.randn(64, 32, device=device)
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(f)(x), f(x))
+    g = compiled_graphs[-1]
+    seen = []
+    out = g([x], on_step=lambda kind, what, bufs: seen.append((kind, sum(t is not None for t in bufs))))
+    torch.testing.assert_close(out[0], f(x))
+    assert len(seen) == len(g.steps) and all(k in (0, 1) and live > 0 for k, live in seen), seen
+
+
 def test_cpu_arenas_kept_between_calls(device, compiled_graphs):
     """[Note: CPU arenas]: on the CPU a graph's arenas are kept between calls and reused (the
     same memory on the next call), and results stay right on new inputs (nothing of the

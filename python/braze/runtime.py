@@ -123,8 +123,8 @@ class CompiledGraph:
         # once) instead of allocated per call: an allocation of more than glibc's mmap
         # threshold is a fresh mapping whose pages fault in on first touch and are unmapped on
         # free, with every OpenMP thread's TLB flushed. ResNet-50's CPU training step (b2,
-        # bf16, three arenas of 10.7 MiB in all) took 286 ms with arenas made per call, 250 ms
-        # with them kept. Only kernels see arena memory (no tensor view of it escapes a call),
+        # bf16, three arenas of 10.7 MiB in all), interleaved in one process: median 323 ms
+        # with arenas made per call, 284 ms with them kept. Only kernels see arena memory (no tensor view of it escapes a call),
         # so a closed window's arena is free for the next call. CUDA arenas come from
         # PyTorch's caching allocator, which already keeps its blocks.
         self.arena_pool = {} if self.device.type == "cpu" and self.arena_windows else None
@@ -134,7 +134,7 @@ class CompiledGraph:
             self.tensor_args_of = lambda args: [*(args[i] for i in ti), *consts]
         else:
             self.tensor_args_of = (lambda args: args) if ti == list(range(len(ti))) else (lambda args: [args[i] for i in ti])
-        self.plans = {}  # symbol values -> (vals, shapes, strides, plan) of a dynamic graph
+        self.plans = {}  # needed symbol values -> (syms, SymVals, vals, shapes, strides, plan) of a dynamic graph
         if not self.dynamic:
             self.static_syms = compiled.sym_vals([])
             self.static = self._layouts(compiled.eval([]))
