@@ -41,6 +41,7 @@ def probe(spec, dev):
     if cuda:
         torch.cuda.synchronize()
     base = torch.cuda.memory_allocated() if cuda else 0
+    windows = {}
     log = []  # (graph, step, label, seconds, peak bytes above base, live [(buf, bytes)])
     orig = rt.CompiledGraph.__call__
 
@@ -54,8 +55,9 @@ def probe(spec, dev):
             now = time.perf_counter()
             label = f"kernels {what}" if kind == 0 else f"extern {getattr(what, '__name__', what)}"
             peak = torch.cuda.max_memory_allocated() - base if cuda else 0
-            live = [(b, t.untyped_storage().nbytes()) for b, t in enumerate(bufs) if t is not None]
+            live = [(b, t.untyped_storage().nbytes(), f"{self.bufs[b][0]}:{str(t.dtype)[6:]}{list(t.shape)}") for b, t in enumerate(bufs) if t is not None]
             log.append((self.name, n[0], label, now - last[0], peak, live))
+            windows[self.name] = self.arena_windows
             n[0] += 1
             if cuda:
                 torch.cuda.reset_peak_memory_stats()
@@ -78,8 +80,17 @@ def probe(spec, dev):
         print(f"  {k:60s} {v * 1e3:9.2f} ms")
     if cuda:
         g, i, label, sec, peak, live = max(log, key=lambda r: r[4])
-        top = ", ".join(f"b{b}:{n / MiB:.1f}" for b, n in sorted(live, key=lambda x: -x[1])[:8])
-        print(f"  peak {peak / MiB:.0f} MiB above resident in {g} step {i} ({label}); largest live: {top}")
+        top = ", ".join(f"b{b} {d} {n / MiB:.1f}" for b, n, d in sorted(live, key=lambda x: -x[1])[:10])
+        print(f"  peak {peak / MiB:.0f} MiB above resident in {g} step {i} ({label}); {sum(x[1] for x in live) / MiB:.0f} MiB in {len(live)} live tensors; largest: {top}")
+        for name, ws in windows.items():
+            print(f"  {name} arena windows (first step, last step, MiB): {[(lo, hi, round(n / MiB, 1)) for lo, hi, n in ws]}")
+        by_step = {}
+        for g, i, label, sec, peak, live in log:
+            by_step.setdefault(g, []).append((i, round(peak / MiB), round(sum(x[1] for x in live) / MiB), label[:40]))
+        for name, rows in by_step.items():
+            print(f"  {name} (step, peak MiB during it, live tensor MiB after it, step):")
+            for r in rows[:: max(1, len(rows) // 24)]:
+                print(f"    {r}")
 
 
 if __name__ == "__main__":

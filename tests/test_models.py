@@ -630,6 +630,56 @@ def test_arena_windows_split_long_graphs(device, compiled_graphs):
     assert g.arena_bytes == max(w[2] for w in wins)
 
 
+def test_pointwise_kernels_store_in_place_of_dying_buffers(device, compiled_graphs):
+    """[Note: in-place kernels]: an MLP's activation is stored over the matmul result it reads
+    (which dies there), so the arena holds one hidden activation, not two; a kernel that reads
+    its dying operand transposed must not, and values are eager's either way."""
+    torch.manual_seed(0)
+    mlp = torch.nn.Sequential(torch.nn.Linear(64, 1024), torch.nn.GELU(), torch.nn.Linear(1024, 1024), torch.nn.GELU(), torch.nn.Linear(1024, 64)).to(device)
+    x = torch.randn(256, 64, device=device)
+    c = compiled(mlp, options={"on_unsupported": "error"})
+    with torch.no_grad():
+        for _ in range(2):
+            torch.testing.assert_close(c(x), mlp(x))
+    g = compiled_graphs[-1]
+    assert g.c.in_place >= 2, g.c.schedule
+    hidden = 256 * 1024 * 4
+    assert g.arena_bytes <= 2 * hidden + 4096, g.arena_windows
+
+    w = torch.randn(64, 64, device=device)
+
+    def transposed(x):
+        h = x @ w
+        return (h.t().contiguous() * 2).sin()
+
+    x = torch.randn(64, 64, device=device)
+    torch.testing.assert_close(compiled(transposed)(x), transposed(x))
+    assert compiled_graphs[-1].c.in_place == 0, compiled_graphs[-1].c.schedule
+
+
+def test_extern_results_taken_in_place_only_when_fresh(device, compiled_graphs):
+    """A convolution's result (an extern call's fresh tensor) that dies at the BatchNorm+ReLU
+    kernel reading it is that kernel's output memory; results an op may alias (views, calls
+    of other callables) are never overwritten."""
+    from braze.lowering import ExternCall
+
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Conv2d(8, 16, 3, padding=1), torch.nn.BatchNorm2d(16), torch.nn.ReLU(),
+                            torch.nn.Conv2d(16, 16, 3, padding=1), torch.nn.BatchNorm2d(16), torch.nn.ReLU()).to(device).eval()
+    x = torch.randn(4, 8, 32, 32, device=device).to(memory_format=torch.channels_last)
+    c = compiled(m, options={"on_unsupported": "error"})
+    with torch.no_grad():
+        for _ in range(2):
+            torch.testing.assert_close(c(x), m(x), rtol=1e-4, atol=1e-4)
+    g = compiled_graphs[-1]
+    assert g.reused >= 1, (g.c.reuse, g.c.schedule)
+    aten = torch.ops.aten
+    assert ExternCall(aten.convolution.default, (), {}, []).fresh
+    assert not ExternCall(aten.as_strided.default, (), {}, []).fresh
+    assert not ExternCall(aten.split.Tensor, (), {}, []).fresh
+    assert not ExternCall(lambda x: x, (), {}, []).fresh
+
+
 def test_on_step_sees_every_plan_step(device, compiled_graphs):
     """`CompiledGraph.__call__(args, on_step=...)` (the hook of `benchmarks/step_probe.py`)
     is called once per plan step, with each step's kind and live buffers, and leaves the

@@ -79,6 +79,14 @@ class ExternCall:
     name: str = ""
     host_outs: list = field(default_factory=list)  # (index path, Host slot) of results on the host
 
+    @property
+    def fresh(self):
+        """Whether every tensor result is memory of its own: an ATen op whose schema marks no
+        result as an alias (what functionalization relies on). Only such results may be
+        overwritten by a kernel storing in place ([Note: in-place kernels])."""
+        schema = getattr(self.target, "_schema", None)
+        return isinstance(self.target, torch._ops.OpOverload) and schema is not None and all(r.alias_info is None for r in schema.returns)
+
 
 @dataclass(frozen=True)
 class Host:

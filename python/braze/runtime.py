@@ -97,6 +97,7 @@ class CompiledGraph:
         self.bufs = compiled.buffers
         self.steps = compiled.steps
         self.frees = compiled.frees
+        self.reuse = compiled.reuse
         self.allocs = compiled.allocs
         self.outputs = compiled.outputs
         # An output held in an input's buffer is copied unless the graph returns that input
@@ -181,13 +182,23 @@ class CompiledGraph:
             else:
                 copies.append((pos, arg))
         self.in_place_mutations = len(in_place)
+        # [Note: in-place kernels] (braze-sched): a temp outside the arenas takes the tensor of
+        # a buffer that dies at the kernel writing it, when that tensor's memory is the
+        # buffer's own: a temp, or a fresh result of an extern call (never an input's memory
+        # or a view an op returned).
+        producer = {o: self.ext_calls[st[3]] for st in self.steps if st[0] == "extern" for o in st[5]}
+        reuse = {o: i for o, i in self.reuse
+                 if o not in in_place and self.bufs[o][2] == self.bufs[i][2]
+                 and (self.bufs[i][0] == "temp" or (self.bufs[i][0] == "extern" and producer[i].fresh))}
+        self.reused = len(reuse)
         plan = []
         # Arena windows ([Note: arena windows] in braze-driver): bytes to allocate before a
         # step, and whether the window ends after it.
         opens = {lo: n for lo, _, n in self.arena_windows}
         closes = {hi for _, hi, _ in self.arena_windows}
         for s, step in enumerate(self.steps):
-            allocs = tuple((b, shapes[b], strides[b], dts[b]) if b not in in_place else (b, None, (in_place[b], shapes[b], strides[b], dts[b]), None)
+            allocs = tuple((b, shapes[b], strides[b], dts[b], None if b not in reuse else (reuse[b], shapes[b] != shapes[reuse[b]] or strides[b] != strides[reuse[b]]))
+                           if b not in in_place else (b, None, (in_place[b], shapes[b], strides[b], dts[b]), None, None)
                            for b in self.allocs[s])
             frees = tuple(self.frees[s])
             arena = (opens.get(s, 0), s in closes)
@@ -269,8 +280,12 @@ class CompiledGraph:
                 if arena is None:
                     arena = empty((opens,), (1,), torch.uint8)
                 arena_ptr = arena.data_ptr()
-            for buf, shape, stride, dtype in allocs:
-                if shape is None:  # an input's new value, stored in place when the input allows
+            for buf, shape, stride, dtype, dying in allocs:
+                if dying is not None:  # the memory of a buffer dying at this step
+                    t = bufs[dying[0]]
+                    if dying[1]:
+                        t = t.as_strided(shape, stride, t.storage_offset())
+                elif shape is None:  # an input's new value, stored in place when the input allows
                     arg, shape, stride, dtype = stride
                     t = args[arg]
                     if t.stride() != stride or t.dtype != dtype or t.shape != shape:

@@ -275,6 +275,20 @@ impl Compiled {
         self.plan.arena_windows.clone()
     }
 
+    /// (written buffer, read buffer) outside the arenas: the written one may take the read
+    /// one's tensor when it is allocated (a pointwise kernel storing it where the read one
+    /// dies).
+    #[getter]
+    fn reuse(&self) -> Vec<(u32, u32)> {
+        self.plan.reuse.clone()
+    }
+
+    /// How many buffers share a dying buffer's memory (in arenas or through `reuse`).
+    #[getter]
+    fn in_place(&self) -> usize {
+        self.plan.in_place
+    }
+
     /// The largest arena window.
     #[getter]
     fn arena_bytes(&self) -> i64 {

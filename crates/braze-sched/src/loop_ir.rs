@@ -127,6 +127,55 @@ impl Kernel {
         out.sort();
         out
     }
+
+    /// [Note: in-place kernels] Pairs (written buffer, read buffer) where the written one may
+    /// take the read one's memory when the read one dies at this kernel: a pointwise kernel
+    /// that reads the buffer only at the very index it stores the other at, with elements of
+    /// the same size, before any store to it. Each element is then read by the thread that
+    /// overwrites it, before it does (the stored value depends on the load, so neither the
+    /// compiler nor vector grouping can reorder the two), and no other point reads it.
+    /// Whether the buffers' lifetimes and sizes allow it is the memory planner's question.
+    pub fn in_place_pairs(&self) -> Vec<(BufId, BufId)> {
+        if self.column || !self.inner.is_empty() || self.passes.len() != 1 || self.is_reduction() {
+            return Vec::new();
+        }
+        let stmts: Vec<&Stmt> = self.prelude.iter().chain(&self.passes[0].body).chain(&self.passes[0].after).collect();
+        let size = |b: BufId| self.bufs.iter().find(|r| r.id == b).map(|r| r.dtype.size());
+        let mut pairs = Vec::new();
+        let mut taken = Vec::new();
+        for out in self.bufs.iter().filter(|r| r.written) {
+            // The one index every store to `out` uses, and where the first store is.
+            let mut index = None;
+            let mut first_store = usize::MAX;
+            let mut one_index = true;
+            for (pos, s) in stmts.iter().enumerate() {
+                if let Stmt::Store { buf, index: i, .. } = s {
+                    if *buf == out.id {
+                        first_store = first_store.min(pos);
+                        one_index &= index.is_none_or(|x| x == i);
+                        index = Some(i);
+                    }
+                }
+            }
+            let (Some(index), true) = (index, one_index) else { continue };
+            let candidate = self.bufs.iter().filter(|r| !r.written && r.id != out.id && !taken.contains(&r.id) && size(r.id) == Some(out.dtype.size())).find(|r| {
+                let loads: Vec<(usize, &Expr)> = stmts
+                    .iter()
+                    .enumerate()
+                    .filter_map(|(pos, s)| match s {
+                        Stmt::Load { buf, index: i, .. } if *buf == r.id => Some((pos, i)),
+                        _ => None,
+                    })
+                    .collect();
+                !loads.is_empty() && loads.iter().all(|&(pos, i)| pos < first_store && i == index)
+            });
+            if let Some(r) = candidate {
+                taken.push(r.id);
+                pairs.push((out.id, r.id));
+            }
+        }
+        pairs
+    }
 }
 
 impl Stmt {

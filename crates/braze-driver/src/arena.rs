@@ -1,0 +1,309 @@
+//! Memory planning of a graph's temps: which buffers live in arenas ([Note: arena]), in
+//! which window of steps ([Note: arena windows]), at which offset, and which take the memory
+//! of a buffer that dies at the kernel writing them ([Note: in-place kernels] in braze-sched).
+
+use braze_sched::{BufId, BufKind, Schedule, Step};
+
+/// Where the temps of one schedule live.
+#[derive(Debug, Default)]
+pub struct ArenaPlan {
+    /// Byte offset of each buffer in its window's arena, or -1 (allocated by itself).
+    pub offsets: Vec<i64>,
+    /// (first schedule step, last schedule step, bytes) per window.
+    pub windows: Vec<(usize, usize, i64)>,
+    /// (schedule step, written buffer, read buffer) for buffers outside the arenas: the
+    /// written one may take the read one's tensor at that step, where the read one dies. The
+    /// runtime takes it only when that memory is the buffer's own (a temp, or a fresh result
+    /// of an extern call).
+    pub reuse: Vec<(usize, BufId, BufId)>,
+    /// Buffers that share another's bytes (in an arena or through `reuse`).
+    pub in_place: usize,
+}
+
+/// Plans the temps of `sched` (see [`ArenaPlan`]).
+pub fn plan(sched: &Schedule) -> ArenaPlan {
+    let n = sched.buffers.len();
+    // Outputs and extern operands and results are tensors the runtime hands out or gets:
+    // never arena memory.
+    let mut external = vec![false; n];
+    for a in &sched.outputs {
+        external[a.buf as usize] = true;
+    }
+    for st in &sched.steps {
+        if let Step::Extern { args, outs, .. } = st {
+            for a in args {
+                external[a.buf as usize] = true;
+            }
+            for &o in outs.iter().filter(|&&o| o != braze_sched::schedule::UNUSED) {
+                external[o as usize] = true;
+            }
+        }
+    }
+    let (first, mut last) = lifetimes(sched);
+    let bytes_of = |b: usize| {
+        let buf = &sched.buffers[b];
+        buf.shape.iter().map(|e| e.as_const()).product::<Option<i64>>().map(|n| n * buf.dtype.size() as i64)
+    };
+    // In-place pairs, in step order; `root` maps a buffer to the first of its chain (a
+    // buffer taking the memory of one that took another's).
+    let pairs = in_place_pairs(sched, &first);
+    let mut root: Vec<usize> = (0..n).collect();
+    for &(_, o, i) in &pairs {
+        root[o as usize] = root[i as usize];
+    }
+    // A chain lives in an arena only if every buffer of it could; its span runs from the
+    // root's first step to the last step of any of them.
+    let mut chain_ok = vec![true; n];
+    for b in 0..n {
+        let ok = sched.buffers[b].kind == BufKind::Temp && !external[b] && bytes_of(b).is_some();
+        chain_ok[root[b]] &= ok;
+        if root[b] != b {
+            last[root[b]] = last[root[b]].max(last[b]);
+        }
+    }
+    let members: Vec<(usize, i64)> = (0..n)
+        .filter(|&b| root[b] == b && chain_ok[b])
+        .map(|b| (b, (bytes_of(b).unwrap().max(1) + 255) / 256 * 256))
+        .collect();
+    // A member no kernel touches (none is expected) stays in the first window.
+    let span = |b: usize| if first[b] == usize::MAX { (0, 0) } else { (first[b], last[b]) };
+    let mut offsets = vec![-1i64; n];
+    let mut windows = Vec::new();
+    for (lo, hi, group) in arena_window_groups(sched.steps.len(), &members, span) {
+        let (offs, total) = arena_layout(&first, &last, &group);
+        for ((b, _), off) in group.iter().zip(offs) {
+            offsets[*b] = off;
+        }
+        windows.push((lo, hi, total));
+    }
+    for b in 0..n {
+        offsets[b] = offsets[root[b]];
+    }
+    let in_place = pairs.len();
+    let reuse = pairs.into_iter().filter(|&(_, o, _)| offsets[o as usize] < 0).collect();
+    ArenaPlan { offsets, windows, reuse, in_place }
+}
+
+/// (step, written, read) for each kernel's in-place pair whose buffers allow it: the read
+/// buffer dies at that step (its last reader, not an output or input), the written one is a
+/// temp first written there, and both span the same bytes (the same shape and strides, or
+/// static sizes of equal bytes: a `[B*T, C]` matmul result and the `[B, T, C]` value a
+/// kernel makes of it, dense both).
+fn in_place_pairs(sched: &Schedule, first: &[usize]) -> Vec<(usize, BufId, BufId)> {
+    let span = |b: &braze_sched::Buffer| {
+        let mut extent = Some(1i64);
+        for (n, st) in b.shape.iter().zip(&b.strides) {
+            extent = match (extent, n.as_const(), st.as_const()) {
+                (Some(e), Some(n), Some(st)) if n > 0 && st >= 0 => Some(e + (n - 1) * st),
+                _ => None,
+            };
+        }
+        let numel = b.shape.iter().map(|e| e.as_const()).product::<Option<i64>>();
+        // Dense: the elements cover exactly [0, numel) of the buffer.
+        match (extent, numel) {
+            (Some(e), Some(n)) if e == n => Some(n * b.dtype.size() as i64),
+            _ => None,
+        }
+    };
+    let mut pairs = Vec::new();
+    for (s, st) in sched.steps.iter().enumerate() {
+        let Step::Kernel(k) = st else { continue };
+        for (o, i) in sched.kernels[*k].in_place_pairs() {
+            let (bo, bi) = (&sched.buffers[o as usize], &sched.buffers[i as usize]);
+            let same = (bo.shape == bi.shape && bo.strides == bi.strides) || span(bo).is_some_and(|n| Some(n) == span(bi));
+            let ok = bo.kind == BufKind::Temp
+                && matches!(bi.kind, BufKind::Temp | BufKind::ExternOut)
+                && first[o as usize] == s
+                && sched.frees[s].contains(&i)
+                && same;
+            if ok {
+                pairs.push((s, o, i));
+            }
+        }
+    }
+    pairs
+}
+
+/// [Note: arena] offsets by lifetime. Each arena buffer lives from the first step that
+/// writes it to the last step that reads it; two buffers share bytes only when one's last
+/// reader runs strictly before the other's first writer (a kernel that reads one and writes
+/// the other never sees them alias). Buffers are placed largest first at the lowest offset
+/// free of every placed buffer whose lifetime overlaps (greedy by size), so the arena is
+/// sized by the peak of live bytes rather than their sum. Steps run in order on one stream,
+/// so reuse needs no synchronization. Returns the offsets (in `members` order) and the size.
+fn arena_layout(first: &[usize], last: &[usize], members: &[(usize, i64)]) -> (Vec<i64>, i64) {
+    let mut order: Vec<usize> = (0..members.len()).collect();
+    order.sort_by_key(|&i| (std::cmp::Reverse(members[i].1), first[members[i].0]));
+    let mut placed: Vec<(usize, i64, i64)> = Vec::new(); // (member, offset, bytes)
+    let mut offsets = vec![0i64; members.len()];
+    let mut total = 0i64;
+    for i in order {
+        let (b, bytes) = members[i];
+        let overlaps = |j: usize| {
+            let c = members[j].0;
+            !(last[b] < first[c] || last[c] < first[b])
+        };
+        let mut busy: Vec<(i64, i64)> = placed.iter().filter(|p| overlaps(p.0)).map(|p| (p.1, p.1 + p.2)).collect();
+        busy.sort_unstable();
+        let mut off = 0i64;
+        for (lo, hi) in busy {
+            if off + bytes <= lo {
+                break;
+            }
+            off = off.max(hi);
+        }
+        offsets[i] = off;
+        total = total.max(off + bytes);
+        placed.push((i, off, bytes));
+    }
+    (offsets, total)
+}
+
+/// The first and last schedule step that touches each buffer through a kernel or matmul
+/// (`usize::MAX`, 0 for a buffer none touches).
+fn lifetimes(sched: &braze_sched::Schedule) -> (Vec<usize>, Vec<usize>) {
+    let n = sched.buffers.len();
+    let (mut first, mut last) = (vec![usize::MAX; n], vec![0usize; n]);
+    let mut touch = |b: usize, s: usize| {
+        first[b] = first[b].min(s);
+        last[b] = last[b].max(s);
+    };
+    for (s, st) in sched.steps.iter().enumerate() {
+        match st {
+            Step::Kernel(k) => sched.kernels[*k].bufs.iter().for_each(|b| touch(b.id as usize, s)),
+            Step::Matmul { out, .. } => {
+                for x in st.matmul_operands() {
+                    touch(x.buf as usize, s);
+                }
+                touch(*out as usize, s);
+            }
+            Step::Extern { .. } => {}
+        }
+    }
+    (first, last)
+}
+
+/// An arena window: (first step, last step, members as (buffer, bytes)).
+type Window = (usize, usize, Vec<(usize, i64)>);
+
+/// Below this many bytes an arena is one window: splitting it saves less than it costs.
+const ARENA_WINDOW_MIN: i64 = 8 << 20;
+/// A window boundary may fall where the arena bytes live across it are at most this
+/// fraction (1/n) of the most the window has had live at once.
+const ARENA_WINDOW_CROSSING: i64 = 3;
+
+/// [Note: arena windows] One arena for the whole call is alive for the whole call: its peak
+/// (say one transformer layer's intermediates) adds to what is allocated elsewhere at any
+/// other time (the logits at the end, the weight gradients of a backward). So the plan's
+/// steps are cut into windows, each with its own arena, allocated at the window's first
+/// step and dropped after its last. A cut falls between steps where few arena bytes are live
+/// (at most 1/`ARENA_WINDOW_CROSSING` of the window's peak so far: after an MLP's hidden
+/// activations die, where only the residual stream crosses), once the window holds
+/// `ARENA_WINDOW_MIN` bytes of buffers (fewer cuts, fewer allocations per call); a buffer
+/// live across a cut leaves the arena and is allocated by itself, like any other temp. Returns (first plan step, last plan step,
+/// members) per window; `span` gives a member's first and last plan step.
+fn arena_window_groups(n_steps: usize, members: &[(usize, i64)], span: impl Fn(usize) -> (usize, usize)) -> Vec<Window> {
+    let spans: Vec<(usize, usize)> = members.iter().map(|&(b, _)| span(b)).collect();
+    let whole = |group: Vec<(usize, i64)>, spans: &[(usize, usize)]| {
+        let lo = spans.iter().map(|s| s.0).min().unwrap_or(0);
+        let hi = spans.iter().map(|s| s.1).max().unwrap_or(0);
+        if group.is_empty() { vec![] } else { vec![(lo, hi, group)] }
+    };
+    if members.iter().map(|m| m.1).sum::<i64>() < ARENA_WINDOW_MIN || n_steps < 2 {
+        return whole(members.to_vec(), &spans);
+    }
+    // Bytes of the members live across the boundary before step t: first < t <= last.
+    let mut crossing = vec![0i64; n_steps + 2];
+    for (m, &(f, l)) in members.iter().zip(&spans) {
+        if l > f {
+            crossing[f + 1] += m.1;
+            crossing[l + 1] -= m.1;
+        }
+    }
+    // Bytes of the members whose first step is t.
+    let mut born = vec![0i64; n_steps + 1];
+    for (m, &(f, _)) in members.iter().zip(&spans) {
+        born[f] += m.1;
+    }
+    let mut cuts = Vec::new();
+    let (mut live, mut held, mut peak) = (0i64, 0i64, 0i64);
+    for t in 1..n_steps {
+        live += crossing[t];
+        held += born[t - 1];
+        // Live at step t - 1: what crosses into it and what it makes.
+        peak = peak.max(live + born[t - 1]);
+        if held >= ARENA_WINDOW_MIN && live * ARENA_WINDOW_CROSSING <= peak {
+            cuts.push(t);
+            (held, peak) = (0, live);
+        }
+    }
+    if cuts.is_empty() {
+        return whole(members.to_vec(), &spans);
+    }
+    // Window k spans plan steps [bounds[k], bounds[k + 1]).
+    let mut bounds = vec![0usize];
+    bounds.extend(cuts);
+    bounds.push(n_steps);
+    let mut groups: Vec<Window> = (0..bounds.len() - 1).map(|_| (usize::MAX, 0, Vec::new())).collect();
+    for (m, &(f, l)) in members.iter().zip(&spans) {
+        let k = bounds.partition_point(|&b| b <= f) - 1;
+        if l < bounds[k + 1] {
+            let g = &mut groups[k];
+            g.0 = g.0.min(f);
+            g.1 = g.1.max(l);
+            g.2.push(*m);
+        }
+    }
+    groups.retain(|g| !g.2.is_empty());
+    groups
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Windows are disjoint in steps, every member lies inside its window, and the members
+    /// left out are exactly those live across a cut.
+    fn check(n: usize, members: &[(usize, i64)], spans: &[(usize, usize)]) -> Vec<Window> {
+        let ws = arena_window_groups(n, members, |b| spans[b]);
+        for w in ws.windows(2) {
+            assert!(w[0].1 < w[1].0, "windows overlap: {ws:?}");
+        }
+        for (lo, hi, g) in &ws {
+            for (b, _) in g {
+                assert!(*lo <= spans[*b].0 && spans[*b].1 <= *hi);
+            }
+        }
+        ws
+    }
+
+    #[test]
+    fn small_arenas_stay_one_window() {
+        let members: Vec<(usize, i64)> = (0..6).map(|b| (b, 1 << 20)).collect();
+        let spans: Vec<(usize, usize)> = (0..6).map(|b| (b, b + 1)).collect();
+        let ws = check(8, &members, &spans);
+        assert_eq!(ws.len(), 1);
+        assert_eq!(ws[0].2.len(), 6);
+    }
+
+    #[test]
+    fn layers_get_their_own_windows() {
+        // Four "layers" of three steps; each layer's two buffers live inside it, and one
+        // residual buffer per layer crosses into the next.
+        let mut members = Vec::new();
+        let mut spans = Vec::new();
+        for l in 0..4 {
+            for i in 0..2 {
+                members.push((spans.len(), 16 << 20));
+                spans.push((3 * l + i, 3 * l + i + 1));
+            }
+            members.push((spans.len(), 1 << 20));
+            spans.push((3 * l + 2, 3 * l + 4));
+        }
+        let ws = check(14, &members, &spans);
+        assert!(ws.len() >= 3, "{ws:?}");
+        // Cuts fall between layers: every layer-local buffer stays in an arena.
+        let kept: usize = ws.iter().flat_map(|w| &w.2).filter(|m| m.1 == 16 << 20).count();
+        assert_eq!(kept, 8, "{ws:?}");
+    }
+}
