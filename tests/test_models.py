@@ -680,6 +680,52 @@ def test_extern_results_taken_in_place_only_when_fresh(device, compiled_graphs):
     assert not ExternCall(lambda x: x, (), {}, []).fresh
 
 
+def test_backward_frees_saved_activations_as_it_goes(device, compiled_graphs):
+    """[Note: inputs freed at their last use]: a backward graph called with a list it may
+    clear drops each input (a saved activation) after its last reader, so the caller's
+    memory for it is freed mid-graph, as eager frees it; `retain_graph` keeps them for a
+    second backward. Gradients are eager's either way."""
+    import weakref
+
+    torch.manual_seed(0)
+    # Convolutions are library calls: steps of their own between runs of kernels.
+    m = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Conv2d(8, 8, 3, padding=1), torch.nn.Tanh()) for _ in range(4)]).to(device)
+    x = torch.randn(4, 8, 16, 16, device=device, requires_grad=True)
+    c = compiled(m, options={"on_unsupported": "error"})
+    c(x).sum().backward()
+    want = [p.grad.clone() for p in m.parameters()]
+    m.zero_grad(set_to_none=True)
+    y = c(x).sum()
+    y.backward(retain_graph=True)
+    y.backward()  # the saved activations are still there for a second backward
+    for p, w in zip(m.parameters(), want):
+        torch.testing.assert_close(p.grad, 2 * w)
+    from braze import runtime
+
+    orig = runtime.CompiledGraph.__call__
+    seen = []
+
+    def traced(self, args, on_step=None):
+        if not self.name.startswith("backward"):
+            return orig(self, args, on_step)
+        refs = [weakref.ref(t) for t in args if isinstance(t, torch.Tensor)]
+        dead = []
+        out = orig(self, args, lambda kind, what, bufs: dead.append(sum(r() is None for r in refs)))
+        seen.append((dead, args))
+        return out
+    runtime.CompiledGraph.__call__ = traced
+    try:
+        m.zero_grad(set_to_none=True)
+        c(x).sum().backward()
+    finally:
+        runtime.CompiledGraph.__call__ = orig
+    for p, w in zip(m.parameters(), want):
+        torch.testing.assert_close(p.grad, w)
+    (dead, args), = seen
+    assert not args, "the boxed argument list is handed over"
+    assert dead[len(dead) // 2] > 0 and dead[-1] >= 3, dead
+
+
 def test_on_step_sees_every_plan_step(device, compiled_graphs):
     """`CompiledGraph.__call__(args, on_step=...)` (the hook of `benchmarks/step_probe.py`)
     is called once per plan step, with each step's kind and live buffers, and leaves the

@@ -199,6 +199,13 @@ class _BrazeFunction(torch.autograd.Function):
         plan = ctx.plan
         saved = ctx.saved_tensors
         args = [saved[i] if i >= 0 else grads[-1 - i] for i in plan.bw_args]
+        # [Note: inputs freed at their last use] (runtime.py): `args` becomes the only
+        # reference to the saved activations (AOTAutograd's backward does the same), unless
+        # the graph is kept for another backward (retain_graph).
+        del saved, grads
+        clear = getattr(ctx, "maybe_clear_saved_tensors", None)
+        if clear is not None:
+            clear()
         cb = _eval_frame_callback()
         bw = plan.bw if cb is None or cb is False else plan.bw_no_dynamo
         return (None, *bw(args))

@@ -104,6 +104,7 @@ class CompiledGraph:
         # itself (saved inputs of a forward graph, for one): clone(x) must not alias x.
         self.copy_out = [self.bufs[b][0] == "input" and not p for (b, _), p in zip(self.outputs, lowered.passthrough)]
         self.mutations = list(lowered.mutations)
+        self.mutated_args = sorted({arg for _, arg, _ in self.mutations})
         self.device = lowered.device
         self.cuda = self.device.type == "cuda"
         if self.cuda:
@@ -260,6 +261,14 @@ class CompiledGraph:
         for b, idx, shape, stride in inputs:
             t = bufs[b] = self._in_layout(tensor_args[idx], shape, stride, stream)
             ptrs[b] = t.data_ptr()
+        # [Note: inputs freed at their last use] The boxed calling convention hands the list
+        # over: cleared, it leaves `bufs` the only reference braze holds to each input, dropped
+        # at the input's last reader (the plan's frees). A backward's saved activations are
+        # then freed as it goes, as eager frees them, instead of all living to its end.
+        # Inputs the graph mutates are kept for the stores into them.
+        margs = {a: args[a] for a in self.mutated_args} if self.mutated_args else None
+        args.clear()
+        tensor_args = t = None
         # The buffers only braze's kernels touch live in arenas, one per window of steps
         # ([Note: arena] in braze-driver).
         # On the CPU a window's arena comes from the graph's pool and goes back to it when the
@@ -287,7 +296,7 @@ class CompiledGraph:
                         t = t.as_strided(shape, stride, t.storage_offset())
                 elif shape is None:  # an input's new value, stored in place when the input allows
                     arg, shape, stride, dtype = stride
-                    t = args[arg]
+                    t = margs[arg]
                     if t.stride() != stride or t.dtype != dtype or t.shape != shape:
                         t = empty(shape, stride, dtype)
                         copies = (*copies, (None, arg, t))
@@ -330,7 +339,7 @@ class CompiledGraph:
                 t = t.as_strided(view[0], view[1], t.storage_offset() + view[2])
             outs.append(t.clone() if copy else t)
         for pos, arg, *t in copies:
-            args[arg].copy_(t[0] if t else outs[pos])
+            margs[arg].copy_(t[0] if t else outs[pos])
         if simple:
             return outs
         res = []

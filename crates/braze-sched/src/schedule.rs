@@ -455,7 +455,10 @@ fn fuse(g: &Graph, stored: &[bool], log: &mut Vec<String>) -> Result<Fused, Sche
     Ok((groups, group_of, externs))
 }
 
-/// For each step, the temp and extern buffers whose last reader it is (outputs excluded).
+/// For each step, the buffers whose last reader it is (outputs excluded). Inputs are among
+/// them: the runtime drops its reference there, and a caller that handed its list over (the
+/// boxed calling convention; AOTAutograd's backward hands over the saved activations) frees
+/// each input as the backward stops needing it, as eager does.
 fn plan_frees(buffers: &[Buffer], kernels: &[Kernel], steps: &[Step], outputs: &[Access]) -> Vec<Vec<BufId>> {
     let mut last = vec![None; buffers.len()];
     for (s, st) in steps.iter().enumerate() {
@@ -491,8 +494,7 @@ fn plan_frees(buffers: &[Buffer], kernels: &[Kernel], steps: &[Step], outputs: &
         out_buf[a.buf as usize] = true;
     }
     for (b, l) in last.iter().enumerate() {
-        let is_out = out_buf[b];
-        if let (Some(s), false, false) = (l, is_out, matches!(buffers[b].kind, BufKind::Input(_))) {
+        if let (Some(s), false) = (l, out_buf[b]) {
             frees[*s].push(b as BufId);
         }
     }
