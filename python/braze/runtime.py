@@ -97,7 +97,7 @@ class CompiledGraph:
         self.bufs = compiled.buffers
         self.steps = compiled.steps
         self.frees = compiled.frees
-        self.reuse = compiled.reuse
+        self.reuse = compiled.reuse  # filtered below, once the extern calls are known
         self.allocs = compiled.allocs
         self.outputs = compiled.outputs
         # An output held in an input's buffer is copied unless the graph returns that input
@@ -118,6 +118,12 @@ class CompiledGraph:
         for s in self.steps:
             if s[0] == "extern":
                 self.ext_calls[s[3]] = self.externs[s[3]]
+        # [Note: in-place kernels]: the plan's reuse pairs whose dying tensor is memory of
+        # its own (a temp, or a fresh extern result) and of the same dtype.
+        producer = {o: self.ext_calls[st[3]] for st in self.steps if st[0] == "extern" for o in st[5]}
+        self.reuse = [(o, i) for o, i in self.reuse
+                      if self.bufs[o][2] == self.bufs[i][2]
+                      and (self.bufs[i][0] == "temp" or (self.bufs[i][0] == "extern" and producer[i].fresh))]
         self.n_bufs = len(self.bufs)
         self.arena_bytes = compiled.arena_bytes
         self.arena_windows = compiled.arena_windows
@@ -187,10 +193,7 @@ class CompiledGraph:
         # a buffer that dies at the kernel writing it, when that tensor's memory is the
         # buffer's own: a temp, or a fresh result of an extern call (never an input's memory
         # or a view an op returned).
-        producer = {o: self.ext_calls[st[3]] for st in self.steps if st[0] == "extern" for o in st[5]}
-        reuse = {o: i for o, i in self.reuse
-                 if o not in in_place and self.bufs[o][2] == self.bufs[i][2]
-                 and (self.bufs[i][0] == "temp" or (self.bufs[i][0] == "extern" and producer[i].fresh))}
+        reuse = {o: i for o, i in self.reuse if o not in in_place}
         self.reused = len(reuse)
         plan = []
         # Arena windows ([Note: arena windows] in braze-driver): bytes to allocate before a
@@ -268,7 +271,7 @@ class CompiledGraph:
         # Inputs the graph mutates are kept for the stores into them.
         margs = {a: args[a] for a in self.mutated_args} if self.mutated_args else None
         args.clear()
-        tensor_args = t = None
+        tensor_args = t = None  # `t` held the last input bound
         # The buffers only braze's kernels touch live in arenas, one per window of steps
         # ([Note: arena] in braze-driver).
         # On the CPU a window's arena comes from the graph's pool and goes back to it when the

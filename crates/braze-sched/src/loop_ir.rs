@@ -140,7 +140,6 @@ impl Kernel {
             return Vec::new();
         }
         let stmts: Vec<&Stmt> = self.prelude.iter().chain(&self.passes[0].body).chain(&self.passes[0].after).collect();
-        let size = |b: BufId| self.bufs.iter().find(|r| r.id == b).map(|r| r.dtype.size());
         let mut pairs = Vec::new();
         let mut taken = Vec::new();
         for out in self.bufs.iter().filter(|r| r.written) {
@@ -158,7 +157,7 @@ impl Kernel {
                 }
             }
             let (Some(index), true) = (index, one_index) else { continue };
-            let candidate = self.bufs.iter().filter(|r| !r.written && r.id != out.id && !taken.contains(&r.id) && size(r.id) == Some(out.dtype.size())).find(|r| {
+            let candidate = self.bufs.iter().filter(|r| !r.written && r.id != out.id && !taken.contains(&r.id) && r.dtype.size() == out.dtype.size()).find(|r| {
                 let loads: Vec<(usize, &Expr)> = stmts
                     .iter()
                     .enumerate()
