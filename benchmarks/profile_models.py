@@ -56,6 +56,8 @@ def main():
             launches = sum(e.count for e in evs) / a.steps
             print(f"==== {desc} {'train' if train else 'inference'} / {be}: GPU {total:.2f} ms per step, "
                   f"{launches:.0f} kernels, peak {peak:.2f} GiB")
+            own = sum(e.device_time_total for e in evs if e.key.startswith(("braze_", "triton_"))) / a.steps / 1e3
+            print(f"  generated kernels (braze_*, triton_*) {own:.3f} ms, the rest {total - own:.3f} ms")
             for e in sorted(evs, key=lambda e: -e.device_time_total)[:a.rows]:
                 print(f"  {e.device_time_total / a.steps / 1e3:8.3f} ms {e.count // a.steps:5d}x  {e.key[:110]}")
             if be == "braze":

@@ -919,3 +919,39 @@ def test_batchnorm_training_statistics(device, layout, dtype, monkeypatch):
     # the batch gives, so H is kept (64 parts) and N, W are reduced.
     stage1 = "outer=[1024] inner=[4096]" if layout == "contiguous" else "outer=[64, 64] inner=[16, 64] column"
     assert stage1 in fwd["schedule"], fwd["schedule"]
+
+
+@pytest.mark.parametrize("channels", [64, 96])
+def test_batchnorm_per_channel_math_hoisted(device, channels):
+    """[Note: column-invariant hoisting]: an inference BatchNorm + ReLU + max pool over a
+    channels_last activation computes its per-channel `1 / sqrt(var + eps)` once per thread,
+    before the grid-stride loop, and reads the padded pool window with masked wide loads.
+    Large enough that each GPU thread takes several steps (its column must stay fixed); 96
+    channels are 24 threads per row, which the block size is not a multiple of, so the grid
+    is rounded. Values are eager's."""
+    torch.manual_seed(channels)
+    bn = torch.nn.BatchNorm2d(channels).to(device).eval()
+    with torch.no_grad():
+        bn.running_mean.uniform_(-1, 1)
+        bn.running_var.uniform_(0.5, 2.0)
+        bn.weight.uniform_(0.5, 1.5)
+        bn.bias.uniform_(-1, 1)
+    pool = torch.nn.MaxPool2d(3, 2, 1)
+
+    def f(x):
+        return pool(torch.relu(bn(x))), torch.relu(bn(x) + x)
+
+    x = torch.randn(8, channels, 96, 96, device=device).to(memory_format=torch.channels_last)
+    c = compiled(f, options={"on_unsupported": "error"})
+    with torch.no_grad():
+        for _ in range(2):
+            x.normal_()
+            for got, want in zip(c(x), f(x)):
+                torch.testing.assert_close(got, want)
+    rec = braze.stats.records[-1]
+    assert not rec["externs"], rec["externs"]
+    src = rec["source"] if device == "cuda" else rec.get("cuda_source")
+    if src is None:
+        pytest.skip("NVRTC not found: the CUDA source was not generated")
+    assert "Column-invariant values" in src, src
+    assert "if (j == 0 && t" in src, src  # the pool's masked wide loads

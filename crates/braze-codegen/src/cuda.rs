@@ -247,7 +247,8 @@ fn product(v: &[Expr]) -> Expr {
 
 /// Launch facts for the runtime: kernel name, buffer ids (passed as pointers, in order) then
 /// size symbols (passed as i64), block shape, and one block per `per_block` of `work` items,
-/// at most `cap` blocks.
+/// at most `cap` blocks, rounded up to a multiple of `grid_multiple` (a kernel whose threads
+/// keep their column across grid-stride steps, [Note: column-invariant hoisting]).
 #[derive(Clone, Debug)]
 pub struct Launch {
     /// The function to launch: this kernel's own, or an identical earlier kernel's.
@@ -261,6 +262,15 @@ pub struct Launch {
     pub work: Expr,
     pub per_block: u64,
     pub cap: u32,
+    pub grid_multiple: u32,
+}
+
+impl Launch {
+    /// Blocks to launch for `n` work items.
+    pub fn blocks(&self, n: u64) -> u64 {
+        let b = n.div_ceil(self.per_block).clamp(1, self.cap as u64);
+        b.next_multiple_of(self.grid_multiple.max(1) as u64)
+    }
 }
 
 /// Loads held in registers ([Note: persistent rows]): by (buffer, index), the register array's
@@ -437,19 +447,26 @@ pub fn emit_kernel(k: &Kernel, sms: u32, out: &mut String) -> Result<Launch, Cod
         work,
         per_block,
         cap,
+        grid_multiple: 1,
     };
     if !is_red {
         let total = index(&outer_total);
-        let vec = vector_width(k);
-        if vec > 1 {
-            emit_vector_path(&e, k, vec, out)?;
+        // A kernel that hoists per-thread work runs one wave of vector-wide threads (each then
+        // takes many grid-stride steps over which that work is shared); others a block per
+        // 256 elements, at most 32 per multiprocessor.
+        let (mut per_block, mut cap, mut grid_multiple) = (block as u64, sms.max(1) * 32, 1);
+        if let Some(plan) = vector_plan(k) {
+            if let Some(h) = &plan.hoist {
+                (per_block, cap, grid_multiple) = (block as u64 * plan.v as u64, sms.max(1) * HOIST_BLOCKS_PER_SM, h.grid_multiple);
+            }
+            emit_vector_path(&e, k, &plan, out)?;
             writeln!(out, "  else").unwrap();
         }
         writeln!(out, "  for (long long x = (long long)blockIdx.x * blockDim.x + threadIdx.x; x < {total}; x += (long long)gridDim.x * blockDim.x) {{").unwrap();
         decompose(out, "    ", "x", &k.outer, 0);
         emit_list(&e, k, &k.passes[0].body, None, "    ", out, None)?;
         writeln!(out, "  }}\n}}\n").unwrap();
-        return Ok(launch(outer_total, block as u64, sms.max(1) * 32));
+        return Ok(Launch { grid_multiple, ..launch(outer_total, per_block, cap) });
     }
     // Row kernels: a block per outer point, threads over the reduced elements (x).
     // Column kernels: 8 outer points per block (x), 64 threads per point over the reduced
@@ -577,35 +594,217 @@ fn last_coef(idx: &Expr, last: u32) -> Option<i64> {
     idx.linear_coef(last).filter(|c| *c == 0 || *c == 1)
 }
 
-/// Elements per thread for a pointwise kernel's vector path: 16 bytes of its widest buffer,
-/// when the last dim is a multiple of that and every load and store either walks the last
-/// dim from a multiple of it or does not move with it. 1 when there is no vector path.
-fn vector_width(k: &Kernel) -> i64 {
-    let n = k.outer.len();
-    if n == 0 {
-        return 1;
+/// [Note: column-invariant hoisting] In a pointwise kernel over a constant last dim (the
+/// channels of a channels_last activation, the features of a row), values that depend on
+/// the last index alone are the same in every row: a BatchNorm's `1 / sqrt(var + eps)`, its
+/// weight and bias. When the grid's thread count is a multiple of the threads that cover one
+/// row (`len / v`), each thread keeps its column across its grid-stride steps, so the kernel
+/// computes those values once per thread before its loop, into registers (the `h` arrays),
+/// and the loop only reads them. The launch rounds its grid up to that multiple
+/// (`Launch::grid_multiple`). Without it, ResNet-50's BatchNorm kernels ran IEEE square roots
+/// and divisions per element and were bound by them, not by memory. The hoisted loads are read
+/// once, so the vector width comes from the buffers the loop walks (16-byte bf16 accesses
+/// beside fp32 per-channel parameters).
+struct VecPlan {
+    /// Elements per thread and step.
+    v: i64,
+    hoist: Option<Hoist>,
+}
+
+struct Hoist {
+    /// Temporaries computed before the loop (column-invariant; constants stay in the loop).
+    inv: std::collections::HashSet<u32>,
+    /// The hoisted values the loop reads, kept per lane in `h` arrays.
+    frontier: Vec<u32>,
+    /// Threads per row: `len / v`.
+    row_threads: i64,
+    grid_multiple: u32,
+}
+
+/// Most hoisted registers per thread (frontier values times lanes).
+const HOIST_MAX_REGS: i64 = 32;
+/// Blocks per multiprocessor of a kernel with hoisted values: one wave of 2048 threads.
+const HOIST_BLOCKS_PER_SM: u32 = 8;
+/// Most blocks a hoisted kernel's grid is rounded up to a multiple of.
+const HOIST_MAX_GRID_MULTIPLE: i64 = 16;
+
+/// The loop variables (bit `n` for `in`) an index expression depends on, through the
+/// temporaries it reads (`deps`).
+fn expr_deps(e: &Expr, deps: &std::collections::HashMap<u32, u64>) -> u64 {
+    e.atoms().fold(0, |m, a| m | atom_deps(a, deps))
+}
+
+fn atom_deps(a: &braze_ir::Atom, deps: &std::collections::HashMap<u32, u64>) -> u64 {
+    use braze_ir::Atom;
+    match a {
+        Atom::Var(n) => 1u64.checked_shl(*n).unwrap_or(u64::MAX),
+        Atom::Tmp(t) => deps.get(t).copied().unwrap_or(u64::MAX),
+        Atom::FloorDiv(x, y) | Atom::Mod(x, y) | Atom::Max(x, y) | Atom::Min(x, y) => expr_deps(x, deps) | expr_deps(y, deps),
+        Atom::Sym(_) => 0,
     }
-    let last = (n - 1) as u32;
-    let widest = k.bufs.iter().map(|b| b.dtype.size()).max().unwrap_or(4) as i64;
-    let v = (16 / widest).clamp(1, 8);
-    let Some(len) = k.outer[n - 1].as_const() else { return 1 };
+}
+
+/// The temporaries an index expression reads.
+fn expr_tmps(e: &Expr, out: &mut Vec<u32>) {
+    use braze_ir::Atom;
+    for a in e.atoms() {
+        match a {
+            Atom::Tmp(t) => out.push(*t),
+            Atom::FloorDiv(x, y) | Atom::Mod(x, y) | Atom::Max(x, y) | Atom::Min(x, y) => {
+                expr_tmps(x, out);
+                expr_tmps(y, out);
+            }
+            _ => {}
+        }
+    }
+}
+
+/// The temporary a statement defines.
+fn stmt_dst(s: &Stmt) -> Option<u32> {
+    match s {
+        Stmt::Load { dst, .. }
+        | Stmt::Const { dst, .. }
+        | Stmt::Index { dst, .. }
+        | Stmt::InRange { dst, .. }
+        | Stmt::Unary { dst, .. }
+        | Stmt::Binary { dst, .. }
+        | Stmt::Where { dst, .. }
+        | Stmt::Cast { dst, .. }
+        | Stmt::Bounded { dst, .. } => Some(*dst),
+        Stmt::Store { .. } => None,
+    }
+}
+
+/// The temporaries a statement reads.
+fn stmt_reads(s: &Stmt) -> Vec<u32> {
+    let mut out = Vec::new();
+    match s {
+        Stmt::Load { index, mask, .. } => {
+            expr_tmps(index, &mut out);
+            out.extend(mask);
+        }
+        Stmt::Const { .. } => {}
+        Stmt::Index { index, .. } => expr_tmps(index, &mut out),
+        Stmt::InRange { index, lo, hi, .. } => {
+            for e in [index, lo, hi] {
+                expr_tmps(e, &mut out);
+            }
+        }
+        Stmt::Unary { a, .. } | Stmt::Cast { a, .. } | Stmt::Bounded { a, .. } => out.push(*a),
+        Stmt::Binary { a, b, .. } => out.extend([*a, *b]),
+        Stmt::Where { c, a, b, .. } => out.extend([*c, *a, *b]),
+        Stmt::Store { index, value, .. } => {
+            expr_tmps(index, &mut out);
+            out.push(*value);
+        }
+    }
+    out
+}
+
+/// The loop variables each temporary of `body` depends on (bit `n` for `in`).
+fn tmp_deps(body: &[Stmt]) -> std::collections::HashMap<u32, u64> {
+    let mut deps = std::collections::HashMap::new();
+    for s in body {
+        let d = match s {
+            Stmt::Load { index, mask, .. } => expr_deps(index, &deps) | mask.map_or(0, |m| deps.get(&m).copied().unwrap_or(u64::MAX)),
+            Stmt::Index { index, .. } => expr_deps(index, &deps),
+            Stmt::InRange { index, lo, hi, .. } => expr_deps(index, &deps) | expr_deps(lo, &deps) | expr_deps(hi, &deps),
+            Stmt::Bounded { a, hi, .. } => deps.get(a).copied().unwrap_or(u64::MAX) | expr_deps(hi, &deps),
+            s => stmt_reads(s).iter().fold(0, |m, t| m | deps.get(t).copied().unwrap_or(u64::MAX)),
+        };
+        if let Some(t) = stmt_dst(s) {
+            deps.insert(t, d);
+        }
+    }
+    deps
+}
+
+/// Elements per thread for the vector path over the loads and stores `keep` selects: 16
+/// bytes of the widest such buffer, when the last dim (`len`) is a multiple of that and each
+/// access either walks the last dim from a multiple of it (unmasked, or masked by a value
+/// that does not move with the last dim) or does not move with it. 1 when there is none.
+fn vector_width(k: &Kernel, len: i64, deps: &std::collections::HashMap<u32, u64>, keep: &dyn Fn(&Stmt) -> bool, cap: i64) -> i64 {
+    let last = (k.outer.len() - 1) as u32;
+    let lastbit = 1u64.checked_shl(last).unwrap_or(u64::MAX);
+    let size = |b: u32| k.bufs.iter().find(|r| r.id == b).map_or(4, |r| r.dtype.size()) as i64;
+    let body = &k.passes[0].body;
+    let widest = body
+        .iter()
+        .filter(|s| keep(s))
+        .filter_map(|s| match s {
+            Stmt::Load { buf, .. } | Stmt::Store { buf, .. } => Some(size(*buf)),
+            _ => None,
+        })
+        .max()
+        .unwrap_or(4);
+    let v = (16 / widest).clamp(1, cap);
     if v == 1 || len % v != 0 {
         return 1;
     }
     let mut moves = false;
-    for s in &k.passes[0].body {
-        let (idx, masked) = match s {
-            Stmt::Load { index, mask, .. } => (index, mask.is_some()),
-            Stmt::Store { index, .. } => (index, false),
+    for s in body.iter().filter(|s| keep(s)) {
+        let (idx, mask) = match s {
+            Stmt::Load { index, mask, .. } => (index, *mask),
+            Stmt::Store { index, .. } => (index, None),
             _ => continue,
         };
+        let steady = mask.is_none_or(|m| deps.get(&m).is_some_and(|d| d & lastbit == 0));
         match last_coef(idx, last) {
-            Some(1) if !masked && idx.sub(&Expr::var(last)).all_coefs_divisible(v) && !idx.atoms().any(|a| matches!(a, braze_ir::Atom::Tmp(_))) => moves = true,
+            Some(1) if steady && idx.sub(&Expr::var(last)).all_coefs_divisible(v) && !idx.atoms().any(|a| matches!(a, braze_ir::Atom::Tmp(_))) => moves = true,
             Some(0) => {}
             _ => return 1,
         }
     }
     if moves { v } else { 1 }
+}
+
+/// The vector path of a pointwise kernel, with its column-invariant values hoisted when that
+/// pays and the grid allows it ([Note: column-invariant hoisting]); `None` when there is no
+/// vector path.
+fn vector_plan(k: &Kernel) -> Option<VecPlan> {
+    let n = k.outer.len();
+    if n == 0 {
+        return None;
+    }
+    let last = (n - 1) as u32;
+    let len = k.outer[n - 1].as_const()?;
+    let body = &k.passes[0].body;
+    let deps = tmp_deps(body);
+    let lastbit = 1u64.checked_shl(last).unwrap_or(u64::MAX);
+    let inv: std::collections::HashSet<u32> = body
+        .iter()
+        .filter(|s| !matches!(s, Stmt::Const { .. } | Stmt::Store { .. }))
+        .filter_map(stmt_dst)
+        .filter(|t| deps.get(t).is_some_and(|d| d & !lastbit == 0))
+        .collect();
+    if !inv.is_empty() {
+        let hoisted = |s: &Stmt| stmt_dst(s).is_some_and(|t| inv.contains(&t));
+        let mut frontier: Vec<u32> = Vec::new();
+        for s in body.iter().filter(|s| !hoisted(s)) {
+            for t in stmt_reads(s) {
+                if inv.contains(&t) && !frontier.contains(&t) {
+                    frontier.push(t);
+                }
+            }
+        }
+        // Fewer lanes when the hoisted registers would not fit.
+        let mut v = vector_width(k, len, &deps, &|s| !hoisted(s), 8);
+        while v > 2 && frontier.len() as i64 * v > HOIST_MAX_REGS {
+            v = vector_width(k, len, &deps, &|s| !hoisted(s), v / 2);
+        }
+        let block = BLOCK as i64;
+        let row_threads = len / v.max(1);
+        let g = row_threads / gcd(row_threads, block);
+        if v > 1 && !frontier.is_empty() && g <= HOIST_MAX_GRID_MULTIPLE && frontier.len() as i64 * v <= HOIST_MAX_REGS {
+            return Some(VecPlan { v, hoist: Some(Hoist { inv, frontier, row_threads, grid_multiple: g as u32 }) });
+        }
+    }
+    let v = vector_width(k, len, &deps, &|_| true, 8);
+    (v > 1).then_some(VecPlan { v, hoist: None })
+}
+
+fn gcd(a: i64, b: i64) -> i64 {
+    if b == 0 { a.abs().max(1) } else { gcd(b, a % b) }
 }
 
 fn vec_type(bytes: i64) -> &'static str {
@@ -620,14 +819,22 @@ fn vec_type(bytes: i64) -> &'static str {
 
 /// The vector path of a pointwise kernel: each thread takes `v` neighbouring elements of
 /// the last dim, reads and writes them with one wide access per buffer, and computes them in
-/// an unrolled loop. Taken when every such buffer is aligned for the wide access.
-fn emit_vector_path(e: &Emitter, k: &Kernel, v: i64, out: &mut String) -> Result<(), CodegenError> {
+/// an unrolled loop. Taken when every such buffer is aligned for the wide access. A masked
+/// wide load (padding, whose mask does not move with the last dim) is read by lane 0 when
+/// its mask holds and is zero otherwise. Column-invariant values are computed before the
+/// loop when the plan hoists them ([Note: column-invariant hoisting]).
+fn emit_vector_path(e: &Emitter, k: &Kernel, plan: &VecPlan, out: &mut String) -> Result<(), CodegenError> {
+    let v = plan.v;
     let n = k.outer.len();
     let last = (n - 1) as u32;
     let body = &k.passes[0].body;
-    let wide = |s: &Stmt| match s {
-        Stmt::Load { index, .. } | Stmt::Store { index, .. } => last_coef(index, last) == Some(1),
-        _ => false,
+    let hoisted = |s: &Stmt| plan.hoist.as_ref().is_some_and(|h| stmt_dst(s).is_some_and(|t| h.inv.contains(&t)));
+    let wide = |s: &Stmt| {
+        !hoisted(s)
+            && match s {
+                Stmt::Load { index, .. } | Stmt::Store { index, .. } => last_coef(index, last) == Some(1),
+                _ => false,
+            }
     };
     let mut checks = Vec::new();
     for s in body.iter().filter(|s| wide(s)) {
@@ -636,16 +843,37 @@ fn emit_vector_path(e: &Emitter, k: &Kernel, v: i64, out: &mut String) -> Result
         checks.push(format!("((unsigned long long)b{buf} & {})", bytes - 1));
     }
     checks.dedup();
-    writeln!(out, "  if (({}) == 0)", checks.join(" | ")).unwrap();
+    writeln!(out, "  if (({}) == 0) {{", checks.join(" | ")).unwrap();
     let total = index(&product(&k.outer));
-    writeln!(out, "  for (long long x = (long long)blockIdx.x * blockDim.x + threadIdx.x; x < ({total}) / {v}; x += (long long)gridDim.x * blockDim.x) {{").unwrap();
+    if let Some(h) = &plan.hoist {
+        writeln!(out, "  const long long xs = (long long)blockIdx.x * blockDim.x + threadIdx.x;").unwrap();
+        writeln!(out, "  // Column-invariant values, once per thread (its column is fixed: the grid is a multiple of {} threads).", h.row_threads).unwrap();
+        for t in &h.frontier {
+            writeln!(out, "  {} h{t}[{v}];", compute_type(k.tmp_dtypes[*t as usize])).unwrap();
+        }
+        writeln!(out, "  {{\n    const long long vb = (xs % {}) * {v};", h.row_threads).unwrap();
+        writeln!(out, "    #pragma unroll\n    for (int j = 0; j < {v}; j++) {{").unwrap();
+        writeln!(out, "      const long long i{last} = vb + j;").unwrap();
+        let pre: Vec<Stmt> = body.iter().filter(|s| matches!(s, Stmt::Const { .. }) || hoisted(s)).cloned().collect();
+        emit_list(e, k, &pre, None, "      ", out, None)?;
+        for t in &h.frontier {
+            writeln!(out, "      h{t}[j] = t{t};").unwrap();
+        }
+        writeln!(out, "    }}\n  }}").unwrap();
+        writeln!(out, "  for (long long x = xs; x < ({total}) / {v}; x += (long long)gridDim.x * blockDim.x) {{").unwrap();
+    } else {
+        writeln!(out, "  for (long long x = (long long)blockIdx.x * blockDim.x + threadIdx.x; x < ({total}) / {v}; x += (long long)gridDim.x * blockDim.x) {{").unwrap();
+    }
     decompose(out, "    ", &format!("x * {v}"), &k.outer, 0);
     let stype = |buf: u32| storage_type(k.bufs.iter().find(|b| b.id == buf).unwrap().dtype);
     let bytes = |buf: u32| v * k.bufs.iter().find(|b| b.id == buf).unwrap().dtype.size() as i64;
     for s in body.iter().filter(|s| wide(s)) {
         match s {
-            Stmt::Load { dst, buf, index: i, .. } => {
+            Stmt::Load { dst, buf, index: i, mask: None } => {
                 writeln!(out, "    __align__(16) {t} w{dst}[{v}]; *({vt}*)w{dst} = *(const {vt}*)(b{buf} + ({}));", crate::c_emit::index(i), t = stype(*buf), vt = vec_type(bytes(*buf))).unwrap();
+            }
+            Stmt::Load { dst, buf, mask: Some(_), .. } => {
+                writeln!(out, "    __align__(16) {t} w{dst}[{v}] = {{}};", t = stype(*buf)).unwrap();
             }
             Stmt::Store { buf, value, .. } => {
                 writeln!(out, "    __align__(16) {} s{value}_{buf}[{v}];", stype(*buf)).unwrap();
@@ -656,27 +884,37 @@ fn emit_vector_path(e: &Emitter, k: &Kernel, v: i64, out: &mut String) -> Result
     writeln!(out, "    const long long vb = i{last};").unwrap();
     writeln!(out, "    #pragma unroll\n    for (int j = 0; j < {v}; j++) {{").unwrap();
     writeln!(out, "      const long long i{last} = vb + j;").unwrap();
+    let frontier: &[u32] = plan.hoist.as_ref().map_or(&[], |h| &h.frontier);
     let mut lane = Vec::new();
     for s in body {
         match s {
-            Stmt::Load { dst, buf, .. } if wide(s) => {
+            Stmt::Load { dst, buf, index: i, mask } if wide(s) => {
                 let ct = compute_type(k.tmp_dtypes[*dst as usize]);
-                lane.push(format!("{ct} t{dst} = {};", e.from_storage(*buf, &format!("w{dst}[j]"))));
+                let read = format!("{ct} t{dst} = {};", e.from_storage(*buf, &format!("w{dst}[j]")));
+                lane.push(match mask {
+                    None => read,
+                    Some(m) => format!("if (j == 0 && t{m}) *({vt}*)w{dst} = *(const {vt}*)(b{buf} + ({})); {read}", crate::c_emit::index(i), vt = vec_type(bytes(*buf))),
+                });
             }
             Stmt::Store { buf, value, .. } if wide(s) => lane.push(format!("s{value}_{buf}[j] = {};", e.to_storage(*buf, *value))),
-            _ => lane.push(String::new()),
+            _ => match stmt_dst(s) {
+                Some(t) if hoisted(s) && frontier.contains(&t) => lane.push(format!("{} t{t} = h{t}[j];", compute_type(k.tmp_dtypes[t as usize]))),
+                _ => lane.push(String::new()),
+            },
         }
     }
     // Ordinary statements keep their spelling (sin/cos pairing included).
     let mut ordinary = String::new();
-    let plain: Vec<Stmt> = body.iter().filter(|s| !wide(s)).cloned().collect();
+    let plain: Vec<Stmt> = body.iter().filter(|s| !wide(s) && !hoisted(s)).cloned().collect();
     emit_list(e, k, &plain, None, "      ", &mut ordinary, None)?;
     let mut ord_lines = ordinary.lines();
     let pairs = sincos_pairs(&plain, k);
     let paired: std::collections::HashSet<u32> = pairs.values().copied().collect();
     for (s, l) in body.iter().zip(&lane) {
-        if wide(s) {
-            writeln!(out, "      {l}").unwrap();
+        if wide(s) || hoisted(s) {
+            if !l.is_empty() {
+                writeln!(out, "      {l}").unwrap();
+            }
         } else if !matches!(s, Stmt::Unary { dst, op: braze_ir::UnaryOp::Cos, .. } if paired.contains(dst)) {
             writeln!(out, "{}", ord_lines.next().unwrap_or_default()).unwrap();
         }
@@ -687,7 +925,7 @@ fn emit_vector_path(e: &Emitter, k: &Kernel, v: i64, out: &mut String) -> Result
             writeln!(out, "    *({vt}*)(b{buf} + ({})) = *(const {vt}*)s{value}_{buf};", crate::c_emit::index(i), vt = vec_type(bytes(*buf))).unwrap();
         }
     }
-    writeln!(out, "  }}").unwrap();
+    writeln!(out, "  }}\n  }}").unwrap();
     Ok(())
 }
 

@@ -629,7 +629,7 @@ impl CudaModule {
                 }
                 let mut params: Vec<*mut c_void> = vals.iter_mut().map(|v| v as *mut u64 as *mut c_void).collect();
                 let n = s.work.eval_syms(syms).unwrap_or(0).max(0) as u64;
-                let blocks = n.div_ceil(s.per_block).clamp(1, s.cap as u64) as c_uint;
+                let blocks = s.blocks(n) as c_uint;
                 if n == 0 {
                     continue;
                 }
