@@ -65,11 +65,17 @@ BZ float bz_h2f(uint16_t h) { float f; asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"
 BZ uint16_t bz_f2h(float f) { uint16_t h; asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f)); return h; }
 BZ float bz_round_h(float x) { return bz_h2f(bz_f2h(x)); }
 BZ float bz_bf2f(uint16_t h) { return __uint_as_float(((uint32_t)h) << 16); }
+// Round to nearest even: one instruction from sm_80 on (what ATen's c10::BFloat16 uses on
+// the GPU); the integer form before it.
 BZ uint16_t bz_f2bf(float x) {
+#if __CUDA_ARCH__ >= 800
+  uint16_t h; asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(x)); return h;
+#else
   uint32_t u = __float_as_uint(x);
   if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
   u += 0x7fffu + ((u >> 16) & 1u);
   return (uint16_t)(u >> 16);
+#endif
 }
 BZ float bz_round_bf(float x) { return bz_bf2f(bz_f2bf(x)); }
 BZ float bz_rem_float(float a, float b) { float r = fmodf(a, b); if (r != 0 && ((r < 0) != (b < 0))) r += b; return r; }
@@ -267,8 +273,13 @@ pub struct Launch {
 
 impl Launch {
     /// Blocks to launch for `n` work items.
+    /// Past the cap, the blocks are spread so that every thread takes the same number of
+    /// grid-stride steps (6250 blocks' work over a cap of 4224 runs as 3125 blocks of two
+    /// steps, not 4224 of which half take two).
     pub fn blocks(&self, n: u64) -> u64 {
-        let b = n.div_ceil(self.per_block).clamp(1, self.cap as u64);
+        let need = n.div_ceil(self.per_block).max(1);
+        let cap = (self.cap as u64).max(1);
+        let b = if need <= cap { need } else { need.div_ceil(need.div_ceil(cap)) };
         b.next_multiple_of(self.grid_multiple.max(1) as u64)
     }
 }
@@ -451,13 +462,13 @@ pub fn emit_kernel(k: &Kernel, sms: u32, out: &mut String) -> Result<Launch, Cod
     };
     if !is_red {
         let total = index(&outer_total);
-        // A kernel that hoists per-thread work runs one wave of vector-wide threads (each then
-        // takes many grid-stride steps over which that work is shared); others a block per
-        // 256 elements, at most 32 per multiprocessor.
-        let (mut per_block, mut cap, mut grid_multiple) = (block as u64, sms.max(1) * 32, 1);
+        // A block per 256 elements, at most 32 per multiprocessor; a kernel that hoists
+        // per-thread work counts its vector-wide threads, so the hoisted work is shared over
+        // several grid-stride steps once the cap is reached.
+        let (mut per_block, mut grid_multiple) = (block as u64, 1);
         if let Some(plan) = vector_plan(k) {
             if let Some(h) = &plan.hoist {
-                (per_block, cap, grid_multiple) = (block as u64 * plan.v as u64, sms.max(1) * HOIST_BLOCKS_PER_SM, h.grid_multiple);
+                (per_block, grid_multiple) = (block as u64 * plan.v as u64, h.grid_multiple);
             }
             emit_vector_path(&e, k, &plan, out)?;
             writeln!(out, "  else").unwrap();
@@ -466,7 +477,7 @@ pub fn emit_kernel(k: &Kernel, sms: u32, out: &mut String) -> Result<Launch, Cod
         decompose(out, "    ", "x", &k.outer, 0);
         emit_list(&e, k, &k.passes[0].body, None, "    ", out, None)?;
         writeln!(out, "  }}\n}}\n").unwrap();
-        return Ok(Launch { grid_multiple, ..launch(outer_total, per_block, cap) });
+        return Ok(Launch { grid_multiple, ..launch(outer_total, per_block, sms.max(1) * 32) });
     }
     // Row kernels: a block per outer point, threads over the reduced elements (x).
     // Column kernels: 8 outer points per block (x), 64 threads per point over the reduced
@@ -623,8 +634,6 @@ struct Hoist {
 
 /// Most hoisted registers per thread (frontier values times lanes).
 const HOIST_MAX_REGS: i64 = 32;
-/// Blocks per multiprocessor of a kernel with hoisted values: one wave of 2048 threads.
-const HOIST_BLOCKS_PER_SM: u32 = 8;
 /// Most blocks a hoisted kernel's grid is rounded up to a multiple of.
 const HOIST_MAX_GRID_MULTIPLE: i64 = 16;
 
