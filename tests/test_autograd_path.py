@@ -201,3 +201,42 @@ def test_backward_called_inside_a_compiled_function(device):
     torch.testing.assert_close(compiled(train_step)(*ins2), train_step(*ins), rtol=1e-4, atol=1e-4)
     for x, x2 in zip(ins, ins2):
         torch.testing.assert_close(x2.grad, x.grad, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
+def test_max_pool_saves_int8_window_offsets(device, layout):
+    """Training through a max pool saves each output's int8 offset in its window, not ATen's
+    int64 indices (decomp.py's _max_pool2d_with_offsets; the backward recomputes the indices),
+    and the gradient goes where eager's does: ties (ReLU zeros, equal values) to the first
+    maximum, NaN to the last NaN, windows whose valid elements are all -inf to their first
+    valid element, never to padding."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 4, 13, 11, device=device).round()  # many ties
+    x[0, 0, :5, :5] = float("-inf")
+    x[0, 1, 3, 3] = float("nan")
+    x[1, 2, 6:9, 6:9] = float("nan")
+    if layout == "channels_last":
+        x = x.to(memory_format=torch.channels_last)
+
+    def f(x):
+        return torch.nn.functional.max_pool2d(torch.relu(x * 2) - x, 3, 2, 1)
+
+    saved = []
+
+    def pack(t):
+        saved.append((t.dtype, tuple(t.shape)))
+        return t
+
+    a, b = x.clone().requires_grad_(), x.clone().requires_grad_()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = compiled(f, options={"on_unsupported": "error"})(a)
+    ref = f(b)
+    torch.testing.assert_close(out, ref, equal_nan=True)
+    g = torch.randn_like(ref)
+    out.backward(g)
+    ref.backward(g)
+    torch.testing.assert_close(a.grad, b.grad, equal_nan=True)
+    pooled = tuple(ref.shape)
+    assert (torch.int8, pooled) in saved, saved
+    assert (torch.int64, pooled) not in saved, saved
+    assert "aten.max_pool2d_with_indices.default" not in braze.stats.extern_ops, braze.stats.extern_ops

@@ -1582,6 +1582,92 @@ def _max_pool2d(L, node, x, kernel_size, stride=(), padding=0, dilation=1, ceil_
     return (L.eager_layout(out, val), None)
 
 
+def _pool_pair(v):
+    v = list(v) if isinstance(v, (list, tuple)) else [v]
+    return v * 2 if len(v) == 1 else v
+
+
+def _prim(name):
+    """One of PyTorch's ``prims`` ops (the low-memory max-pool pair is registered by
+    ``torch._inductor.inductor_prims``, which AOTAutograd's partitioner imports)."""
+    try:
+        import torch._inductor.inductor_prims  # noqa: F401
+    except ImportError:
+        return None
+    return getattr(getattr(torch.ops.prims, name, None), "default", None)
+
+
+@register(_prim("_low_memory_max_pool_with_offsets"))
+def _max_pool2d_offsets(L, node, x, kernel_size, stride, padding, dilation, ceil_mode):
+    """Max pooling with each output's offset in its window (int8; decomp.py's
+    ``_max_pool2d_with_offsets``): one pointwise kernel over the window's shifted views, with
+    ATen's choice of index: the first valid position starts the search, and a later one wins
+    when it is greater or NaN; padded positions never win."""
+    k, p, d = _pool_pair(kernel_size), _pool_pair(padding), _pool_pair(dilation)
+    s = _pool_pair(stride) if stride else k
+    if len(k) != 2 or ceil_mode or d != [1, 1]:
+        raise Unsupported("max_pool with offsets: 2-d, no dilation or ceil_mode")
+    src, (val, offv) = x.meta["val"], node.meta["val"]
+    shape = list(src.shape)
+    r = len(shape)
+    if any(not isinstance(n, int) for n in shape + list(val.shape)) or not src.dtype.is_floating_point:
+        raise Unsupported("max_pool2d of symbolic sizes or integers")
+    (h, w), (ho, wo) = shape[-2:], val.shape[-2:]
+    t = L.tensor(x)
+    if p[0] or p[1]:
+        pads = [0] * (2 * (r - 2)) + [p[0], p[0], p[1], p[1]]
+        t = L.op(f"pad pads=[{', '.join(map(str, pads))}] value=-inf", t)
+    taps = []
+    for di in range(k[0]):
+        for dj in range(k[1]):
+            v = L.op(f"slice dim={r - 2} start={di} len={ho} step={s[0]}", t)
+            taps.append((di, dj, L.op(f"slice dim={r - 1} start={dj} len={wo} step={s[1]}", v)))
+    if not any(u.target is operator.getitem and u.args[1] == 1 and u.users for u in node.users):
+        out = None
+        for _, _, v in taps:
+            out = v if out is None else L.op("max", out, v)
+        return (L.eager_layout(out, val), None)
+
+    def valid(dim, size, n, tap, st, pad):
+        # Output positions o whose input position o * st - pad + tap is inside [0, n).
+        lo = max(0, -((tap - pad) // st))
+        hi = min(size, (n - 1 + pad - tap) // st + 1)
+        return _dim_mask(L, size, dim, r, lo, max(lo, hi))
+
+    i8 = offv.dtype
+    masks = [L.op("and", valid(r - 2, ho, h, di, s[0], p[0]), valid(r - 1, wo, w, dj, s[1], p[1])) for di, dj, _ in taps]
+    off = L.scalar(0, i8)
+    for n in reversed(range(len(taps))):
+        off = L.op("where", masks[n], L.scalar(n, i8), off)
+    best = L.scalar(-math.inf, src.dtype)
+    for n, (_, _, v) in enumerate(taps):
+        wins = L.op("and", masks[n], L.op("or", L.op("gt", v, best), L.op("isnan", v)))
+        best = L.op("where", wins, v, best)
+        off = L.op("where", wins, L.scalar(n, i8), off)
+    return (L.eager_layout(best, val), L.eager_layout(off, offv))
+
+
+@register(_prim("_low_memory_max_pool_offsets_to_indices"))
+def _max_pool2d_offsets_to_indices(L, node, offsets, kernel_size, input_size, stride, padding, dilation):
+    """The flat input index (ATen's max-pool indices) of each output's window offset:
+    ``(o_h * s_h - p_h + off // k_w) * W + o_w * s_w - p_w + off % k_w``."""
+    k, p, d = _pool_pair(kernel_size), _pool_pair(padding), _pool_pair(dilation)
+    s = _pool_pair(stride) if stride else k
+    val = node.meta["val"]
+    shape = list(val.shape)
+    r = len(shape)
+    if len(k) != 2 or d != [1, 1] or any(not isinstance(n, int) for n in shape + list(input_size)):
+        raise Unsupported("max_pool offsets to indices: 2-d, static, no dilation")
+    i64 = torch.int64
+    o = L.cast(L.tensor(offsets), i64)
+    kw = L.scalar(k[1], i64)
+    dh = L.op("floordiv", o, kw)
+    dw = L.op("sub", o, L.op("mul", dh, kw))
+    ih = L.op("add", L.op("add", L.op("mul", _dim_index(L, shape[-2], r - 2, r), L.scalar(s[0], i64)), L.scalar(-p[0], i64)), dh)
+    iw = L.op("add", L.op("add", L.op("mul", _dim_index(L, shape[-1], r - 1, r), L.scalar(s[1], i64)), L.scalar(-p[1], i64)), dw)
+    return L.eager_layout(L.op("add", L.op("mul", ih, L.scalar(input_size[-1], i64)), iw), val)
+
+
 @register(A("constant_pad_nd"))
 def _pad(L, node, x, pad, value=0):
     t = L.tensor(x)
