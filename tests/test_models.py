@@ -955,3 +955,30 @@ def test_batchnorm_per_channel_math_hoisted(device, channels):
         pytest.skip("NVRTC not found: the CUDA source was not generated")
     assert "Column-invariant values" in src, src
     assert "if (j == 0 && t" in src, src  # the pool's masked wide loads
+
+
+def test_short_column_reductions_run_a_thread_per_point(device):
+    """A global average pool of a channels_last activation (49 elements for each of many
+    channels and images) runs one thread per output on the GPU, every load coalesced across
+    neighbouring threads, instead of a column block per 8 outputs; values are eager's, with
+    the BatchNorm + ReLU before it fused in."""
+    torch.manual_seed(0)
+    bn = torch.nn.BatchNorm2d(2048).to(device).eval()
+    with torch.no_grad():
+        bn.running_var.uniform_(0.5, 2.0)
+        bn.running_mean.uniform_(-1, 1)
+
+    def f(x, r):
+        return torch.relu(bn(x) + r).mean(dim=(2, 3))
+
+    x = torch.randn(16, 2048, 7, 7, device=device).to(memory_format=torch.channels_last)
+    r = torch.randn_like(x)
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(f, options={"on_unsupported": "error"})(x, r), f(x, r))
+    rec = braze.stats.records[-1]
+    src = rec["source"] if device == "cuda" else rec.get("cuda_source")
+    if src is None:
+        pytest.skip("NVRTC not found: the CUDA source was not generated")
+    red = src[src.index("braze_red"):]
+    red = red[:red.index("\n}\n")]
+    assert "bz_col_reduce" not in red and "#pragma unroll 8" in red, red

@@ -241,6 +241,10 @@ pub const BLOCK: u32 = 256;
 pub const WARP_ROW_MAX: i64 = 2048;
 /// Reductions over at most this many elements per outer point run one thread per point.
 pub const SERIAL_ROW_MAX: i64 = 16;
+/// Column reductions over at most this many elements run one thread per point when there
+/// are at least `COL_SERIAL_MIN_POINTS` points (enough threads to fill the card).
+pub const COL_SERIAL_MAX: i64 = 64;
+pub const COL_SERIAL_MIN_POINTS: i64 = 1 << 15;
 /// Column kernels: outer points per block (threadIdx.x) and threads per point (threadIdx.y).
 /// 8 neighbouring floats fill a 32-byte sector; 64 lanes per point keep enough loads in
 /// flight when there are few outer points (a bias gradient of 768 columns is 96 blocks).
@@ -444,7 +448,15 @@ pub fn emit_kernel(k: &Kernel, sms: u32, out: &mut String) -> Result<Launch, Cod
     let block = BLOCK;
     // Tiny rows (a sum over the 4 query heads of a KV head): one thread per outer point
     // walks its row alone; a block or warp per point would leave most threads idle.
-    let serial = is_red && product(&k.inner).as_const().is_some_and(|n| n <= SERIAL_ROW_MAX);
+    // Short column reductions over many outer points (a global average pool of a
+    // channels_last activation: 49 elements for each of 131 072 outputs) also run a thread
+    // per point: neighbouring threads read neighbouring points, so every load coalesces, and
+    // there is no combination across threads (a column block took 56 us for ResNet-50's
+    // pool on the H100, Inductor 23).
+    let inner_n = product(&k.inner).as_const();
+    let serial = is_red
+        && (inner_n.is_some_and(|n| n <= SERIAL_ROW_MAX)
+            || (k.column && inner_n.is_some_and(|n| n <= COL_SERIAL_MAX) && outer_total.as_const().is_some_and(|o| o >= COL_SERIAL_MIN_POINTS)));
     let col = k.column && !serial;
     let threads = if col { COL_X * COL_Y } else { block };
     writeln!(out, "extern \"C\" __global__ void __launch_bounds__({threads}) {}({}) {{", k.name, params.join(", ")).unwrap();
@@ -548,9 +560,7 @@ pub fn emit_kernel(k: &Kernel, sms: u32, out: &mut String) -> Result<Launch, Cod
         } else {
             // Four iterations' loads in flight per thread: one 2-byte load at a time left a
             // 50 257-wide bf16 log-softmax at 1.2 TB/s on the H100.
-            if !serial {
-                writeln!(out, "    #pragma unroll 4").unwrap();
-            }
+            writeln!(out, "    #pragma unroll {}", if serial { 8 } else { 4 }).unwrap();
             writeln!(out, "    for (long long r = {lane}; r < {inner_total}; r += {step}) {{").unwrap();
         }
         decompose(out, "      ", "r", &k.inner, n_outer);

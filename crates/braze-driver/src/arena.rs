@@ -199,8 +199,9 @@ const ARENA_WINDOW_CROSSING: i64 = 3;
 /// step and dropped after its last. A cut falls between steps where few arena bytes are live
 /// (at most 1/`ARENA_WINDOW_CROSSING` of the window's peak so far: after an MLP's hidden
 /// activations die, where only the residual stream crosses), once the window holds
-/// `ARENA_WINDOW_MIN` bytes of buffers (fewer cuts, fewer allocations per call); a buffer
-/// live across a cut leaves the arena and is allocated by itself, like any other temp. Returns (first plan step, last plan step,
+/// `ARENA_WINDOW_MIN` bytes of buffers (fewer cuts, fewer allocations per call), or before a
+/// step that makes `ARENA_WINDOW_MIN` bytes itself while at most 1/`ARENA_WINDOW_CROSSING` of
+/// that crosses into it; a buffer live across a cut leaves the arena and is allocated by itself, like any other temp. Returns (first plan step, last plan step,
 /// members) per window; `span` gives a member's first and last plan step.
 fn arena_window_groups(n_steps: usize, members: &[(usize, i64)], span: impl Fn(usize) -> (usize, usize)) -> Vec<Window> {
     let spans: Vec<(usize, usize)> = members.iter().map(|&(b, _)| span(b)).collect();
@@ -232,7 +233,11 @@ fn arena_window_groups(n_steps: usize, members: &[(usize, i64)], span: impl Fn(u
         held += born[t - 1];
         // Live at step t - 1: what crosses into it and what it makes.
         peak = peak.max(live + born[t - 1]);
-        if held >= ARENA_WINDOW_MIN && live * ARENA_WINDOW_CROSSING <= peak {
+        // Also cut before a step that makes a large arena of its own while little crosses
+        // into it, so that its bytes are not held from an earlier, small step on (a ViT
+        // layer's MLP arena was allocated two steps early, beside the attention's inputs).
+        let ahead = born[t] >= ARENA_WINDOW_MIN && live * ARENA_WINDOW_CROSSING <= born[t];
+        if held > 0 && ((held >= ARENA_WINDOW_MIN && live * ARENA_WINDOW_CROSSING <= peak) || ahead) {
             cuts.push(t);
             (held, peak) = (0, live);
         }
@@ -284,6 +289,18 @@ mod tests {
         let ws = check(8, &members, &spans);
         assert_eq!(ws.len(), 1);
         assert_eq!(ws[0].2.len(), 6);
+    }
+
+    #[test]
+    fn a_large_step_after_small_ones_starts_its_own_window() {
+        // Steps 0-1 make small buffers (one lives into step 3); step 2 is an extern call
+        // (no members); step 3 makes a large one. The large arena must not be allocated at
+        // step 0: its window starts at step 3.
+        let members = vec![(0, 2 << 20), (1, 1 << 20), (2, 64 << 20)];
+        let spans = vec![(0, 1), (1, 3), (3, 4)];
+        let ws = check(5, &members, &spans);
+        let big = ws.iter().find(|w| w.2.iter().any(|m| m.0 == 2)).unwrap();
+        assert_eq!(big.0, 3, "{ws:?}");
     }
 
     #[test]
