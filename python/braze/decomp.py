@@ -62,6 +62,12 @@ def _detach(x):
     return aten.alias.default(x)
 
 
+def pool_pair(v):
+    """A pooling argument (an int or a list of one or two) as a list of two."""
+    v = list(v) if isinstance(v, (list, tuple)) else [v]
+    return v * 2 if len(v) == 1 else v
+
+
 def _max_pool2d_with_offsets(x, kernel_size, stride=(), padding=0, dilation=1, ceil_mode=False):
     """``max_pool2d_with_indices`` as the window maximum with each output's int8 offset in its
     window, then the offsets turned into ATen's flat int64 indices (PyTorch's two
@@ -70,12 +76,8 @@ def _max_pool2d_with_offsets(x, kernel_size, stride=(), padding=0, dilation=1, c
     (ResNet-50 b64: 12 MiB instead of 98). Windows over 127 elements, dilation, ceil_mode,
     integer inputs and symbolic sizes (which braze's lowering of the pair does not take) keep
     ATen's op."""
-    def pair(v):
-        v = list(v) if isinstance(v, (list, tuple)) else [v]
-        return v * 2 if len(v) == 1 else v
-
-    k, p, d = pair(kernel_size), pair(padding), pair(dilation)
-    s = pair(stride) if stride else k
+    k, p, d = pool_pair(kernel_size), pool_pair(padding), pool_pair(dilation)
+    s = pool_pair(stride) if stride else k
     prims = torch.ops.prims
     if (ceil_mode or d != [1, 1] or k[0] * k[1] > 127 or x.dim() not in (3, 4) or not x.dtype.is_floating_point
             or not all(isinstance(n, int) for n in x.shape) or not hasattr(prims, "_low_memory_max_pool_with_offsets")):

@@ -18,6 +18,7 @@ import torch.fx
 
 from . import _core
 from .cpu_conv import CpuConv
+from .decomp import pool_pair
 
 aten = torch.ops.aten
 
@@ -1545,25 +1546,15 @@ def _convolution(L, node, x, weight, bias, stride, padding, dilation, transposed
     return out
 
 
-@register(A("max_pool2d_with_indices"))
-def _max_pool2d(L, node, x, kernel_size, stride=(), padding=0, dilation=1, ceil_mode=False):
-    """Max pooling whose indices nobody reads (inference) as the maximum of its window's
-    shifted, strided views of the (-inf) padded input: one pointwise kernel that fuses the
-    BatchNorm and ReLU before it (ResNet-50 b64 on the H100: ATen's pool took 0.22 ms after
-    a separate BatchNorm-ReLU kernel). The indices (the backward's) stay ATen's."""
-    for u in node.users:
-        if u.target is not operator.getitem or (u.args[1] == 1 and u.users):
-            raise Unsupported("max_pool2d indices are read: ATen's kernel")
-
-    def pair(v):
-        v = list(v) if isinstance(v, (list, tuple)) else [v]
-        return v * 2 if len(v) == 1 else v
-
-    k, p, d = pair(kernel_size), pair(padding), pair(dilation)
-    s = pair(stride) if stride else k
-    if ceil_mode or d != [1, 1]:
-        raise Unsupported("max_pool2d with ceil_mode or dilation")
-    src, val = x.meta["val"], node.meta["val"][0]
+def _pool_window(L, x, val, kernel_size, stride, padding, dilation, ceil_mode):
+    """The window of a 2-d max pool whose output is `val`: (kernel, strides, padding, rank,
+    taps), the taps (row offset, column offset, value) being the shifted, strided views of
+    the `-inf`-padded input, one per window position in row-major order."""
+    k, p, d = pool_pair(kernel_size), pool_pair(padding), pool_pair(dilation)
+    s = pool_pair(stride) if stride else k
+    if len(k) != 2 or ceil_mode or d != [1, 1]:
+        raise Unsupported("max_pool2d: 2-d, no dilation or ceil_mode")
+    src = x.meta["val"]
     shape = list(src.shape)
     r = len(shape)
     if any(not isinstance(n, int) for n in shape + list(val.shape)) or not src.dtype.is_floating_point:
@@ -1573,18 +1564,34 @@ def _max_pool2d(L, node, x, kernel_size, stride=(), padding=0, dilation=1, ceil_
     if p[0] or p[1]:
         pads = [0] * (2 * (r - 2)) + [p[0], p[0], p[1], p[1]]
         t = L.op(f"pad pads=[{', '.join(map(str, pads))}] value=-inf", t)
-    out = None
+    taps = []
     for di in range(k[0]):
         for dj in range(k[1]):
             v = L.op(f"slice dim={r - 2} start={di} len={ho} step={s[0]}", t)
-            v = L.op(f"slice dim={r - 1} start={dj} len={wo} step={s[1]}", v)
-            out = v if out is None else L.op("max", out, v)
-    return (L.eager_layout(out, val), None)
+            taps.append((di, dj, L.op(f"slice dim={r - 1} start={dj} len={wo} step={s[1]}", v)))
+    return k, s, p, r, taps
 
 
-def _pool_pair(v):
-    v = list(v) if isinstance(v, (list, tuple)) else [v]
-    return v * 2 if len(v) == 1 else v
+def _window_max(L, taps):
+    out = None
+    for _, _, v in taps:
+        out = v if out is None else L.op("max", out, v)
+    return out
+
+
+@register(A("max_pool2d_with_indices"))
+def _max_pool2d(L, node, x, kernel_size, stride=(), padding=0, dilation=1, ceil_mode=False):
+    """Max pooling whose indices nobody reads (inference) as the maximum of its window's
+    shifted, strided views of the (-inf) padded input: one pointwise kernel that fuses the
+    BatchNorm and ReLU before it (ResNet-50 b64 on the H100: ATen's pool took 0.22 ms after
+    a separate BatchNorm-ReLU kernel). The indices (the backward's) stay ATen's. (Most max
+    pools reach braze decomposed, decomp.py's ``_max_pool2d_with_offsets``.)"""
+    for u in node.users:
+        if u.target is not operator.getitem or (u.args[1] == 1 and u.users):
+            raise Unsupported("max_pool2d indices are read: ATen's kernel")
+    val = node.meta["val"][0]
+    _, _, _, _, taps = _pool_window(L, x, val, kernel_size, stride, padding, dilation, ceil_mode)
+    return (L.eager_layout(_window_max(L, taps), val), None)
 
 
 def _prim(name):
@@ -1603,30 +1610,11 @@ def _max_pool2d_offsets(L, node, x, kernel_size, stride, padding, dilation, ceil
     ``_max_pool2d_with_offsets``): one pointwise kernel over the window's shifted views, with
     ATen's choice of index: the first valid position starts the search, and a later one wins
     when it is greater or NaN; padded positions never win."""
-    k, p, d = _pool_pair(kernel_size), _pool_pair(padding), _pool_pair(dilation)
-    s = _pool_pair(stride) if stride else k
-    if len(k) != 2 or ceil_mode or d != [1, 1]:
-        raise Unsupported("max_pool with offsets: 2-d, no dilation or ceil_mode")
-    src, (val, offv) = x.meta["val"], node.meta["val"]
-    shape = list(src.shape)
-    r = len(shape)
-    if any(not isinstance(n, int) for n in shape + list(val.shape)) or not src.dtype.is_floating_point:
-        raise Unsupported("max_pool2d of symbolic sizes or integers")
-    (h, w), (ho, wo) = shape[-2:], val.shape[-2:]
-    t = L.tensor(x)
-    if p[0] or p[1]:
-        pads = [0] * (2 * (r - 2)) + [p[0], p[0], p[1], p[1]]
-        t = L.op(f"pad pads=[{', '.join(map(str, pads))}] value=-inf", t)
-    taps = []
-    for di in range(k[0]):
-        for dj in range(k[1]):
-            v = L.op(f"slice dim={r - 2} start={di} len={ho} step={s[0]}", t)
-            taps.append((di, dj, L.op(f"slice dim={r - 1} start={dj} len={wo} step={s[1]}", v)))
+    val, offv = node.meta["val"]
+    k, s, p, r, taps = _pool_window(L, x, val, kernel_size, stride, padding, dilation, ceil_mode)
     if not any(u.target is operator.getitem and u.args[1] == 1 and u.users for u in node.users):
-        out = None
-        for _, _, v in taps:
-            out = v if out is None else L.op("max", out, v)
-        return (L.eager_layout(out, val), None)
+        return (L.eager_layout(_window_max(L, taps), val), None)
+    (h, w), (ho, wo) = x.meta["val"].shape[-2:], val.shape[-2:]
 
     def valid(dim, size, n, tap, st, pad):
         # Output positions o whose input position o * st - pad + tap is inside [0, n).
@@ -1639,7 +1627,7 @@ def _max_pool2d_offsets(L, node, x, kernel_size, stride, padding, dilation, ceil
     off = L.scalar(0, i8)
     for n in reversed(range(len(taps))):
         off = L.op("where", masks[n], L.scalar(n, i8), off)
-    best = L.scalar(-math.inf, src.dtype)
+    best = L.scalar(-math.inf, x.meta["val"].dtype)
     for n, (_, _, v) in enumerate(taps):
         wins = L.op("and", masks[n], L.op("or", L.op("gt", v, best), L.op("isnan", v)))
         best = L.op("where", wins, v, best)
@@ -1651,8 +1639,8 @@ def _max_pool2d_offsets(L, node, x, kernel_size, stride, padding, dilation, ceil
 def _max_pool2d_offsets_to_indices(L, node, offsets, kernel_size, input_size, stride, padding, dilation):
     """The flat input index (ATen's max-pool indices) of each output's window offset:
     ``(o_h * s_h - p_h + off // k_w) * W + o_w * s_w - p_w + off % k_w``."""
-    k, p, d = _pool_pair(kernel_size), _pool_pair(padding), _pool_pair(dilation)
-    s = _pool_pair(stride) if stride else k
+    k, p, d = pool_pair(kernel_size), pool_pair(padding), pool_pair(dilation)
+    s = pool_pair(stride) if stride else k
     val = node.meta["val"]
     shape = list(val.shape)
     r = len(shape)

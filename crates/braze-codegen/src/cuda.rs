@@ -682,22 +682,6 @@ fn expr_tmps(e: &Expr, out: &mut Vec<u32>) {
     }
 }
 
-/// The temporary a statement defines.
-fn stmt_dst(s: &Stmt) -> Option<u32> {
-    match s {
-        Stmt::Load { dst, .. }
-        | Stmt::Const { dst, .. }
-        | Stmt::Index { dst, .. }
-        | Stmt::InRange { dst, .. }
-        | Stmt::Unary { dst, .. }
-        | Stmt::Binary { dst, .. }
-        | Stmt::Where { dst, .. }
-        | Stmt::Cast { dst, .. }
-        | Stmt::Bounded { dst, .. } => Some(*dst),
-        Stmt::Store { .. } => None,
-    }
-}
-
 /// The temporaries a statement reads.
 fn stmt_reads(s: &Stmt) -> Vec<u32> {
     let mut out = Vec::new();
@@ -735,7 +719,7 @@ fn tmp_deps(body: &[Stmt]) -> std::collections::HashMap<u32, u64> {
             Stmt::Bounded { a, hi, .. } => deps.get(a).copied().unwrap_or(u64::MAX) | expr_deps(hi, &deps),
             s => stmt_reads(s).iter().fold(0, |m, t| m | deps.get(t).copied().unwrap_or(u64::MAX)),
         };
-        if let Some(t) = stmt_dst(s) {
+        if let Some(t) = s.dst() {
             deps.insert(t, d);
         }
     }
@@ -797,11 +781,11 @@ fn vector_plan(k: &Kernel) -> Option<VecPlan> {
     let inv: std::collections::HashSet<u32> = body
         .iter()
         .filter(|s| !matches!(s, Stmt::Const { .. } | Stmt::Store { .. }))
-        .filter_map(stmt_dst)
+        .filter_map(Stmt::dst)
         .filter(|t| deps.get(t).is_some_and(|d| d & !lastbit == 0))
         .collect();
     if !inv.is_empty() {
-        let hoisted = |s: &Stmt| stmt_dst(s).is_some_and(|t| inv.contains(&t));
+        let hoisted = |s: &Stmt| s.dst().is_some_and(|t| inv.contains(&t));
         let mut frontier: Vec<u32> = Vec::new();
         for s in body.iter().filter(|s| !hoisted(s)) {
             for t in stmt_reads(s) {
@@ -851,7 +835,7 @@ fn emit_vector_path(e: &Emitter, k: &Kernel, plan: &VecPlan, out: &mut String) -
     let n = k.outer.len();
     let last = (n - 1) as u32;
     let body = &k.passes[0].body;
-    let hoisted = |s: &Stmt| plan.hoist.as_ref().is_some_and(|h| stmt_dst(s).is_some_and(|t| h.inv.contains(&t)));
+    let hoisted = |s: &Stmt| plan.hoist.as_ref().is_some_and(|h| s.dst().is_some_and(|t| h.inv.contains(&t)));
     let wide = |s: &Stmt| {
         !hoisted(s)
             && match s {
@@ -920,7 +904,7 @@ fn emit_vector_path(e: &Emitter, k: &Kernel, plan: &VecPlan, out: &mut String) -
                 });
             }
             Stmt::Store { buf, value, .. } if wide(s) => lane.push(format!("s{value}_{buf}[j] = {};", e.to_storage(*buf, *value))),
-            _ => match stmt_dst(s) {
+            _ => match s.dst() {
                 Some(t) if hoisted(s) && frontier.contains(&t) => lane.push(format!("{} t{t} = h{t}[j];", compute_type(k.tmp_dtypes[t as usize]))),
                 _ => lane.push(String::new()),
             },
