@@ -982,3 +982,27 @@ def test_short_column_reductions_run_a_thread_per_point(device):
     red = src[src.index("braze_red"):]
     red = red[:red.index("\n}\n")]
     assert "bz_col_reduce" not in red and "#pragma unroll 8" in red, red
+
+
+def test_unaligned_inputs_take_the_scalar_fallback(device, compiled_graphs):
+    """[Note: lazy scalar fallback]: vector kernels hold only their wide loop; a call whose
+    input is a slice at an odd element offset (not 16-byte aligned) runs the kernel's scalar
+    version, compiled on first use, and an aligned call after it the vector one. Values are
+    eager's for both, in bf16 and f32, with a BatchNorm-style per-channel operand (hoisted)."""
+    for dtype in (torch.float32, torch.bfloat16):
+        torch.manual_seed(0)
+        scale = torch.rand(256, device=device) + 0.5
+
+        def f(x):
+            return torch.relu(x.float() * torch.rsqrt(scale + 1e-5) + 1.0).to(x.dtype)
+
+        c = compiled(f, dynamic=False, options={"on_unsupported": "error"})
+        flat = torch.randn(64 * 256 + 1, device=device, dtype=dtype)
+        aligned = flat[:-1].view(64, 256)
+        odd = flat[1:].view(64, 256)  # 2 or 4 bytes past a 16-byte boundary
+        for x in (aligned, odd, aligned, odd):
+            torch.testing.assert_close(c(x), f(x))
+        # On the CPU the NVRTC check compiles every fallback (the GPU compiles one on demand).
+        src = braze.stats.records[-1].get("cuda_source") if device == "cpu" else None
+        if src:
+            assert "_scalar(" in src and "loop for unaligned pointers" in src, src

@@ -273,6 +273,34 @@ pub struct Launch {
     pub per_block: u64,
     pub cap: u32,
     pub grid_multiple: u32,
+    /// The element-by-element version of a vector kernel, for calls whose pointers are not
+    /// aligned for its wide accesses ([Note: lazy scalar fallback]).
+    pub fallback: Option<Fallback>,
+}
+
+/// [Note: lazy scalar fallback] A vector kernel's wide accesses need its buffers' pointers
+/// aligned to the access width. Arena buffers, temps and ATen results always are; a graph
+/// input sliced at an odd offset may not be. Compiling a scalar loop into every vector kernel
+/// for that case cost NVRTC a fifth to a quarter of a module's time (GPT-2 and ResNet-50
+/// training graphs), so the module holds the vector loop alone, and the scalar version is a
+/// separate translation unit the runtime compiles the first time a call's pointers fail
+/// `align` (then cached like any unit).
+#[derive(Clone, Debug)]
+pub struct Fallback {
+    /// The fallback kernel's function name (the kernel's own name with `_scalar`).
+    pub name: String,
+    /// A whole translation unit: the prelude and the fallback kernel.
+    pub source: String,
+    /// (buffer id, alignment mask): the vector kernel may run only when every
+    /// `pointer & mask` is zero.
+    pub align: Vec<(u32, u64)>,
+}
+
+impl Launch {
+    /// Whether pointers `ptrs` (by buffer id) need the fallback.
+    pub fn misaligned(&self, ptrs: &[usize]) -> bool {
+        self.fallback.as_ref().is_some_and(|f| f.align.iter().any(|&(b, m)| ptrs.get(b as usize).is_some_and(|&p| p as u64 & m != 0)))
+    }
 }
 
 impl Launch {
@@ -471,6 +499,7 @@ pub fn emit_kernel(k: &Kernel, sms: u32, out: &mut String) -> Result<Launch, Cod
         per_block,
         cap,
         grid_multiple: 1,
+        fallback: None,
     };
     if !is_red {
         let total = index(&outer_total);
@@ -480,18 +509,28 @@ pub fn emit_kernel(k: &Kernel, sms: u32, out: &mut String) -> Result<Launch, Cod
         // shared: on the H100 that beat a block per 256 vectors for ResNet-50's BatchNorm
         // kernels of 3-13 M elements (layer-3 residual 29 vs 35 us).
         let (mut per_block, mut cap, mut grid_multiple) = (block as u64, sms.max(1) * 32, 1);
-        if let Some(plan) = vector_plan(k) {
-            if let Some(h) = &plan.hoist {
-                (per_block, cap, grid_multiple) = (block as u64 * plan.v as u64, sms.max(1) * HOIST_BLOCKS_PER_SM, h.grid_multiple);
-            }
-            emit_vector_path(&e, k, &plan, out)?;
-            writeln!(out, "  else").unwrap();
+        let mut scalar = String::new();
+        writeln!(scalar, "  for (long long x = (long long)blockIdx.x * blockDim.x + threadIdx.x; x < {total}; x += (long long)gridDim.x * blockDim.x) {{").unwrap();
+        decompose(&mut scalar, "    ", "x", &k.outer, 0);
+        emit_list(&e, k, &k.passes[0].body, None, "    ", &mut scalar, None)?;
+        writeln!(scalar, "  }}\n}}\n").unwrap();
+        let Some(plan) = vector_plan(k) else {
+            out.push_str(&scalar);
+            return Ok(launch(outer_total, per_block, cap));
+        };
+        if let Some(h) = &plan.hoist {
+            (per_block, cap, grid_multiple) = (block as u64 * plan.v as u64, sms.max(1) * HOIST_BLOCKS_PER_SM, h.grid_multiple);
         }
-        writeln!(out, "  for (long long x = (long long)blockIdx.x * blockDim.x + threadIdx.x; x < {total}; x += (long long)gridDim.x * blockDim.x) {{").unwrap();
-        decompose(out, "    ", "x", &k.outer, 0);
-        emit_list(&e, k, &k.passes[0].body, None, "    ", out, None)?;
-        writeln!(out, "  }}\n}}\n").unwrap();
-        return Ok(Launch { grid_multiple, ..launch(outer_total, per_block, cap) });
+        let align = emit_vector_path(&e, k, &plan, out)?;
+        writeln!(out, "}}\n").unwrap();
+        let name = format!("{}_scalar", k.name);
+        let source = format!(
+            "{}\n/* {name}: {}'s loop for unaligned pointers */\nextern \"C\" __global__ void __launch_bounds__({threads}) {name}({}) {{\n{scalar}",
+            d.prelude(),
+            k.name,
+            params.join(", ")
+        );
+        return Ok(Launch { grid_multiple, fallback: Some(Fallback { name, source, align }), ..launch(outer_total, per_block, cap) });
     }
     // Row kernels: a block per outer point, threads over the reduced elements (x).
     // Column kernels: 8 outer points per block (x), 64 threads per point over the reduced
@@ -826,11 +865,12 @@ fn vec_type(bytes: i64) -> &'static str {
 
 /// The vector path of a pointwise kernel: each thread takes `v` neighbouring elements of
 /// the last dim, reads and writes them with one wide access per buffer, and computes them in
-/// an unrolled loop. Taken when every such buffer is aligned for the wide access. A masked
+/// an unrolled loop. Returns the alignment each wide buffer needs (the runtime launches the
+/// scalar fallback otherwise, [Note: lazy scalar fallback]). A masked
 /// wide load (padding, whose mask does not move with the last dim) is read by lane 0 when
 /// its mask holds and is zero otherwise. Column-invariant values are computed before the
 /// loop when the plan hoists them ([Note: column-invariant hoisting]).
-fn emit_vector_path(e: &Emitter, k: &Kernel, plan: &VecPlan, out: &mut String) -> Result<(), CodegenError> {
+fn emit_vector_path(e: &Emitter, k: &Kernel, plan: &VecPlan, out: &mut String) -> Result<Vec<(u32, u64)>, CodegenError> {
     let v = plan.v;
     let n = k.outer.len();
     let last = (n - 1) as u32;
@@ -843,14 +883,17 @@ fn emit_vector_path(e: &Emitter, k: &Kernel, plan: &VecPlan, out: &mut String) -
                 _ => false,
             }
     };
-    let mut checks = Vec::new();
+    let mut align: Vec<(u32, u64)> = Vec::new();
     for s in body.iter().filter(|s| wide(s)) {
         let (Stmt::Load { buf, .. } | Stmt::Store { buf, .. }) = s else { continue };
         let bytes = v * k.bufs.iter().find(|b| b.id == *buf).unwrap().dtype.size() as i64;
-        checks.push(format!("((unsigned long long)b{buf} & {})", bytes - 1));
+        if !align.contains(&(*buf, bytes as u64 - 1)) {
+            align.push((*buf, bytes as u64 - 1));
+        }
     }
-    checks.dedup();
-    writeln!(out, "  if (({}) == 0) {{", checks.join(" | ")).unwrap();
+    // Pointers aligned for the wide accesses: the runtime checks (`Launch::misaligned`) and
+    // launches the scalar fallback otherwise ([Note: lazy scalar fallback]).
+    writeln!(out, "  {{").unwrap();
     let total = index(&product(&k.outer));
     if let Some(h) = &plan.hoist {
         writeln!(out, "  const long long xs = (long long)blockIdx.x * blockDim.x + threadIdx.x;").unwrap();
@@ -933,7 +976,7 @@ fn emit_vector_path(e: &Emitter, k: &Kernel, plan: &VecPlan, out: &mut String) -
         }
     }
     writeln!(out, "  }}\n  }}").unwrap();
-    Ok(())
+    Ok(align)
 }
 
 /// The whole CUDA module of a graph's kernels and their launch facts.

@@ -308,9 +308,13 @@ pub fn compile_with(g: Graph, target: Target, check_cuda: bool, check_arch: &str
             }
             let (distinct, entries) = braze_codegen::openmp::emit_kernels(&sched.kernels).map_err(unsupported)?;
             if check_cuda && !names.is_empty() {
-                let (cu, _) = braze_codegen::cuda::emit_units(&sched.kernels, 132, None).map_err(unsupported)?;
+                let (cu, launches) = braze_codegen::cuda::emit_units(&sched.kernels, 132, None).map_err(unsupported)?;
+                // The scalar fallbacks too ([Note: lazy scalar fallback]): the GPU compiles one
+                // only when a call's pointers are unaligned, so check them all here.
+                let fallbacks: Vec<String> = launches.iter().filter_map(|l| l.fallback.as_ref().map(|f| f.source.clone())).collect();
                 braze_runtime::cuda::compile_cubins(&cu, check_arch, version).map_err(DriverError::from)?;
-                cuda_source = cu.concat();
+                braze_runtime::cuda::compile_cubins(&fallbacks, check_arch, version).map_err(DriverError::from)?;
+                cuda_source = cu.concat() + &fallbacks.concat();
             }
             lap("codegen", &mut times);
             let m = if items.is_empty() {
@@ -342,7 +346,7 @@ pub fn compile_with(g: Graph, target: Target, check_cuda: bool, check_arch: &str
             } else {
                 let (cubins, cached) = if names.is_empty() { (Vec::new(), false) } else { braze_runtime::cuda::compile_cubins(&units, &arch, version).map_err(DriverError::from)? };
                 lap("nvrtc", &mut times);
-                let mut cm = CudaModule::load(&cubins, ordinal, launches, items, cached).map_err(DriverError::from)?;
+                let mut cm = CudaModule::load(&cubins, ordinal, launches, items, cached, version).map_err(DriverError::from)?;
                 cm.replay = opts.cuda_graphs;
                 Some(Module::Cuda(cm))
             };

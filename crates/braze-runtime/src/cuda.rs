@@ -394,6 +394,12 @@ pub struct CudaModule {
     _modules: Vec<CuModule>,
     ctx: CuContext,
     fns: Vec<CuFunction>,
+    /// Scalar fallbacks compiled so far, by kernel ([Note: lazy scalar fallback] in
+    /// braze-codegen), with their modules.
+    fallbacks: std::sync::Mutex<(HashMap<usize, CuFunction>, Vec<CuModule>)>,
+    /// The device's `sm_XY` and the cache version, for compiling fallbacks.
+    arch: String,
+    version: String,
     pub specs: Vec<LaunchSpec>,
     pub items: Vec<Item>,
     pub cached: bool,
@@ -481,7 +487,8 @@ impl CudaModule {
     /// Loads the cubins of a graph's units into device `ordinal`'s primary context and
     /// resolves the kernels: `specs` in order, each in the cubin of its unit (identical
     /// kernels name one function, [Note: kernel dedup] in braze-codegen).
-    pub fn load(cubins: &[Vec<u8>], ordinal: i32, specs: Vec<LaunchSpec>, items: Vec<Item>, cached: bool) -> Result<CudaModule, RuntimeError> {
+    pub fn load(cubins: &[Vec<u8>], ordinal: i32, specs: Vec<LaunchSpec>, items: Vec<Item>, cached: bool, version: &str) -> Result<CudaModule, RuntimeError> {
+        let (arch, _) = device_info(ordinal)?;
         let d = driver()?;
         let mut modules: Vec<CuModule> = Vec::with_capacity(cubins.len());
         // SAFETY: driver API used as documented; each cubin outlives cuModuleLoadData.
@@ -500,7 +507,20 @@ impl CudaModule {
                 check(d, (d.get_fn)(&mut f, module, name.as_ptr()), &format!("kernel {}", s.name))?;
                 fns.push(f);
             }
-            Ok(CudaModule { _modules: modules, ctx, fns, specs, items, cached, replay: true, graphs: Default::default(), replays: Default::default() })
+            Ok(CudaModule {
+                _modules: modules,
+                ctx,
+                fns,
+                fallbacks: Default::default(),
+                arch,
+                version: version.to_string(),
+                specs,
+                items,
+                cached,
+                replay: true,
+                graphs: Default::default(),
+                replays: Default::default(),
+            })
         }
     }
 
@@ -611,6 +631,30 @@ impl CudaModule {
         Ok(())
     }
 
+    /// Kernel `k`'s scalar fallback, compiled (through the disk cache) and loaded on first use
+    /// ([Note: lazy scalar fallback]).
+    fn fallback(&self, k: usize) -> Result<CuFunction, RuntimeError> {
+        let mut g = self.fallbacks.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(&f) = g.0.get(&k) {
+            return Ok(f);
+        }
+        let fb = self.specs[k].fallback.as_ref().ok_or_else(|| RuntimeError::Compile(format!("kernel {} has no fallback", self.specs[k].name)))?;
+        let (cubin, _) = compile_cubin(&fb.source, &self.arch, &self.version)?;
+        let d = driver()?;
+        // SAFETY: driver API used as documented; the cubin outlives cuModuleLoadData.
+        unsafe {
+            ensure_current(d, self.ctx)?;
+            let mut module: CuModule = std::ptr::null_mut();
+            check(d, (d.load)(&mut module, cubin.as_ptr() as *const c_void), "cuModuleLoadData")?;
+            g.1.push(module);
+            let name = CString::new(fb.name.as_str()).unwrap();
+            let mut f: CuFunction = std::ptr::null_mut();
+            check(d, (d.get_fn)(&mut f, module, name.as_ptr()), &format!("kernel {}", fb.name))?;
+            g.0.insert(k, f);
+            Ok(f)
+        }
+    }
+
     /// Launches kernels `lo..hi` on `stream` with buffer pointers by id and size symbols.
     pub fn run(&self, lo: usize, hi: usize, ptrs: &[usize], syms: &[i64], stream: usize) -> Result<(), RuntimeError> {
         let d = driver()?;
@@ -633,7 +677,8 @@ impl CudaModule {
                 if n == 0 {
                     continue;
                 }
-                let rc = (d.launch)(self.fns[k], blocks, 1, 1, s.block, s.block_y, 1, 0, stream as CuStream, params.as_mut_ptr(), std::ptr::null_mut());
+                let f = if s.misaligned(ptrs) { self.fallback(k)? } else { self.fns[k] };
+                let rc = (d.launch)(f, blocks, 1, 1, s.block, s.block_y, 1, 0, stream as CuStream, params.as_mut_ptr(), std::ptr::null_mut());
                 if rc != 0 {
                     check(d, rc, &format!("launch of {}", s.name))?;
                 }
