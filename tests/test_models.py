@@ -1006,3 +1006,29 @@ def test_unaligned_inputs_take_the_scalar_fallback(device, compiled_graphs):
         src = braze.stats.records[-1].get("cuda_source") if device == "cpu" else None
         if src:
             assert "_scalar(" in src and "loop for unaligned pointers" in src, src
+
+
+def test_extern_operands_live_in_arenas(device, compiled_graphs):
+    """[Note: extern operands in arenas] (braze-driver): the attention call's operands, made
+    by braze's kernels, are views of the arena (in bytes of buffers that died before them)
+    rather than tensors of their own allocated for the whole run; the call's results are
+    fresh, so nothing of the arena escapes. Values are eager's over repeated calls (the CPU
+    reuses arenas between calls)."""
+    torch.manual_seed(0)
+    w = torch.randn(64, 192, device=device) * 0.1
+
+    def f(x):
+        h = torch.softmax(x * 1.5, dim=-1) + x
+        qkv = (h @ w).view(2, 128, 3, 4, 16).permute(2, 0, 3, 1, 4)
+        o = torch.nn.functional.scaled_dot_product_attention(qkv[0].sin(), qkv[1] * 0.5, qkv[2] + 1.0)
+        return o.transpose(1, 2).reshape(2, 128, 64) + x
+
+    c = compiled(f, options={"on_unsupported": "error"})
+    with torch.no_grad():
+        for _ in range(3):
+            x = torch.randn(2, 128, 64, device=device)
+            torch.testing.assert_close(c(x), f(x), rtol=1e-4, atol=1e-4)
+    g = compiled_graphs[-1]
+    offs = g.arena_offsets
+    ext_args = [b for st in g.steps if st[0] != "kernels" for b, _ in st[4]]
+    assert ext_args and any(offs[b] >= 0 for b in ext_args), (ext_args, offs, g.c.schedule)

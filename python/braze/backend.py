@@ -133,14 +133,15 @@ def _build(lowered, cfg: Config):
     """Passes, scheduling, code generation and the compiler for a lowered graph, for the
     device its tensors live on (NVRTC for CUDA, the C compiler for the CPU)."""
     device = lowered.device
+    arena_externs = [k for k, call in lowered.externs.items() if call.operands_in_arena]
     if device.type == "cuda":
         why = cuda.cuda_ready()
         if why is not None:
             raise Unsupported(why)
         target = f"cuda:{device.index if device.index is not None else torch.cuda.current_device()}"
-        return lowered.builder.compile(device=target, cuda_graphs=cfg.cuda_graphs, matmul_tune=cfg.matmul_tune)
+        return lowered.builder.compile(device=target, cuda_graphs=cfg.cuda_graphs, matmul_tune=cfg.matmul_tune, arena_externs=arena_externs)
     check = os.environ.get("BRAZE_CHECK_CUDA") == "1" and cuda.nvrtc_available()
-    return lowered.builder.compile(device="cpu", check_cuda=check)
+    return lowered.builder.compile(device="cpu", check_cuda=check, arena_externs=arena_externs)
 
 
 def _compile_subgraph(gm, name, *, cfg):

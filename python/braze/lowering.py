@@ -88,6 +88,16 @@ class ExternCall:
         schema = getattr(self.target, "_schema", None)
         return isinstance(self.target, torch._ops.OpOverload) and schema is not None and all(r.alias_info is None for r in schema.returns)
 
+    @property
+    def operands_in_arena(self):
+        """Whether the call's tensor operands may be views of an arena ([Note: extern operands
+        in arenas] in braze-driver): an ATen op (it reads its operands on the current stream
+        before it returns its results; a collective may read them later, on its own stream,
+        while later kernels reuse those arena bytes), whose results are fresh memory (no view
+        of an operand outlives the call) and whose schema mutates nothing (random ops
+        qualify: they only advance the generator)."""
+        return self.fresh and self.target.namespace in ("aten", "prims") and not self.target._schema.is_mutable
+
 
 @dataclass(frozen=True)
 class Host:

@@ -127,12 +127,13 @@ class CompiledGraph:
         self.n_bufs = len(self.bufs)
         self.arena_bytes = compiled.arena_bytes
         self.arena_windows = compiled.arena_windows
+        self.arena_offsets = compiled.arena_offsets
         # [Note: CPU arenas] A CPU arena is kept between calls (by size; one per call running at
         # once) instead of allocated per call: an allocation of more than glibc's mmap
         # threshold is a fresh mapping whose pages fault in on first touch and are unmapped on
         # free, with every OpenMP thread's TLB flushed. ResNet-50's CPU training step (b2,
         # bf16, three arenas of 10.7 MiB in all), interleaved in one process: median 323 ms
-        # with arenas made per call, 284 ms with them kept. Only kernels see arena memory (no tensor view of it escapes a call),
+        # with arenas made per call, 284 ms with them kept. No tensor view of arena memory escapes a call (kernels address it; an extern call reading an operand there returns fresh results, [Note: extern operands in arenas]),
         # so a closed window's arena is free for the next call. CUDA arenas come from
         # PyTorch's caching allocator, which already keeps its blocks.
         self.arena_pool = {} if self.device.type == "cpu" and self.arena_windows else None
@@ -214,7 +215,11 @@ class CompiledGraph:
                 views = tuple((b, None if v is None else (tuple(vals[i] for i in v[0]), tuple(vals[i] for i in v[1]), vals[v[2]])) for b, v in args)
                 results = tuple((o, path, shapes[o], strides[o]) for o, path in zip(outs, call.out_paths) if o != _UNUSED)
                 build = _arg_builder(call, self.syms)
-                plan.append((1, allocs, frees, (call.target, build, views, results), tuple(call.host_outs), arena))
+                # Operands in the window's arena ([Note: extern operands in arenas] in
+                # braze-driver): views of it, as (buffer, dtype, shape, strides, element offset).
+                offs = self.arena_offsets
+                in_arena = tuple((b, dts[b], shapes[b], strides[b], offs[b] // dts[b].itemsize) for b in dict.fromkeys(b for b, _ in args) if offs[b] >= 0)
+                plan.append((1, allocs, frees, (call.target, build, views, results, in_arena), tuple(call.host_outs), arena))
         outs = []
         for (b, view), copy in zip(self.outputs, self.copy_out):
             v = None
@@ -310,7 +315,9 @@ class CompiledGraph:
             if kind == 0:
                 run(a, ptrs, run_syms, stream, arena_ptr)
             else:
-                target, build, views, results = a
+                target, build, views, results, in_arena = a
+                for buf, dtype, shape, stride, off in in_arena:
+                    bufs[buf] = torch.as_strided(arena.view(dtype), shape, stride, off)
                 tensors = [bufs[b] if v is None else bufs[b].as_strided(v[0], v[1], bufs[b].storage_offset() + v[2]) for b, v in views]
                 args_, kwargs_ = build(tensors, syms, hosts)
                 r = target(*args_, **kwargs_)

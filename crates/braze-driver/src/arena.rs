@@ -21,17 +21,24 @@ pub struct ArenaPlan {
 }
 
 /// Plans the temps of `sched` (see [`ArenaPlan`]).
-pub fn plan(sched: &Schedule) -> ArenaPlan {
+/// [Note: extern operands in arenas] An extern call's operand made by braze's kernels or
+/// matmuls (a ViT layer's QKV projection, read by the attention call) used to be a tensor of
+/// its own, allocated before its whole run of kernels, beside that run's arena. When the
+/// call's results are fresh memory and it has no effect (`ExternCall.operands_in_arena`), the
+/// operand may instead live in the arena, in bytes of buffers that died earlier in the run;
+/// the runtime hands the call a view of the arena, which no result of the call can alias.
+/// Its window then spans the call.
+pub fn plan(sched: &Schedule, arena_externs: &std::collections::HashSet<String>) -> ArenaPlan {
     let n = sched.buffers.len();
-    // Outputs and extern operands and results are tensors the runtime hands out or gets:
-    // never arena memory.
+    // Outputs and extern results are tensors the runtime hands out or gets: never arena
+    // memory; nor are the operands of calls outside `arena_externs`.
     let mut external = vec![false; n];
     for a in &sched.outputs {
         external[a.buf as usize] = true;
     }
     for st in &sched.steps {
-        if let Step::Extern { args, outs, .. } = st {
-            for a in args {
+        if let Step::Extern { target, args, outs, .. } = st {
+            for a in args.iter().filter(|_| !arena_externs.contains(target)) {
                 external[a.buf as usize] = true;
             }
             for &o in outs.iter().filter(|&&o| o != braze_sched::schedule::UNUSED) {
@@ -177,7 +184,7 @@ fn lifetimes(sched: &braze_sched::Schedule) -> (Vec<usize>, Vec<usize>) {
                 }
                 touch(*out as usize, s);
             }
-            Step::Extern { .. } => {}
+            Step::Extern { args, .. } => args.iter().for_each(|a| touch(a.buf as usize, s)),
         }
     }
     (first, last)

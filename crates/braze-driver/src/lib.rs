@@ -237,17 +237,20 @@ fn matmul_spec(g: &Graph, sched: &braze_sched::Schedule, step: &Step) -> Result<
 }
 
 /// Per-graph choices of the user's options (`braze.compile(..., options=...)`).
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Debug)]
 pub struct Options {
     /// Replay runs of kernels and matmuls as captured CUDA graphs when their pointers repeat.
     pub cuda_graphs: bool,
     /// Time cuBLASLt's candidate algorithms for large matmuls at compile time.
     pub matmul_tune: bool,
+    /// Extern calls (by target key) whose operands may live in arenas ([Note: extern
+    /// operands in arenas]): their results are fresh and they have no effect.
+    pub arena_externs: HashSet<String>,
 }
 
 impl Default for Options {
     fn default() -> Self {
-        Options { cuda_graphs: true, matmul_tune: true }
+        Options { cuda_graphs: true, matmul_tune: true, arena_externs: HashSet::new() }
     }
 }
 
@@ -383,7 +386,7 @@ pub fn compile_with(g: Graph, target: Target, check_cuda: bool, check_arch: &str
             (kind.to_string(), idx, b.dtype.name().to_string(), tab.ids(&b.shape), tab.ids(&b.strides))
         })
         .collect();
-    let arena = arena::plan(&sched);
+    let arena = arena::plan(&sched, &opts.arena_externs);
     let arena_offsets = arena.offsets;
     let arena_windows = arena.windows;
     // A window's first step starts a run of its own: a run's kernels see one arena.
@@ -434,8 +437,9 @@ pub fn compile_with(g: Graph, target: Target, check_cuda: bool, check_arch: &str
         b.dedup();
     }
     let outputs = sched.outputs.iter().map(|a| tab.access(a)).collect();
-    // [Note: arena] Temp buffers that only kernels and matmuls touch (not outputs, not extern
-    // operands or results) and have static sizes live in one allocation per window of steps
+    // [Note: arena] Temp buffers that kernels and matmuls make (not outputs, not extern
+    // results, not operands of extern calls outside [Note: extern operands in arenas]) and
+    // have static sizes live in one allocation per window of steps
     // ([Note: arena windows]), at fixed 256-byte aligned offsets: one allocator call instead
     // of one per buffer. Offsets are assigned by lifetime (`arena_layout`), so buffers that
     // are never live together share.

@@ -99,12 +99,15 @@ impl GraphBuilder {
     /// `device="cpu"`, NVRTC for `device="cuda:N"`. `check_cuda` (CPU graphs) also compiles
     /// the graph's CUDA kernels with NVRTC for `arch`, so codegen errors surface without a GPU.
     /// `cuda_graphs` and `matmul_tune` are the user's options of those names (GPU graphs).
-    #[pyo3(signature = (device="cpu", check_cuda=false, arch="sm_90", cuda_graphs=true, matmul_tune=true))]
-    fn compile(&self, py: Python<'_>, device: &str, check_cuda: bool, arch: &str, cuda_graphs: bool, matmul_tune: bool) -> PyResult<Compiled> {
+    /// `arena_externs`: the extern calls (by key) whose operands may live in arenas.
+    #[pyo3(signature = (device="cpu", check_cuda=false, arch="sm_90", cuda_graphs=true, matmul_tune=true, arena_externs=Vec::new()))]
+    #[allow(clippy::too_many_arguments)]
+    fn compile(&self, py: Python<'_>, device: &str, check_cuda: bool, arch: &str, cuda_graphs: bool, matmul_tune: bool, arena_externs: Vec<String>) -> PyResult<Compiled> {
         let g = self.g.clone();
         let target = Target::parse(device).map_err(driver_err)?;
         let arch = arch.to_string();
-        let res = py.detach(move || catch_unwind(AssertUnwindSafe(|| braze_driver::compile_with(g, target, check_cuda, &arch, braze_driver::Options { cuda_graphs, matmul_tune }))));
+        let opts = braze_driver::Options { cuda_graphs, matmul_tune, arena_externs: arena_externs.into_iter().collect() };
+        let res = py.detach(move || catch_unwind(AssertUnwindSafe(|| braze_driver::compile_with(g, target, check_cuda, &arch, opts))));
         match res {
             Ok(r) => r.map(|(plan, module)| Compiled { plan, module }).map_err(driver_err),
             Err(p) => {
