@@ -42,6 +42,7 @@ def probe(spec, dev):
         torch.cuda.synchronize()
     base = torch.cuda.memory_allocated() if cuda else 0
     windows = {}
+    graphs = {}
     log = []  # (graph, step, label, seconds, peak bytes above base, live [(buf, bytes)])
     orig = rt.CompiledGraph.__call__
 
@@ -58,6 +59,7 @@ def probe(spec, dev):
             live = [(b, t.untyped_storage().nbytes(), f"{self.bufs[b][0]}:{str(t.dtype)[6:]}{list(t.shape)}") for b, t in enumerate(bufs) if t is not None]
             log.append((self.name, n[0], label, now - last[0], peak, live))
             windows[self.name] = self.arena_windows
+            graphs[self.name] = self
             n[0] += 1
             if cuda:
                 torch.cuda.reset_peak_memory_stats()
@@ -82,6 +84,7 @@ def probe(spec, dev):
         g, i, label, sec, peak, live = max(log, key=lambda r: r[4])
         top = ", ".join(f"b{b} {d} {n / MiB:.1f}" for b, n, d in sorted(live, key=lambda x: -x[1])[:10])
         print(f"  peak {peak / MiB:.0f} MiB above resident in {g} step {i} ({label}); {sum(x[1] for x in live) / MiB:.0f} MiB in {len(live)} live tensors; largest: {top}")
+        _plan_near(graphs[g], i)
         for name, ws in windows.items():
             print(f"  {name} arena windows (first step, last step, MiB): {[(lo, hi, round(n / MiB, 1)) for lo, hi, n in ws]}")
         by_step = {}
@@ -91,6 +94,30 @@ def probe(spec, dev):
             print(f"  {name} (step, peak MiB during it, live tensor MiB after it, step):")
             for r in rows[:: max(1, len(rows) // 24)]:
                 print(f"    {r}")
+
+
+def _plan_near(g, peak_step):
+    """The plan around the peak step: what each step allocates outside the arena (buffer,
+    kind, dtype, shape, MiB, and the buffer whose memory it takes), the operands an extern
+    call gets as arena views, what it frees, and the arena window it opens."""
+    _, plan, _, _ = g.static_plan if not g.dynamic else next(iter(g.plans.values()))[-1]
+    for s in range(max(0, peak_step - 3), min(len(plan), peak_step + 2)):
+        kind, allocs, frees, a, _, (opens, closes) = plan[s]
+        label = "kernels" if kind == 0 else f"extern {getattr(a[0], '__name__', a[0])}"
+        def desc(b):
+            kind_, _, dt, *_ = g.bufs[b]
+            shape = g.static[1][b] if not g.dynamic else "?"
+            n = 1
+            for d in (shape if shape != "?" else ()):
+                n *= d
+            return f"b{b} {kind_}:{dt}{list(shape) if shape != '?' else shape} {n * rt._TORCH_DTYPES[dt].itemsize / MiB:.1f}"
+        print(f"    step {s} {label}: arena opens {opens / MiB:.1f} MiB{', closes' if closes else ''}")
+        for x in allocs:
+            print(f"      alloc {desc(x[0])}" + ("" if x[4] is None else f" (memory of b{x[4][0]})"))
+        if kind == 1 and a[4]:
+            print("      arena operands " + ", ".join(desc(x[0]) for x in a[4]))
+        if frees:
+            print("      frees " + ", ".join(desc(b) for b in frees if g.bufs[b][0] != "input"))
 
 
 if __name__ == "__main__":

@@ -1032,3 +1032,85 @@ def test_extern_operands_live_in_arenas(device, compiled_graphs):
     offs = g.arena_offsets
     ext_args = [b for st in g.steps if st[0] != "kernels" for b, _ in st[4]]
     assert ext_args and any(offs[b] >= 0 for b in ext_args), (ext_args, offs, g.c.schedule)
+
+
+def test_freed_buffers_are_released(device, compiled_graphs):
+    """[Note: no stray references] (runtime.py): a buffer the plan frees after a step (an
+    extern call's result, an arena view handed to one as an operand) is unreachable from
+    the next step on: nothing of the call loop keeps it, or the arena it views, alive.
+    Checked with weak references through `on_step`, on a graph of extern calls (attention,
+    matmuls on the CPU) between kernels; values are eager's."""
+    import weakref
+
+    torch.manual_seed(0)
+    w = torch.randn(64, 192, device=device) * 0.1
+
+    def f(x, w):
+        h = torch.softmax(x * 1.5, dim=-1) + x
+        qkv = (h @ w).view(2, 128, 3, 4, 16).permute(2, 0, 3, 1, 4)
+        o = torch.nn.functional.scaled_dot_product_attention(qkv[0].sin(), qkv[1] * 0.5, qkv[2] + 1.0)
+        o = o.transpose(1, 2).reshape(2, 128, 64) + x
+        o = torch.nn.functional.scaled_dot_product_attention(o.view(2, 128, 4, 16).transpose(1, 2).cos(), qkv[1], qkv[2])
+        return o.transpose(1, 2).reshape(2, 128, 64) * 2.0
+
+    x = torch.randn(2, 128, 64, device=device)
+    with torch.no_grad():
+        c = compiled(f, options={"on_unsupported": "error"})
+        torch.testing.assert_close(c(x, w), f(x, w), rtol=1e-4, atol=1e-4)
+        g = compiled_graphs[-1]
+        kept = {b for b, _ in g.outputs} | {i for _, i in g.reuse} | {o for o, _ in g.reuse}
+        refs, late = [], []
+
+        def seen(kind, what, bufs):
+            late.extend(b for b, r in refs if r() is not None)
+            refs.clear()
+            for b in g.frees[len(seen.steps)]:
+                if bufs[b] is not None and b not in kept and g.bufs[b][0] != "input":
+                    refs.append((b, weakref.ref(bufs[b])))
+            seen.steps.append(kind)
+        seen.steps = []
+        x = torch.randn(2, 128, 64, device=device)
+        torch.testing.assert_close(g([x, w], on_step=seen)[0], f(x, w), rtol=1e-4, atol=1e-4)
+    assert 1 in seen.steps and len(seen.steps) == len(g.steps), seen.steps
+    assert not late, f"buffers still referenced after their free: {late}"
+
+
+def test_row_kernel_reloads_stored_sum_and_writes_in_place(device, compiled_graphs):
+    """[Note: stored values reloaded] (braze-sched): a LayerNorm over a residual sum that is
+    also stored reads the stored sum back in its second pass instead of reloading the
+    operands, so the sum takes the memory of the matmul result it consumed ([Note: in-place
+    kernels] for row reductions), and on CUDA the warp-per-row kernel keeps the stored values
+    in registers ([Note: persistent rows]). Values are eager's, fp32 and bf16."""
+    import re
+
+    for dtype in (torch.float32, torch.bfloat16):
+        torch.manual_seed(0)
+        w = (torch.randn(64, 64, device=device) * 0.2).to(dtype)
+
+        def f(x, a, w):
+            h = x + (a @ w).sin()
+            y = torch.nn.functional.layer_norm(h, (64,))
+            return (y @ w) + h
+
+        x, a = (torch.randn(8, 32, 64, device=device, dtype=dtype) for _ in range(2))
+        c = compiled(f, options={"on_unsupported": "error"})
+        tol = {} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 8e-2}  # bf16 rounding of h
+        torch.testing.assert_close(c(x, a, w), f(x, a, w), **tol)
+        x, a = (torch.randn(8, 32, 64, device=device, dtype=dtype) for _ in range(2))
+        torch.testing.assert_close(c(x, a, w), f(x, a, w), **tol)
+        if dtype != torch.float32:
+            continue  # bf16 on the CPU recomputes the sum in the last kernel instead of storing it
+        rec = braze.stats.records[-1]
+        sched = rec["schedule"]
+        red = sched[sched.index("kernel braze_red"):]
+        red = red[:red.index("\nmatmul")]
+        stored = re.search(r"store buf(\d+)\[", red).group(1)
+        second = red[red.index("pass 1:"):]
+        assert f"load buf{stored}[" in second and "sin" not in second, red
+        g = compiled_graphs[-1]
+        mm = int(re.search(r"matmul %\d+: buf(\d+) =", sched).group(1))
+        offs = g.arena_offsets
+        assert (offs[mm] >= 0 and offs[mm] == offs[int(stored)]) or (int(stored), mm) in g.reuse, (sched, offs, g.reuse)
+        src = rec.get("cuda_source") if device == "cpu" else None
+        if src:
+            assert re.search(r"b%s\[[^\]]+\] = (t\d+); c\d+\[j\] = \1;" % stored, src), src

@@ -332,6 +332,11 @@ class CompiledGraph:
                         t = t[k]
                     t = bufs[o] = self._in_layout(t, shape, stride, stream)
                     ptrs[o] = t.data_ptr()
+                # [Note: no stray references]: the call's operands (views of a window's
+                # arena among them) and results are held by `bufs` alone from here, so the
+                # plan's frees and a closing window release their memory.
+                tensors = args_ = kwargs_ = r = None
+            t = None
             if on_step is not None:
                 on_step(kind, a if kind == 0 else a[0], bufs)
             for buf in frees:

@@ -327,9 +327,9 @@ pub const PERSIST_MAX_REGS: i64 = 64;
 
 /// [Note: persistent rows] A warp-per-row kernel with several passes over a short row of
 /// constant length (LayerNorm: statistics, then the normalized store) reloaded every element
-/// in each pass. Its lanes instead keep the first pass's loads of read-only buffers in
-/// register arrays (the loop fully unrolled, `per` elements per lane) and later passes read
-/// them there. Returns `per` and the held loads by (buffer, index), each with its array number
+/// in each pass. Its lanes instead keep the first pass's loads of read-only buffers, and the
+/// values it stores that later passes load back, in register arrays (the loop fully
+/// unrolled, `per` elements per lane) and later passes read them there. Returns `per` and the held loads by (buffer, index), each with its array number
 /// and dtype; `None` when the kernel has one pass, a long or symbolic row, or nothing to hold.
 fn persistent_loads(k: &Kernel) -> Option<(i64, Held)> {
     if k.passes.len() < 2 {
@@ -343,13 +343,25 @@ fn persistent_loads(k: &Kernel) -> Option<(i64, Held)> {
     let written: std::collections::HashSet<u32> = k.bufs.iter().filter(|b| b.written).map(|b| b.id).collect();
     let later: Vec<&Stmt> = k.passes[1..].iter().flat_map(|p| p.body.iter()).collect();
     let mut loads = std::collections::HashMap::new();
+    // A value the first pass stores and later passes load back ([Note: stored values
+    // reloaded] in braze-sched) is held like a load: the buffer's one store, of the value's
+    // own dtype, and nothing in the first pass reads it.
+    let all = || k.prelude.iter().chain(k.passes.iter().flat_map(|p| p.body.iter().chain(&p.after)));
+    let held_store = |buf: u32, value: u32| {
+        k.bufs.iter().any(|b| b.id == buf && b.dtype == k.tmp_dtypes[value as usize])
+            && all().filter(|s| matches!(s, Stmt::Store { buf: b, .. } if *b == buf)).count() == 1
+            && !k.passes[0].body.iter().any(|s| matches!(s, Stmt::Load { buf: b, .. } if *b == buf))
+    };
     for st in &k.passes[0].body {
-        if let Stmt::Load { dst, buf, index, mask: None } = st {
-            let reused = later.iter().any(|s| matches!(s, Stmt::Load { buf: b, index: i, mask: None, .. } if b == buf && i == index));
-            if !written.contains(buf) && reused && !loads.contains_key(&(*buf, index.clone())) && (loads.len() as i64 + 1) * per <= PERSIST_MAX_REGS {
-                let id = loads.len();
-                loads.insert((*buf, index.clone()), (id, k.tmp_dtypes[*dst as usize]));
-            }
+        let (buf, index, dt, ok) = match st {
+            Stmt::Load { dst, buf, index, mask: None } => (buf, index, k.tmp_dtypes[*dst as usize], !written.contains(buf)),
+            Stmt::Store { buf, index, value } => (buf, index, k.tmp_dtypes[*value as usize], held_store(*buf, *value)),
+            _ => continue,
+        };
+        let reused = later.iter().any(|s| matches!(s, Stmt::Load { buf: b, index: i, mask: None, .. } if b == buf && i == index));
+        if ok && reused && !loads.contains_key(&(*buf, index.clone())) && (loads.len() as i64 + 1) * per <= PERSIST_MAX_REGS {
+            let id = loads.len();
+            loads.insert((*buf, index.clone()), (id, dt));
         }
     }
     (!loads.is_empty()).then_some((per, loads))
@@ -431,6 +443,12 @@ fn emit_list(e: &Emitter, k: &Kernel, stmts: &[Stmt], guard: Option<&str>, pad: 
                 } else {
                     writeln!(out, "{pad}{} t{dst} = c{c}[j];", compute_type(dt)).unwrap();
                 }
+                continue;
+            }
+        }
+        if let (Stmt::Store { buf, index, value }, Some((h, true))) = (s, held) {
+            if let Some(&(c, _)) = h.get(&(*buf, index.clone())) {
+                writeln!(out, "{pad}{} c{c}[j] = t{value};", emit_stmt(e, s, guard)?).unwrap();
                 continue;
             }
         }

@@ -112,10 +112,14 @@ fn in_place_pairs(sched: &Schedule, first: &[usize]) -> Vec<(usize, BufId, BufId
             _ => None,
         }
     };
-    let mut pairs = Vec::new();
+    let mut pairs: Vec<(usize, BufId, BufId)> = Vec::new();
     for (s, st) in sched.steps.iter().enumerate() {
         let Step::Kernel(k) = st else { continue };
         for (o, i) in sched.kernels[*k].in_place_pairs() {
+            // One memory per written buffer; a read buffer's memory goes to one of them.
+            if pairs.iter().any(|&(_, po, pi)| po == o || pi == i) {
+                continue;
+            }
             let (bo, bi) = (&sched.buffers[o as usize], &sched.buffers[i as usize]);
             let same = (bo.shape == bi.shape && bo.strides == bi.strides) || span(bo).is_some_and(|n| Some(n) == span(bi));
             let ok = bo.kind == BufKind::Temp

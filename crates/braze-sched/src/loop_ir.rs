@@ -17,7 +17,7 @@
 //! Temporaries `tN` are assigned once; their dtypes are in `Kernel::tmp_dtypes`.
 
 use braze_ir::print::fmt_lit;
-use braze_ir::{BinaryOp, DType, Expr, Lit, ReduceKind, UnaryOp};
+use braze_ir::{Atom, BinaryOp, DType, Expr, Lit, ReduceKind, UnaryOp};
 use std::fmt;
 
 pub type BufId = u32;
@@ -134,14 +134,58 @@ impl Kernel {
     /// the same size, before any store to it. Each element is then read by the thread that
     /// overwrites it, before it does (the stored value depends on the load, so neither the
     /// compiler nor vector grouping can reorder the two), and no other point reads it.
-    /// Whether the buffers' lifetimes and sizes allow it is the memory planner's question.
+    /// Whether the buffers' lifetimes and sizes allow it is the memory planner's question:
+    /// every candidate is listed (a written buffer may have several), and the planner gives
+    /// each written buffer at most one and each read buffer to at most one.
+    ///
+    /// A row reduction qualifies as well when the read buffer is touched in the body of one
+    /// pass only, before the store of the written one there and at its index; the written one
+    /// is stored nowhere else and read only after that pass; and the store's index mentions
+    /// every loop variable (one element per iteration): every target walks the elements of a
+    /// row in the same order in each pass (the thread that reads an element in one pass is
+    /// the one that reads it in the next), and [Note: stored values reloaded] leaves later
+    /// passes reading the written buffer rather than recomputing from the read one.
     pub fn in_place_pairs(&self) -> Vec<(BufId, BufId)> {
-        if self.column || !self.inner.is_empty() || self.passes.len() != 1 || self.is_reduction() {
+        if self.column {
             return Vec::new();
         }
-        let stmts: Vec<&Stmt> = self.prelude.iter().chain(&self.passes[0].body).chain(&self.passes[0].after).collect();
+        let pointwise = self.inner.is_empty() && self.passes.len() == 1 && !self.is_reduction();
+        if pointwise {
+            let stmts: Vec<&Stmt> = self.prelude.iter().chain(&self.passes[0].body).chain(&self.passes[0].after).collect();
+            return self.in_place_in(&stmts);
+        }
+        // Buffers touched outside one pass's body, or in the bodies of several passes.
+        let n_vars = (self.outer.len() + self.inner.len()) as u32;
         let mut pairs = Vec::new();
-        let mut taken = Vec::new();
+        for (pi, p) in self.passes.iter().enumerate() {
+            // Statements outside this pass's body; `loads`: whether loads there count.
+            let elsewhere = |b: BufId, loads: bool| {
+                let other = self.prelude.iter().chain(self.passes.iter().enumerate().filter(|(j, _)| *j != pi).flat_map(|(_, q)| q.body.iter())).chain(self.passes.iter().flat_map(|q| q.after.iter()));
+                other.into_iter().any(|s| match s {
+                    Stmt::Store { buf, .. } => *buf == b,
+                    Stmt::Load { buf, .. } => loads && *buf == b,
+                    _ => false,
+                })
+            };
+            let body: Vec<&Stmt> = p.body.iter().collect();
+            for (o, i) in self.in_place_in(&body) {
+                let index = body.iter().find_map(|s| match s {
+                    Stmt::Store { buf, index, .. } if *buf == o => Some(index),
+                    _ => None,
+                });
+                // The written buffer may be read back after the pass that stores it.
+                let read_before = self.prelude.iter().chain(self.passes[..pi].iter().flat_map(|q| q.body.iter().chain(&q.after))).any(|s| matches!(s, Stmt::Load { buf, .. } if *buf == o));
+                if !read_before && !elsewhere(o, false) && !elsewhere(i, true) && index.is_some_and(|e| (0..n_vars).all(|v| mentions_var(e, v))) {
+                    pairs.push((o, i));
+                }
+            }
+        }
+        pairs
+    }
+
+    /// The pairs of `in_place_pairs` among statements `stmts` of one loop body.
+    fn in_place_in(&self, stmts: &[&Stmt]) -> Vec<(BufId, BufId)> {
+        let mut pairs = Vec::new();
         for out in self.bufs.iter().filter(|r| r.written) {
             // The one index every store to `out` uses, and where the first store is.
             let mut index = None;
@@ -157,7 +201,7 @@ impl Kernel {
                 }
             }
             let (Some(index), true) = (index, one_index) else { continue };
-            let candidate = self.bufs.iter().filter(|r| !r.written && r.id != out.id && !taken.contains(&r.id) && r.dtype.size() == out.dtype.size()).find(|r| {
+            for r in self.bufs.iter().filter(|r| !r.written && r.id != out.id && r.dtype.size() == out.dtype.size()) {
                 let loads: Vec<(usize, &Expr)> = stmts
                     .iter()
                     .enumerate()
@@ -166,15 +210,220 @@ impl Kernel {
                         _ => None,
                     })
                     .collect();
-                !loads.is_empty() && loads.iter().all(|&(pos, i)| pos < first_store && i == index)
-            });
-            if let Some(r) = candidate {
-                taken.push(r.id);
-                pairs.push((out.id, r.id));
+                if !loads.is_empty() && loads.iter().all(|&(pos, i)| pos < first_store && i == index) {
+                    pairs.push((out.id, r.id));
+                }
             }
         }
         pairs
     }
+}
+
+/// Whether loop variable `iN` appears in `e` (as a term of it, or inside a division).
+fn mentions_var(e: &Expr, v: u32) -> bool {
+    e.atoms().any(|a| match a {
+        Atom::Var(n) => *n == v,
+        Atom::FloorDiv(x, y) | Atom::Mod(x, y) | Atom::Max(x, y) | Atom::Min(x, y) => mentions_var(x, v) || mentions_var(y, v),
+        _ => false,
+    })
+}
+
+/// A value's computation, by structure: equal keys compute equal values at the same loop
+/// point. Operands are the keys' numbers in `ValueKeys`.
+#[derive(Clone, PartialEq, Eq, Hash)]
+enum Key {
+    /// A temporary not defined in a pass body (prelude value, reduction result).
+    Outside(Tmp),
+    Load(BufId, Expr, Option<u32>),
+    Const(u64, u8),
+    Index(Expr),
+    InRange(Expr, Expr, Expr),
+    Unary(UnaryOp, u32),
+    Binary(BinaryOp, u32, u32),
+    Where(u32, u32, u32),
+    Cast(u32),
+    Bounded(u32, Expr),
+}
+
+/// [Note: stored values reloaded] A multi-pass row kernel (LayerNorm over `x + a + b`, the
+/// new residual stored as well) recomputes in a later pass the value an earlier pass stored:
+/// ViT's block-end kernel loaded the old residual and both matmul results again to normalize
+/// the sum it had just written. Each later-pass value whose computation matches a stored
+/// one (same loads at the same indices, same operations, same dtype, reading nothing the
+/// kernel writes) becomes a load of the stored buffer at the store's index, and what only
+/// fed it is dropped. The element is read back by the thread that wrote it (every target
+/// walks a row in the same order in each pass), and the store's dtype is the value's, so
+/// the load returns it exactly. Fewer loads, and the old buffers are no longer read after
+/// the store, which lets the new value take their memory ([Note: in-place kernels]).
+pub fn reload_stored_values(k: &mut Kernel) {
+    if k.passes.len() < 2 || k.column {
+        return;
+    }
+    let written: Vec<BufId> = k.bufs.iter().filter(|b| b.written).map(|b| b.id).collect();
+    let mut stores_of: std::collections::HashMap<BufId, usize> = std::collections::HashMap::new();
+    for s in k.prelude.iter().chain(k.passes.iter().flat_map(|p| p.body.iter().chain(&p.after))) {
+        if let Stmt::Store { buf, .. } = s {
+            *stores_of.entry(*buf).or_default() += 1;
+        }
+    }
+    let mut ids: std::collections::HashMap<(Key, DType), u32> = std::collections::HashMap::new();
+    // Per temporary defined in a pass body: its key number, and whether it reads a written buffer.
+    let mut key_of: std::collections::HashMap<Tmp, (u32, bool)> = std::collections::HashMap::new();
+    // Stored values: key number -> (buffer, index), from earlier passes.
+    let mut stored: std::collections::HashMap<u32, (BufId, Expr)> = std::collections::HashMap::new();
+    // Keys whose computation loads memory (only those are worth a load in their place).
+    let mut loaded: std::collections::HashSet<u32> = std::collections::HashSet::new();
+    let mut changed = false;
+    for pi in 0..k.passes.len() {
+        let mut body = std::mem::take(&mut k.passes[pi].body);
+        let mut pass_stores = Vec::new();
+        for s in body.iter_mut() {
+            let Some(dst) = s.dst() else {
+                if let Stmt::Store { buf, index, value } = s {
+                    if let Some(&(id, false)) = key_of.get(value) {
+                        if k.tmp_dtypes[*value as usize] == k.bufs.iter().find(|b| b.id == *buf).map_or(DType::Bool, |b| b.dtype) && stores_of[buf] == 1 && loaded.contains(&id) {
+                            pass_stores.push((id, (*buf, index.clone())));
+                        }
+                    }
+                }
+                continue;
+            };
+            let mut arg = |t: &Tmp| key_of.get(t).copied().unwrap_or_else(|| {
+                let n = ids.len() as u32;
+                (*ids.entry((Key::Outside(*t), DType::Bool)).or_insert(n), false)
+            });
+            let (key, reads_written) = match s {
+                Stmt::Load { buf, index, mask, .. } => {
+                    let m = mask.map(|m| arg(&m));
+                    (Key::Load(*buf, index.clone(), m.map(|m| m.0)), written.contains(buf) || m.is_some_and(|m| m.1))
+                }
+                Stmt::Const { value, .. } => match value {
+                    Lit::F(f) => (Key::Const(f.to_bits(), 0), false),
+                    Lit::I(i) => (Key::Const(*i as u64, 1), false),
+                    Lit::B(b) => (Key::Const(*b as u64, 2), false),
+                },
+                Stmt::Index { index, .. } => (Key::Index(index.clone()), false),
+                Stmt::InRange { index, lo, hi, .. } => (Key::InRange(index.clone(), lo.clone(), hi.clone()), false),
+                Stmt::Unary { op, a, .. } => {
+                    let a = arg(a);
+                    (Key::Unary(*op, a.0), a.1)
+                }
+                Stmt::Binary { op, a, b, .. } => {
+                    let (a, b) = (arg(a), arg(b));
+                    (Key::Binary(*op, a.0, b.0), a.1 || b.1)
+                }
+                Stmt::Where { c, a, b, .. } => {
+                    let (c, a, b) = (arg(c), arg(a), arg(b));
+                    (Key::Where(c.0, a.0, b.0), c.1 || a.1 || b.1)
+                }
+                Stmt::Cast { a, .. } => {
+                    let a = arg(a);
+                    (Key::Cast(a.0), a.1)
+                }
+                Stmt::Bounded { a, hi, .. } => {
+                    let a = arg(a);
+                    (Key::Bounded(a.0, hi.clone()), a.1)
+                }
+                Stmt::Store { .. } => unreachable!(),
+            };
+            // Index expressions may name temporaries (a gathered index): such keys only match
+            // when those are the same temporaries, as `Outside` ones are in every pass.
+            let from_memory = match &key {
+                Key::Load(..) => true,
+                Key::Unary(_, a) | Key::Cast(a) | Key::Bounded(a, _) => loaded.contains(a),
+                Key::Binary(_, a, b) => loaded.contains(a) || loaded.contains(b),
+                Key::Where(c, a, b) => loaded.contains(c) || loaded.contains(a) || loaded.contains(b),
+                _ => false,
+            };
+            let n = ids.len() as u32;
+            let id = *ids.entry((key, k.tmp_dtypes[dst as usize])).or_insert(n);
+            if from_memory {
+                loaded.insert(id);
+            }
+            key_of.insert(dst, (id, reads_written));
+            if !reads_written {
+                if let Some((buf, index)) = stored.get(&id) {
+                    *s = Stmt::Load { dst, buf: *buf, index: index.clone(), mask: None };
+                    key_of.insert(dst, (id, true));
+                    changed = true;
+                }
+            }
+        }
+        k.passes[pi].body = body;
+        stored.extend(pass_stores);
+    }
+    if changed {
+        drop_unused(k);
+    }
+}
+
+/// Removes pass-body statements whose temporary nothing reads (to a fixed point).
+fn drop_unused(k: &mut Kernel) {
+    loop {
+        let mut used = std::collections::HashSet::new();
+        let all = k.prelude.iter().chain(k.passes.iter().flat_map(|p| p.body.iter().chain(&p.after)));
+        for s in all {
+            used.extend(stmt_reads(s));
+        }
+        for p in &k.passes {
+            for r in &p.reductions {
+                used.insert(r.src);
+                let mut v = Vec::new();
+                expr_tmps(&r.inner_index, &mut v);
+                expr_tmps(&r.count, &mut v);
+                used.extend(v);
+            }
+        }
+        let mut removed = false;
+        for p in k.passes.iter_mut() {
+            let before = p.body.len();
+            p.body.retain(|s| s.dst().is_none_or(|t| used.contains(&t)));
+            removed |= p.body.len() != before;
+        }
+        if !removed {
+            return;
+        }
+    }
+}
+
+/// The temporaries an index expression reads.
+fn expr_tmps(e: &Expr, out: &mut Vec<Tmp>) {
+    for a in e.atoms() {
+        match a {
+            Atom::Tmp(t) => out.push(*t),
+            Atom::FloorDiv(x, y) | Atom::Mod(x, y) | Atom::Max(x, y) | Atom::Min(x, y) => {
+                expr_tmps(x, out);
+                expr_tmps(y, out);
+            }
+            _ => {}
+        }
+    }
+}
+
+/// The temporaries a statement reads.
+pub fn stmt_reads(s: &Stmt) -> Vec<Tmp> {
+    let mut out = Vec::new();
+    match s {
+        Stmt::Load { index, mask, .. } => {
+            expr_tmps(index, &mut out);
+            out.extend(mask);
+        }
+        Stmt::Const { .. } => {}
+        Stmt::Index { index, .. } => expr_tmps(index, &mut out),
+        Stmt::InRange { index, lo, hi, .. } => {
+            for e in [index, lo, hi] {
+                expr_tmps(e, &mut out);
+            }
+        }
+        Stmt::Unary { a, .. } | Stmt::Cast { a, .. } | Stmt::Bounded { a, .. } => out.push(*a),
+        Stmt::Binary { a, b, .. } => out.extend([*a, *b]),
+        Stmt::Where { c, a, b, .. } => out.extend([*c, *a, *b]),
+        Stmt::Store { index, value, .. } => {
+            expr_tmps(index, &mut out);
+            out.push(*value);
+        }
+    }
+    out
 }
 
 impl Stmt {

@@ -553,7 +553,7 @@ pub fn lower(cx: &Ctx, me: usize, dom: &Domain, roots: &[NodeId]) -> Result<Kern
     let kind = if passes.iter().any(|p| !p.reductions.is_empty()) { "red" } else { "poi" };
     // A kernel that only moves values (a layout copy, a cat of views) is named a copy.
     let name = if ops.is_empty() { format!("braze_{kind}_copy") } else { format!("braze_{kind}_fused_{}", ops.join("_")) };
-    Ok(Kernel {
+    let mut k = Kernel {
         name,
         roots: roots.iter().map(|r| r.to_string()).collect(),
         outer: dom.outer(),
@@ -563,7 +563,9 @@ pub fn lower(cx: &Ctx, me: usize, dom: &Domain, roots: &[NodeId]) -> Result<Kern
         tmp_dtypes: b.tmp_dtypes,
         bufs: b.bufs,
         column: dom.column(),
-    })
+    };
+    crate::loop_ir::reload_stored_values(&mut k);
+    Ok(k)
 }
 
 /// In `Builder::guarded`: a guarded dim whose index mentions no loop variable.
