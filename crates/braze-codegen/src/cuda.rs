@@ -20,7 +20,7 @@ use crate::c_emit::{index, Emitter};
 use crate::dialect::{compute_type, storage_type, Dialect};
 use crate::CodegenError;
 use braze_ir::{DType, Expr, ReduceKind};
-use braze_sched::loop_ir::{Kernel, Stmt};
+use braze_sched::loop_ir::{stmt_reads, Kernel, Stmt};
 use std::fmt::Write;
 
 pub struct Cuda;
@@ -722,47 +722,6 @@ fn atom_deps(a: &braze_ir::Atom, deps: &std::collections::HashMap<u32, u64>) -> 
         Atom::FloorDiv(x, y) | Atom::Mod(x, y) | Atom::Max(x, y) | Atom::Min(x, y) => expr_deps(x, deps) | expr_deps(y, deps),
         Atom::Sym(_) => 0,
     }
-}
-
-/// The temporaries an index expression reads.
-fn expr_tmps(e: &Expr, out: &mut Vec<u32>) {
-    use braze_ir::Atom;
-    for a in e.atoms() {
-        match a {
-            Atom::Tmp(t) => out.push(*t),
-            Atom::FloorDiv(x, y) | Atom::Mod(x, y) | Atom::Max(x, y) | Atom::Min(x, y) => {
-                expr_tmps(x, out);
-                expr_tmps(y, out);
-            }
-            _ => {}
-        }
-    }
-}
-
-/// The temporaries a statement reads.
-fn stmt_reads(s: &Stmt) -> Vec<u32> {
-    let mut out = Vec::new();
-    match s {
-        Stmt::Load { index, mask, .. } => {
-            expr_tmps(index, &mut out);
-            out.extend(mask);
-        }
-        Stmt::Const { .. } => {}
-        Stmt::Index { index, .. } => expr_tmps(index, &mut out),
-        Stmt::InRange { index, lo, hi, .. } => {
-            for e in [index, lo, hi] {
-                expr_tmps(e, &mut out);
-            }
-        }
-        Stmt::Unary { a, .. } | Stmt::Cast { a, .. } | Stmt::Bounded { a, .. } => out.push(*a),
-        Stmt::Binary { a, b, .. } => out.extend([*a, *b]),
-        Stmt::Where { c, a, b, .. } => out.extend([*c, *a, *b]),
-        Stmt::Store { index, value, .. } => {
-            expr_tmps(index, &mut out);
-            out.push(*value);
-        }
-    }
-    out
 }
 
 /// The loop variables each temporary of `body` depends on (bit `n` for `in`).

@@ -175,7 +175,11 @@ impl Kernel {
                 });
                 // The written buffer may be read back after the pass that stores it.
                 let read_before = self.prelude.iter().chain(self.passes[..pi].iter().flat_map(|q| q.body.iter().chain(&q.after))).any(|s| matches!(s, Stmt::Load { buf, .. } if *buf == o));
-                if !read_before && !elsewhere(o, false) && !elsewhere(i, true) && index.is_some_and(|e| (0..n_vars).all(|v| mentions_var(e, v))) {
+                if !read_before && !elsewhere(o, false) && !elsewhere(i, true) && index.is_some_and(|e| {
+                    let mut vars = Vec::new();
+                    crate::lower::loop_vars(e, &mut vars);
+                    (0..n_vars).all(|v| vars.contains(&v))
+                }) {
                     pairs.push((o, i));
                 }
             }
@@ -217,15 +221,6 @@ impl Kernel {
         }
         pairs
     }
-}
-
-/// Whether loop variable `iN` appears in `e` (as a term of it, or inside a division).
-fn mentions_var(e: &Expr, v: u32) -> bool {
-    e.atoms().any(|a| match a {
-        Atom::Var(n) => *n == v,
-        Atom::FloorDiv(x, y) | Atom::Mod(x, y) | Atom::Max(x, y) | Atom::Min(x, y) => mentions_var(x, v) || mentions_var(y, v),
-        _ => false,
-    })
 }
 
 /// A value's computation, by structure: equal keys compute equal values at the same loop

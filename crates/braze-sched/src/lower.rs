@@ -572,7 +572,7 @@ pub fn lower(cx: &Ctx, me: usize, dom: &Domain, roots: &[NodeId]) -> Result<Kern
 const GUARD_ALL: u32 = u32::MAX - 1;
 
 /// The loop variables `e` mentions (recursively), with `u32::MAX` for a temporary.
-fn loop_vars(e: &Expr, out: &mut Vec<u32>) {
+pub(crate) fn loop_vars(e: &Expr, out: &mut Vec<u32>) {
     for a in e.atoms() {
         match a {
             Atom::Var(v) => out.push(*v),
