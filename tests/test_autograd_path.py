@@ -240,3 +240,38 @@ def test_max_pool_saves_int8_window_offsets(device, layout):
     assert (torch.int8, pooled) in saved, saved
     assert (torch.int64, pooled) not in saved, saved
     assert "aten.max_pool2d_with_indices.default" not in braze.stats.extern_ops, braze.stats.extern_ops
+
+
+def test_loss_backward_through_bf16_casts_needs_no_row_sum(device):
+    """A masked-LM loss whose log-probabilities go through bf16 and back (as under bf16
+    autocast): log-softmax's backward sums the one-hot loss gradient over each row, rounded
+    to bf16 and back; the sum is the selected value ([one_hot_sums] through casts), so the
+    backward's first kernel is pointwise, with no vocabulary-wide buffer besides the
+    gradient. Values and gradients are eager's, ignored targets included."""
+    torch.manual_seed(0)
+    w = (torch.randn(1000, 64, device=device) * 0.1).requires_grad_()
+    x = torch.randn(256, 64, device=device, requires_grad=True)
+    t = torch.randint(0, 1000, (256,), device=device)
+    t[::7] = -100
+
+    def f(x, w, t):
+        logits = x.to(torch.bfloat16) @ w.to(torch.bfloat16).t()
+        logp = torch.log_softmax(logits.float(), -1).to(torch.bfloat16)
+        return torch.nn.functional.nll_loss(logp.float(), t)
+
+    c = compiled(f, options={"on_unsupported": "error"})
+    n0 = len(braze.stats.records)
+    loss = c(x, w, t)
+    loss.backward()
+    got = (loss.detach(), x.grad, w.grad)
+    x.grad = w.grad = None
+    ref = f(x, w, t)
+    ref.backward()
+    torch.testing.assert_close(got[0], ref.detach())
+    torch.testing.assert_close(got[1], x.grad, rtol=1e-3, atol=1e-5)
+    torch.testing.assert_close(got[2], w.grad, rtol=1e-3, atol=1e-5)
+    bw = [r for r in braze.stats.records[n0:] if r["name"].startswith("backward")]
+    assert bw, [r["name"] for r in braze.stats.records[n0:]]
+    sched = bw[-1]["schedule"]
+    wide = [line for line in sched.splitlines() if line.startswith("kernel") and "1000]" in line.split("inner=")[1]]
+    assert not wide, sched

@@ -220,7 +220,7 @@ pub fn schedule(g: &Graph) -> Result<Schedule, SchedError> {
     let mut log = Vec::new();
     let (mut groups, mut group_of, mut ext_order) = fuse(g, &stored, &mut log)?;
     // Store pointwise values recomputed by several kernels when they are not cheap.
-    for _ in 0..3 {
+    for _ in 0..6 {
         let mut users_in: Vec<HashSet<usize>> = vec![HashSet::new(); n];
         for (k, gr) in groups.iter().enumerate() {
             for &r in &gr.roots {
@@ -228,10 +228,34 @@ pub fn schedule(g: &Graph) -> Result<Schedule, SchedError> {
                 mark_inlined(g, r, &stored, &mut users_in, k, &mut seen);
             }
         }
+        let shared: Vec<NodeId> = g
+            .ids()
+            .filter(|id| {
+                !stored[id.index()] && g.node(*id).op.is_pointwise() && users_in[id.index()].len() > 1 && inline_cost(g, *id, &stored, &mut HashSet::new()) > RECOMPUTE_LIMIT
+            })
+            .collect();
+        // [Note: outermost shared values first] A shared value that another shared value
+        // inlines waits for the next round: once the outer one is stored, the inner one may
+        // be read by one kernel only. BERT's loss gradient (f32, 8192 x 30522) feeds its bf16
+        // sum with the incoming gradient, which both the bias-gradient reduction and the
+        // padded matmul operand read; storing all three shared values at once kept two
+        // vocabulary-wide f32 buffers the bf16 one made unnecessary.
+        let mut inner = HashSet::new();
+        for &c in &shared {
+            let mut seen = HashSet::new();
+            let mut stack = vec![c];
+            while let Some(x) = stack.pop() {
+                for &i in &g.node(x).inputs {
+                    if !stored[i.index()] && !matches!(g.node(i).op, Op::Reduce { .. }) && seen.insert(i) {
+                        inner.insert(i);
+                        stack.push(i);
+                    }
+                }
+            }
+        }
         let mut changed = false;
-        for id in g.ids() {
-            let op = &g.node(id).op;
-            if !stored[id.index()] && op.is_pointwise() && users_in[id.index()].len() > 1 && inline_cost(g, id, &stored, &mut HashSet::new()) > RECOMPUTE_LIMIT {
+        for id in shared {
+            if !inner.contains(&id) {
                 stored[id.index()] = true;
                 changed = true;
             }
