@@ -220,7 +220,7 @@ pub fn schedule(g: &Graph) -> Result<Schedule, SchedError> {
     let mut log = Vec::new();
     let (mut groups, mut group_of, mut ext_order) = fuse(g, &stored, &mut log)?;
     // Store pointwise values recomputed by several kernels when they are not cheap.
-    for _ in 0..6 {
+    for _ in 0..3 {
         let mut users_in: Vec<HashSet<usize>> = vec![HashSet::new(); n];
         for (k, gr) in groups.iter().enumerate() {
             for &r in &gr.roots {
@@ -228,37 +228,43 @@ pub fn schedule(g: &Graph) -> Result<Schedule, SchedError> {
                 mark_inlined(g, r, &stored, &mut users_in, k, &mut seen);
             }
         }
-        let shared: Vec<NodeId> = g
-            .ids()
-            .filter(|id| {
-                !stored[id.index()] && g.node(*id).op.is_pointwise() && users_in[id.index()].len() > 1 && inline_cost(g, *id, &stored, &mut HashSet::new()) > RECOMPUTE_LIMIT
-            })
-            .collect();
-        // [Note: outermost shared values first] A shared value that another shared value
-        // inlines waits for the next round: once the outer one is stored, the inner one may
-        // be read by one kernel only. BERT's loss gradient (f32, 8192 x 30522) feeds its bf16
-        // sum with the incoming gradient, which both the bias-gradient reduction and the
-        // padded matmul operand read; storing all three shared values at once kept two
-        // vocabulary-wide f32 buffers the bf16 one made unnecessary.
-        let mut inner = HashSet::new();
-        for &c in &shared {
+        // [Note: outermost shared values first] Values are decided from the outputs inward
+        // (ids are topological): once a shared value is stored, the kernels that inlined it
+        // are marked again, stopping at it, and its own kernel marks what it inlines, so a
+        // value inside it counts the kernels that still reach it. BERT's loss gradient (f32,
+        // 8192 x 30522) feeds its bf16 sum with the incoming gradient, which both the
+        // bias-gradient reduction and the padded matmul operand read: stored together, the
+        // three shared values kept two vocabulary-wide f32 buffers the bf16 one made
+        // unnecessary. Decided within the round, this costs no extra fusion round.
+        let mut changed = false;
+        let mut next_kernel = groups.len();
+        for id in g.ids().rev() {
+            let idx = id.index();
+            if stored[idx] || !g.node(id).op.is_pointwise() || users_in[idx].len() < 2 || inline_cost(g, id, &stored, &mut HashSet::new()) <= RECOMPUTE_LIMIT {
+                continue;
+            }
+            stored[idx] = true;
+            changed = true;
+            let affected: Vec<usize> = users_in[idx].iter().copied().collect();
             let mut seen = HashSet::new();
-            let mut stack = vec![c];
+            let mut stack = vec![id];
             while let Some(x) = stack.pop() {
                 for &i in &g.node(x).inputs {
                     if !stored[i.index()] && !matches!(g.node(i).op, Op::Reduce { .. }) && seen.insert(i) {
-                        inner.insert(i);
+                        for k in &affected {
+                            users_in[i.index()].remove(k);
+                        }
                         stack.push(i);
                     }
                 }
             }
-        }
-        let mut changed = false;
-        for id in shared {
-            if !inner.contains(&id) {
-                stored[id.index()] = true;
-                changed = true;
+            for &k in affected.iter().filter(|&&k| k < groups.len()) {
+                for &r in &groups[k].roots {
+                    mark_inlined(g, r, &stored, &mut users_in, k, &mut HashSet::new());
+                }
             }
+            mark_inlined(g, id, &stored, &mut users_in, next_kernel, &mut HashSet::new());
+            next_kernel += 1;
         }
         if !changed {
             break;
