@@ -275,3 +275,47 @@ def test_loss_backward_through_bf16_casts_needs_no_row_sum(device):
     sched = bw[-1]["schedule"]
     wide = [line for line in sched.splitlines() if line.startswith("kernel") and "1000]" in line.split("inner=")[1]]
     assert not wide, sched
+
+
+def test_padded_logits_reach_the_backward_without_copies(device, monkeypatch):
+    """On the GPU braze returns logits as the padded matmul's view ([Note: padded matmuls]);
+    the backward reads them as a saved tensor and is compiled for the layout the forward
+    returns them in ([Note: saved outputs in their returned layout]): no input of the
+    backward is copied into another layout, the unused logits' zero gradient included.
+    Gradients are eager's."""
+    if device != "cuda":
+        pytest.skip("matmuls are padded on the GPU only")
+    from braze import runtime
+
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(64, 1001, device=device)
+    x = torch.randn(512, 64, device=device)
+    t = torch.randint(0, 1001, (512,), device=device)
+
+    def f(x, t):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            logits = lin(x)
+            loss = torch.nn.functional.cross_entropy(logits.float(), t)
+        return loss, logits
+
+    copies = []
+    relayout = runtime.CompiledGraph._relayout
+
+    def counted(self, t, *a):
+        copies.append(tuple(t.shape))
+        return relayout(self, t, *a)
+    monkeypatch.setattr(runtime.CompiledGraph, "_relayout", counted)
+    c = compiled(f, options={"on_unsupported": "error"})
+    for _ in range(2):
+        lin.zero_grad(set_to_none=True)
+        loss, logits = c(x, t)
+        assert logits.stride() == (1008, 1)  # the padded view: the case under test
+        loss.backward()
+    got = [p.grad.clone() for p in lin.parameters()]
+    assert copies == []
+    lin.zero_grad(set_to_none=True)
+    ref, _ = f(x, t)
+    ref.backward()
+    torch.testing.assert_close(loss.detach(), ref.detach())
+    for g, p in zip(got, lin.parameters()):
+        torch.testing.assert_close(g, p.grad, rtol=1e-2, atol=1e-3)
