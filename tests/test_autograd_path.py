@@ -240,3 +240,82 @@ def test_max_pool_saves_int8_window_offsets(device, layout):
     assert (torch.int8, pooled) in saved, saved
     assert (torch.int64, pooled) not in saved, saved
     assert "aten.max_pool2d_with_indices.default" not in braze.stats.extern_ops, braze.stats.extern_ops
+
+
+def test_loss_backward_through_bf16_casts_needs_no_row_sum(device):
+    """A masked-LM loss whose log-probabilities go through bf16 and back (as under bf16
+    autocast): log-softmax's backward sums the one-hot loss gradient over each row, rounded
+    to bf16 and back; the sum is the selected value ([one_hot_sums] through casts), so the
+    backward's first kernel is pointwise, with no vocabulary-wide buffer besides the
+    gradient. Values and gradients are eager's, ignored targets included."""
+    torch.manual_seed(0)
+    w = (torch.randn(1000, 64, device=device) * 0.1).requires_grad_()
+    x = torch.randn(256, 64, device=device, requires_grad=True)
+    t = torch.randint(0, 1000, (256,), device=device)
+    t[::7] = -100
+
+    def f(x, w, t):
+        logits = x.to(torch.bfloat16) @ w.to(torch.bfloat16).t()
+        logp = torch.log_softmax(logits.float(), -1).to(torch.bfloat16)
+        return torch.nn.functional.nll_loss(logp.float(), t)
+
+    c = compiled(f, options={"on_unsupported": "error"})
+    n0 = len(braze.stats.records)
+    loss = c(x, w, t)
+    loss.backward()
+    got = (loss.detach(), x.grad, w.grad)
+    x.grad = w.grad = None
+    ref = f(x, w, t)
+    ref.backward()
+    torch.testing.assert_close(got[0], ref.detach())
+    torch.testing.assert_close(got[1], x.grad, rtol=1e-3, atol=1e-5)
+    torch.testing.assert_close(got[2], w.grad, rtol=1e-3, atol=1e-5)
+    bw = [r for r in braze.stats.records[n0:] if r["name"].startswith("backward")]
+    assert bw, [r["name"] for r in braze.stats.records[n0:]]
+    sched = bw[-1]["schedule"]
+    wide = [line for line in sched.splitlines() if line.startswith("kernel") and "1000]" in line.split("inner=")[1]]
+    assert not wide, sched
+
+
+def test_padded_logits_reach_the_backward_without_copies(device, monkeypatch):
+    """On the GPU braze returns logits as the padded matmul's view ([Note: padded matmuls]);
+    the backward reads them as a saved tensor and is compiled for the layout the forward
+    returns them in ([Note: saved outputs in their returned layout]): no input of the
+    backward is copied into another layout, the unused logits' zero gradient included.
+    Gradients are eager's."""
+    if device != "cuda":
+        pytest.skip("matmuls are padded on the GPU only")
+    from braze import runtime
+
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(64, 1001, device=device)
+    x = torch.randn(512, 64, device=device)
+    t = torch.randint(0, 1001, (512,), device=device)
+
+    def f(x, t):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            logits = lin(x)
+            loss = torch.nn.functional.cross_entropy(logits.float(), t)
+        return loss, logits
+
+    copies = []
+    relayout = runtime.CompiledGraph._relayout
+
+    def counted(self, t, *a):
+        copies.append(tuple(t.shape))
+        return relayout(self, t, *a)
+    monkeypatch.setattr(runtime.CompiledGraph, "_relayout", counted)
+    c = compiled(f, options={"on_unsupported": "error"})
+    for _ in range(2):
+        lin.zero_grad(set_to_none=True)
+        loss, logits = c(x, t)
+        assert logits.stride() == (1008, 1)  # the padded view: the case under test
+        loss.backward()
+    got = [p.grad.clone() for p in lin.parameters()]
+    assert copies == []
+    lin.zero_grad(set_to_none=True)
+    ref, _ = f(x, t)
+    ref.backward()
+    torch.testing.assert_close(loss.detach(), ref.detach())
+    for g, p in zip(got, lin.parameters()):
+        torch.testing.assert_close(g, p.grad, rtol=1e-2, atol=1e-3)

@@ -36,6 +36,9 @@ class Capture:
         self.backward = None  # (compiled callable, fx graph)
         self.why = None
         self.names = []  # braze's names of the graphs compiled
+        # Forward output name -> the strides braze returns it with, where they differ from
+        # eager's ([Note: saved outputs in their returned layout] in backend.py).
+        self.relaid_outputs = {}
 
     def __enter__(self):
         self.prev = getattr(_state, "capture", None)
@@ -44,6 +47,11 @@ class Capture:
 
     def __exit__(self, *exc):
         _state.capture = self.prev
+
+
+def current():
+    """The Capture of the AOTAutograd call running on this thread, or None."""
+    return getattr(_state, "capture", None)
 
 
 def record(kind, name, fn, gm):

@@ -21,7 +21,7 @@ from . import autograd as direct
 from .attention import dense_masks
 from .config import Config
 from .decomp import decomposition_table
-from .lowering import Unsupported, lower_graph
+from .lowering import Unsupported, is_tensor_meta, lower_graph
 from .runtime import CompiledGraph
 
 
@@ -65,11 +65,14 @@ def compile_fx_graph(gm: torch.fx.GraphModule, example_inputs, *, cfg: Config, k
     t0 = time.perf_counter()
     record = {"name": name, "kind": kind, "fx_nodes": len(gm.graph.nodes)}
     try:
-        lowered = lower_graph(gm, name, functools.partial(_compile_subgraph, cfg=cfg), _static_inputs(kind) if cfg.freeze_weights else ())
+        lowered = lower_graph(gm, name, functools.partial(_compile_subgraph, cfg=cfg), _static_inputs(kind) if cfg.freeze_weights else (),
+                              _saved_strides(gm) if kind == "backward" else None)
         t1 = time.perf_counter()
         compiled = _build(lowered, cfg)
         t2 = time.perf_counter()
         fn = CompiledGraph(compiled, lowered, name)
+        if kind == "forward":
+            _note_relaid_outputs(gm, lowered, fn)
     except (Unsupported, _core.Unsupported, _core.InternalError, _core.EnvironmentError_) as e:
         reason = f"{type(e).__name__}: {e}"
         stats.graphs_eager += 1
@@ -116,6 +119,38 @@ def compile_fx_graph(gm: torch.fx.GraphModule, example_inputs, *, cfg: Config, k
     if lowered.fallbacks:
         _log(cfg, "fallbacks", f"{name}: ops run through ATen", "\n".join(f"  {k} x{v}: {lowered.reasons.get(k, '')}" for k, v in lowered.fallbacks.items()))
     return fn
+
+
+# [Note: saved outputs in their returned layout] braze returns some forward outputs with
+# strides other than eager's: a padded matmul's result is returned as the padded view
+# ([Note: padded matmuls] in braze-passes). When the backward reads such an output as a saved
+# tensor, AOTAutograd's metadata gives it eager's strides; compiled for those, the backward
+# copied BERT-base's saved logits (477 MiB) into them every step. A saved tensor is a forward
+# output of the same name, so the backward is compiled for the strides the forward returns
+# it with.
+
+
+def _note_relaid_outputs(gm, lowered, fn):
+    cap = direct.current()
+    strides = fn.output_strides()
+    if cap is None or strides is None:
+        return
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    args = out.args[0] if isinstance(out.args[0], (list, tuple)) else [out.args[0]]
+    relaid = {}
+    for a, (kind, k) in zip(args, lowered.outputs):
+        val = a.meta.get("val") if isinstance(a, torch.fx.Node) else None
+        if kind == "t" and is_tensor_meta(val) and all(isinstance(s, int) for s in (*val.shape, *val.stride())) and strides[k] != tuple(val.stride()):
+            relaid[a.name] = strides[k]
+    cap.relaid_outputs = relaid
+
+
+def _saved_strides(gm):
+    cap = direct.current()
+    if cap is None or not cap.relaid_outputs:
+        return None
+    return {n.name: cap.relaid_outputs[n.name] for n in gm.graph.nodes
+            if n.op == "placeholder" and n.name in cap.relaid_outputs and not n.name.startswith("tangents")}
 
 
 def _static_inputs(kind):

@@ -161,8 +161,11 @@ class Lowered:
 class Lowerer:
     """Walks one FX graph into a GraphBuilder."""
 
-    def __init__(self, gm: torch.fx.GraphModule, name: str, subcompile=None, static_inputs=()):
+    def __init__(self, gm: torch.fx.GraphModule, name: str, subcompile=None, static_inputs=(), input_strides=None):
         self.gm = gm
+        # Placeholder name -> the strides to compile it for instead of its FX metadata's
+        # ([Note: saved outputs in their returned layout] in backend.py).
+        self.input_strides = input_strides or {}
         # Placeholder positions AOTAutograd marks static (parameters, buffers): the same tensor
         # every call, so a CPU linear may keep their weights prepacked ([Note: CPU linears]).
         self.static_inputs = frozenset(static_inputs or ())
@@ -311,7 +314,7 @@ class Lowerer:
                     inputs.append(("host", h.slot))
                 elif is_tensor_meta(val):
                     shape = [sym_str(s) for s in val.shape]
-                    strides = [sym_str(s) for s in val.stride()]
+                    strides = [str(s) for s in self.input_strides[node.name]] if node.name in self.input_strides else [sym_str(s) for s in val.stride()]
                     self.env[node] = self.b.input(self.n_in, dt(val.dtype), shape, strides)
                     inputs.append(("tensor", (val.dtype, shape, strides)))
                     self.n_in += 1
@@ -1779,10 +1782,10 @@ for _op, _fn in (("cond", _lower_cond), ("while_loop", _lower_while), ("invoke_s
         _BRANCHING[_hop] = _fn
 
 
-def lower_graph(gm: torch.fx.GraphModule, name: str, subcompile=None, static_inputs=()) -> Lowered:
+def lower_graph(gm: torch.fx.GraphModule, name: str, subcompile=None, static_inputs=(), input_strides=None) -> Lowered:
     # AOTAutograd calls its compilers with its fake mode active; the graph's constants are
     # real tensors and are read (item(), detach()) as such.
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
     with unset_fake_temporarily():
-        return Lowerer(gm, name, subcompile, static_inputs).run()
+        return Lowerer(gm, name, subcompile, static_inputs, input_strides).run()

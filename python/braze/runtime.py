@@ -230,6 +230,15 @@ class CompiledGraph:
         simple = len(self.out_spec) == len(outs) and all(k == "t" for k, _ in self.out_spec)
         return inputs, plan, outs, (simple, tuple(copies))
 
+    def output_strides(self):
+        """The strides of each tensor output (in the graph's output order) as returned, or
+        None for a graph with symbolic sizes."""
+        if self.dynamic:
+            return None
+        _, _, strides = self.static
+        outs = self.static_plan[2]
+        return [tuple(strides[b]) if v is None else tuple(v[1]) for b, v, _ in outs]
+
     def __call__(self, args, on_step=None):
         """Runs the graph on `args` (boxed: the list may be cleared by callers). `on_step`, for
         debugging tools (`benchmarks/step_probe.py`): called after each plan step, before

@@ -228,10 +228,61 @@ pub fn schedule(g: &Graph) -> Result<Schedule, SchedError> {
                 mark_inlined(g, r, &stored, &mut users_in, k, &mut seen);
             }
         }
+        // [Note: narrow shared values first] A shared value is stored when more than one
+        // kernel recomputes it and it is not cheap. Where a shared value narrows a wider one
+        // of its own shape (a bf16 cast of an f32 gradient), the narrow one is stored first:
+        // the kernels that inlined it are then marked again, stopping at it, and its own
+        // kernel marks what it inlines, so the wide values inside it count only the kernels
+        // that still reach them. BERT's loss head (8192 x 30522) stored the f32 one-hot, the
+        // log-probabilities and the f32 gradient, all inside the bf16 gradient that the
+        // bias-gradient reduction and the padded matmul operand read. Other shared values
+        // are then decided as before, all at once (storing an outer f32 wrapper first, a
+        // softmax's `x * 1.5`, stored more than the value it wraps).
+        let shared = |id: NodeId, stored: &[bool], users_in: &[HashSet<usize>]| {
+            !stored[id.index()] && g.node(id).op.is_pointwise() && users_in[id.index()].len() > 1 && inline_cost(g, id, stored, &mut HashSet::new()) > RECOMPUTE_LIMIT
+        };
         let mut changed = false;
+        let mut next_kernel = groups.len();
+        for id in g.ids().rev() {
+            if !shared(id, &stored, &users_in) {
+                continue;
+            }
+            // Shared values it inlines, wider than it and of its shape.
+            let (ty, mut narrows) = (g.ty(id), false);
+            let mut seen = HashSet::new();
+            let mut stack = vec![id];
+            let mut inside = Vec::new();
+            while let Some(x) = stack.pop() {
+                for &i in &g.node(x).inputs {
+                    if !stored[i.index()] && !matches!(g.node(i).op, Op::Reduce { .. }) && seen.insert(i) {
+                        let ti = g.ty(i);
+                        narrows |= ti.shape == ty.shape && ti.dtype.size() > ty.dtype.size() && shared(i, &stored, &users_in);
+                        inside.push(i);
+                        stack.push(i);
+                    }
+                }
+            }
+            if !narrows {
+                continue;
+            }
+            stored[id.index()] = true;
+            changed = true;
+            let affected: Vec<usize> = users_in[id.index()].iter().copied().collect();
+            for i in inside {
+                for k in &affected {
+                    users_in[i.index()].remove(k);
+                }
+            }
+            for &k in affected.iter().filter(|&&k| k < groups.len()) {
+                for &r in &groups[k].roots {
+                    mark_inlined(g, r, &stored, &mut users_in, k, &mut HashSet::new());
+                }
+            }
+            mark_inlined(g, id, &stored, &mut users_in, next_kernel, &mut HashSet::new());
+            next_kernel += 1;
+        }
         for id in g.ids() {
-            let op = &g.node(id).op;
-            if !stored[id.index()] && op.is_pointwise() && users_in[id.index()].len() > 1 && inline_cost(g, id, &stored, &mut HashSet::new()) > RECOMPUTE_LIMIT {
+            if shared(id, &stored, &users_in) {
                 stored[id.index()] = true;
                 changed = true;
             }
