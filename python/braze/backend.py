@@ -16,7 +16,7 @@ import warnings
 
 import torch
 
-from . import _core, cuda
+from . import _core, cuda, cudagraphs
 from . import autograd as direct
 from .attention import dense_masks
 from .config import Config
@@ -73,6 +73,8 @@ def compile_fx_graph(gm: torch.fx.GraphModule, example_inputs, *, cfg: Config, k
         fn = CompiledGraph(compiled, lowered, name)
         if kind == "forward":
             _note_relaid_outputs(gm, lowered, fn)
+        if cfg.whole_graph_replay:
+            fn = cudagraphs.wrap(fn, kind, () if kind == "backward" else _static_input_indices(), cfg.logs)
     except (Unsupported, _core.Unsupported, _core.InternalError, _core.EnvironmentError_) as e:
         reason = f"{type(e).__name__}: {e}"
         stats.graphs_eager += 1
@@ -153,15 +155,18 @@ def _saved_strides(gm):
             if n.op == "placeholder" and n.name in cap.relaid_outputs and not n.name.startswith("tangents")}
 
 
+def _static_input_indices():
+    """Positions of the graph's inputs AOTAutograd marks static (parameters, buffers)."""
+    ctx = torch._guards.TracingContext.try_get()
+    meta = getattr(ctx, "fw_metadata", None)
+    return tuple(getattr(meta, "static_input_indices", None) or ())
+
+
 def _static_inputs(kind):
     """Positions of an inference graph's inputs AOTAutograd marks static (parameters,
     buffers): with option freeze_weights, CPU linears keep their weights prepacked ([Note: CPU
     linears]). Training graphs get none: their weights change every step."""
-    if kind != "inference":
-        return ()
-    ctx = torch._guards.TracingContext.try_get()
-    meta = getattr(ctx, "fw_metadata", None)
-    return tuple(getattr(meta, "static_input_indices", None) or ())
+    return _static_input_indices() if kind == "inference" else ()
 
 
 def _build(lowered, cfg: Config):
@@ -174,7 +179,9 @@ def _build(lowered, cfg: Config):
         if why is not None:
             raise Unsupported(why)
         target = f"cuda:{device.index if device.index is not None else torch.cuda.current_device()}"
-        return lowered.builder.compile(device=target, cuda_graphs=cfg.cuda_graphs, matmul_tune=cfg.matmul_tune, arena_externs=arena_externs)
+        # Under whole-graph replay the runs of kernels are captured with the rest: no replay
+        # of their own.
+        return lowered.builder.compile(device=target, cuda_graphs=cfg.cuda_graphs and not cfg.whole_graph_replay, matmul_tune=cfg.matmul_tune, arena_externs=arena_externs)
     check = os.environ.get("BRAZE_CHECK_CUDA") == "1" and cuda.nvrtc_available()
     return lowered.builder.compile(device="cpu", check_cuda=check, arena_externs=arena_externs)
 

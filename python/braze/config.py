@@ -9,13 +9,13 @@ from __future__ import annotations
 import dataclasses
 import os
 
-#: Modes torch.compile knows. They compile the same way today except that
-#: 'max-autotune-no-cudagraphs' turns the cuda_graphs option off by default; the names are
-#: accepted so scripts written for Inductor run unchanged.
+#: Modes torch.compile knows. 'reduce-overhead' (and 'max-autotune', as in Inductor) turns
+#: whole_graph_replay on; 'max-autotune-no-cudagraphs' turns cuda_graphs off. Otherwise they
+#: compile the same way today (no autotuning beyond matmul_tune).
 MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
 #: Log names for ``BRAZE_LOGS`` and ``options={"logs": ...}``.
-LOGS = ("graph", "fusion", "output_code", "schedule", "fallbacks", "compile")
+LOGS = ("graph", "fusion", "output_code", "schedule", "fallbacks", "compile", "cudagraphs")
 
 #: Options and what each does.
 OPTIONS = {
@@ -30,6 +30,10 @@ OPTIONS = {
     "cuda_graphs": "bool: on the GPU, replay a run of kernels and matmuls as a captured CUDA graph once its "
                    "pointers repeat (default True; False under mode 'max-autotune-no-cudagraphs'; "
                    "BRAZE_CUDA_GRAPHS=0 turns it off everywhere)",
+    "whole_graph_replay": "bool: on the GPU, capture each compiled graph whole (kernels, matmuls and extern ATen calls) "
+                          "into one CUDA graph on its second call and replay it from then on; a call's outputs stay "
+                          "valid until the next call of the same graph (default True under modes 'reduce-overhead' "
+                          "and 'max-autotune', else False; python/braze/cudagraphs.py tells the rules)",
     "matmul_tune": "bool: on the GPU, time cuBLASLt's top algorithms for each large matmul at compile time and keep "
                    "the fastest (default True; BRAZE_MATMUL_TUNE=0 turns it off everywhere)",
     "direct_autograd": "bool: run graphs without mutation, aliasing, subclasses or RNG state through braze's own "
@@ -51,6 +55,7 @@ class Config:
     freeze_weights: bool = False
     cuda_graphs: bool = True
     matmul_tune: bool = True
+    whole_graph_replay: bool = False
 
     @staticmethod
     def make(mode=None, options=None) -> "Config":
@@ -81,7 +86,8 @@ class Config:
         if not isinstance(freeze_weights, bool):
             raise BrazeConfigError("braze: option 'freeze_weights' must be a bool")
         flags = {}
-        for name, default in (("cuda_graphs", mode != "max-autotune-no-cudagraphs"), ("matmul_tune", True)):
+        for name, default in (("cuda_graphs", mode != "max-autotune-no-cudagraphs"), ("matmul_tune", True),
+                              ("whole_graph_replay", mode in ("reduce-overhead", "max-autotune"))):
             flags[name] = options.get(name, default)
             if not isinstance(flags[name], bool):
                 raise BrazeConfigError(f"braze: option '{name}' must be a bool")

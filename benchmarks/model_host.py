@@ -1,0 +1,126 @@
+"""Host time of a real-model step (the `--suite models` configurations) under eager, Inductor
+and braze: enqueue time per step (synchronized before, not after) against wall time, and for
+braze the split of its graphs' call time into extern ATen calls, Rust kernel runs and the rest
+of the Python call loop.
+
+    python benchmarks/model_host.py resnet50:inf [bert:train ...] [--steps 50]
+"""
+import argparse
+import copy
+import statistics
+import time
+
+import torch
+
+import braze
+from braze import runtime
+from braze.bench_models import _configs, _make_step
+
+acc = {"extern": 0, "run": 0, "calls": 0, "externs": 0, "runs": 0, "graph": 0}
+graphs = []
+_init = runtime.CompiledGraph.__init__
+_call = runtime.CompiledGraph.__call__
+
+
+def _keep(self, *a):
+    _init(self, *a)
+    graphs.append(self)
+
+
+def _timed_call(self, args, on_step=None):
+    t = time.perf_counter_ns()
+    r = _call(self, args, on_step)
+    acc["graph"] += time.perf_counter_ns() - t
+    acc["calls"] += 1
+    return r
+
+
+class _TimedCore:
+    def __init__(self, c):
+        self._c = c
+
+    def run(self, *a):
+        t = time.perf_counter_ns()
+        self._c.run(*a)
+        acc["run"] += time.perf_counter_ns() - t
+        acc["runs"] += 1
+
+    def __getattr__(self, k):
+        return getattr(self._c, k)
+
+
+def _timed_target(target):
+    def call(*a, **k):
+        t = time.perf_counter_ns()
+        r = target(*a, **k)
+        acc["extern"] += time.perf_counter_ns() - t
+        acc["externs"] += 1
+        return r
+    return call
+
+
+def _instrument(g):
+    g.c = _TimedCore(g.c)
+    if not g.dynamic:
+        inputs, plan, out_plan, rest = g.static_plan
+        plan = [(k, al, fr, (_timed_target(a[0]), *a[1:]) if k == 1 else a, b, w) for k, al, fr, a, b, w in plan]
+        g.static_plan = (inputs, plan, out_plan, rest)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("work", nargs="+")
+    ap.add_argument("--steps", type=int, default=50)
+    a = ap.parse_args()
+    dev = torch.device("cuda")
+    runtime.CompiledGraph.__init__ = _keep
+    for w in a.work:
+        name, mode = w.split(":")
+        train = mode == "train"
+        build, make_inputs, desc = _configs(True)[name]
+        torch.manual_seed(0)
+        base = build().to(dev)
+        base.train(train)
+        inf_in, train_in = make_inputs(dev)
+        inputs = train_in if train else inf_in
+        print(f"== {desc} {'train' if train else 'inference'}", flush=True)
+        for be in ("eager", "inductor", "braze"):
+            model = copy.deepcopy(base)
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True) if train else None
+            torch._dynamo.reset()
+            graphs.clear()
+            fn = model if be == "eager" else torch.compile(model, backend=be)
+            step = _make_step(model, fn, inputs, train, dev, opt)
+            for _ in range(3):
+                step()
+            torch.cuda.synchronize()
+            if be == "braze":
+                for g in graphs:
+                    _instrument(g)
+                runtime.CompiledGraph.__call__ = _timed_call
+            for k in acc:
+                acc[k] = 0
+            host, wall = [], []
+            for _ in range(a.steps):
+                torch.cuda.synchronize()
+                t0 = time.perf_counter_ns()
+                step()
+                t1 = time.perf_counter_ns()
+                torch.cuda.synchronize()
+                t2 = time.perf_counter_ns()
+                host.append((t1 - t0) / 1e3)
+                wall.append((t2 - t0) / 1e3)
+            runtime.CompiledGraph.__call__ = _call
+            line = f"  {be:9s} host {statistics.median(host):8.1f} us  wall {statistics.median(wall):8.1f} us"
+            if be == "braze":
+                n = a.steps
+                rest = acc["graph"] - acc["extern"] - acc["run"]
+                line += (f"  | in graphs {acc['graph'] / n / 1e3:7.1f} us: extern calls {acc['extern'] / n / 1e3:7.1f} us ({acc['externs'] // n}),"
+                         f" kernel runs {acc['run'] / n / 1e3:6.1f} us ({acc['runs'] // n}), rest of the loop {rest / n / 1e3:6.1f} us")
+            print(line, flush=True)
+            del step, fn, model, opt
+            torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,279 @@
+"""Whole-graph CUDA graphs for ``mode="reduce-overhead"``.
+
+[Note: whole-graph replay] Under mode ``reduce-overhead`` (option ``whole_graph_replay``) a
+compiled CUDA graph runs plainly on its first call (cuBLASLt, cuDNN and the driver do their
+first-use work there), is captured on its second — braze's kernels, cuBLASLt matmuls and the
+extern ATen calls (cuDNN convolutions, attention) alike — into one CUDA graph, and from then
+on each call is one replay: no Python call loop, no per-kernel launches.
+
+Memory. All of braze's whole graphs on a device capture into one memory pool, so a backward
+reuses the memory its forward's temporaries had. The blocks of a graph's outputs stay the
+graph's own (it keeps the tensors it captured them in): every replay writes its outputs to
+the same addresses, and a call returns fresh tensors viewing them.
+
+Inputs. Parameters and buffers (AOTAutograd's static inputs) and outputs of another whole
+graph (a backward's saved activations) are read where they are, at the address they had at
+capture; any other tensor input is copied into a buffer of the graph's own first. An input
+the graph mutates that is not read in place is copied back after the replay.
+
+How long outputs stay valid (as PyTorch documents for its CUDA-graph trees):
+
+- A forward or inference graph's outputs are valid until the next call of the same graph.
+  Outputs of the previous call still alive then are invalidated: reading one raises an error
+  that says so (``clone()`` an output to keep it across calls).
+- Before any replay braze checks that it overwrites nothing alive: outputs of other whole graphs
+  alive now that were not alive when this graph was captured, or a backward's own previous
+  outputs still held (gradients accumulated over several backward calls). Then this call runs
+  plainly instead (fresh memory, the same results), as does a call whose parameters moved.
+
+Graphs with symbolic sizes, host values (CPU tensors in a CUDA graph) or a failed capture run
+plainly on every call, with one log line (``BRAZE_LOGS=cudagraphs``) saying why.
+"""
+from __future__ import annotations
+
+import sys
+import weakref
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+
+_POOLS = {}  # device index -> _Pool
+
+_STALE = ("braze (mode='reduce-overhead'): this tensor is an output of a CUDA-graph replay that a later call of the "
+          "same compiled graph overwrote. Clone outputs you keep across calls (out.clone()).")
+
+
+class Stats:
+    def __init__(self):
+        self.captures = 0
+        self.replays = 0
+        self.plain_runs = 0  # calls of a captured graph that ran plainly (something alive in the way)
+        self.invalidated = 0  # outputs of earlier replays made unreadable
+        self.not_captured = []  # (graph name, why)
+
+
+stats = Stats()
+
+
+class _Pool:
+    """One device's memory pool and the outputs of its graphs' latest calls."""
+
+    def __init__(self):
+        self.handle = torch.cuda.graph_pool_handle()
+        # (graph id, output storage index) -> (StorageWeakRef, weak refs to tensors viewing it)
+        self.live = {}
+        # Data pointers of the static inputs (parameters, buffers) of the graphs captured: a
+        # backward reading a parameter reads it in place too.
+        self.static_ptrs = set()
+
+    def alive(self):
+        dead = [k for k, (ref, _) in self.live.items() if ref.expired()]
+        for k in dead:
+            del self.live[k]
+        return self.live
+
+
+def _pool(device_index):
+    p = _POOLS.get(device_index)
+    if p is None:
+        p = _POOLS[device_index] = _Pool()
+    return p
+
+
+def _storage_key(t):
+    return t.untyped_storage().data_ptr()
+
+
+class WholeGraph:
+    """A CompiledGraph (CUDA, static sizes) run as one CUDA graph from its second call on."""
+
+    _boxed_call = True
+
+    def __init__(self, g, kind, static_inputs, log):
+        self._boxed_call = True
+        self.g = g
+        self.name = g.name
+        self.kind = kind
+        self.static_inputs = frozenset(static_inputs)
+        self.log = log
+        self.calls = 0
+        self.graph = None
+        self.off = None  # why this graph runs plainly on every call
+        if g.dynamic:
+            self.off = "symbolic sizes"
+        elif g.n_host:
+            self.off = "host values (CPU tensors) in a CUDA graph"
+
+    def __getattr__(self, k):  # the CompiledGraph's attributes (tools, tests)
+        return getattr(self.g, k)
+
+    def __call__(self, args):
+        if self.off is not None:
+            return self.g(args)
+        self.calls += 1
+        if self.calls == 1:
+            return self.g(args)
+        if self.graph is None:
+            return self._capture(args)
+        return self._replay(args)
+
+    def _turn_off(self, why):
+        self.off = why
+        stats.not_captured.append((self.name, why))
+        self.log(f"{self.name}: runs without a whole-graph CUDA graph: {why}")
+
+    # Capture ----------------------------------------------------------------------------
+
+    def _capture(self, args):
+        tensors = [(i, a) for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+        dev = self.g.device_index
+        if any(not a.is_cuda or a.get_device() != dev for _, a in tensors):
+            self._turn_off("an input is not on the graph's device")
+            return self.g(args)
+        pool = _pool(dev)
+        live_keys = {}  # storage data pointer -> key of a live whole-graph output there
+        for key, (ref, tws) in pool.alive().items():
+            for w in tws:
+                t = w()
+                if t is not None:
+                    live_keys[_storage_key(t)] = key
+                    break
+        # Inputs read in place: static ones and live outputs of whole graphs; the rest are
+        # copied into the graph's own buffers.
+        self.in_place = {}  # arg index -> (data_ptr, shape, stride, storage offset)
+        self.copied = {}  # arg index -> the graph's buffer
+        cap_args = list(args)
+        for i, a in tensors:
+            if i in self.static_inputs or _storage_key(a) in live_keys or a.data_ptr() in pool.static_ptrs:
+                self.in_place[i] = (a.data_ptr(), a.shape, a.stride())
+            else:
+                buf = torch.empty_strided(a.shape, a.stride(), dtype=a.dtype, device=a.device)
+                buf.copy_(a)
+                self.copied[i] = buf
+                cap_args[i] = buf
+        pool.static_ptrs.update(args[i].data_ptr() for i in self.static_inputs if i < len(args) and isinstance(args[i], torch.Tensor))
+        self.mutated = [i for i in self.g.mutated_args if i in self.copied]
+        self.alive_at_capture = frozenset(pool.alive())
+        graph = torch.cuda.CUDAGraph()
+        torch.cuda.synchronize(dev)
+        try:
+            with torch.cuda.graph(graph, pool=pool.handle, capture_error_mode="thread_local"):
+                outs = self.g(list(cap_args))
+        except Exception as e:  # noqa: BLE001 - any failure: this graph runs plainly from now on
+            torch.cuda.synchronize(dev)
+            self._turn_off(f"capture failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
+            return self.g(args)
+        self.graph = graph
+        self.pool = pool
+        # Outputs: views of an input (returned as views of the current call's input), or
+        # views of the graph's own blocks, kept here (returned as fresh tensors viewing them).
+        input_ptr = {_storage_key(cap_args[i]): i for i, _ in tensors}
+        self.outs = []
+        self.kept = []
+        storages = {}
+        for o in outs:
+            if not isinstance(o, torch.Tensor):
+                self.outs.append(("value", o))
+                continue
+            sp = _storage_key(o)
+            if sp in input_ptr:
+                i = input_ptr[sp]
+                base = cap_args[i]
+                self.outs.append(("input", i, o.shape, o.stride(), o.storage_offset() - base.storage_offset()))
+                continue
+            if sp not in storages:
+                storages[sp] = len(storages)
+                self.kept.append(o)
+            meta = {"data_ptr": sp, "size": o.shape, "stride": o.stride(), "dtype": o.dtype, "device": o.device,
+                    "storage_offset": o.storage_offset(), "nbytes": o.untyped_storage().nbytes()}
+            self.outs.append(("own", storages[sp], meta))
+        self.n_storages = len(storages)
+        del live_keys
+        stats.captures += 1
+        self.log(f"{self.name}: captured as one CUDA graph ({sum(1 for o in self.outs if o[0] == 'own')} outputs in its own memory, "
+                 f"{len(self.copied)} inputs copied in, {len(self.in_place)} read in place)")
+        return self._launch(args, check=False)
+
+    # Replay -----------------------------------------------------------------------------
+
+    def _replay(self, args):
+        for i, (ptr, shape, stride) in self.in_place.items():
+            a = args[i]
+            if a.data_ptr() != ptr or a.shape != shape or a.stride() != stride:
+                return self._plain(args, f"input {i} moved since the capture")
+        return self._launch(args, check=True)
+
+    def _plain(self, args, why):
+        stats.plain_runs += 1
+        self.log(f"{self.name}: this call runs plainly: {why}")
+        return self.g(args)
+
+    def _launch(self, args, check):
+        pool = self.pool
+        if check:
+            stale = []
+            for key, (ref, tws) in pool.alive().items():
+                if key in self.alive_at_capture:
+                    continue
+                if key[0] == id(self) and self.kind != "backward":
+                    stale.append(key)
+                    continue
+                what = "its own earlier outputs (gradients kept across backward calls?)" if key[0] == id(self) else "another graph's outputs"
+                return self._plain(args, f"{what} are alive in memory this graph writes")
+            for key in stale:
+                _invalidate(pool.live.pop(key))
+        for i, buf in self.copied.items():
+            buf.copy_(args[i])
+        self.graph.replay()
+        stats.replays += 1
+        for i in self.mutated:
+            args[i].copy_(self.copied[i])
+        storages = [None] * self.n_storages
+        res = []
+        for o in self.outs:
+            if o[0] == "value":
+                res.append(o[1])
+            elif o[0] == "input":
+                _, i, shape, stride, off = o
+                base = args[i]
+                res.append(base.as_strided(shape, stride, base.storage_offset() + off))
+            else:
+                _, k, meta = o
+                if storages[k] is None:
+                    storages[k] = torch._C._construct_storage_from_data_pointer(meta["data_ptr"], meta["device"], meta["nbytes"])
+                res.append(torch._C._construct_CUDA_Tensor_From_Storage_And_Metadata(meta, storages[k]))
+        for k in range(self.n_storages):
+            if storages[k] is not None:
+                views = [weakref.ref(t) for t, o in zip(res, self.outs) if o[0] == "own" and o[1] == k]
+                pool.live[(id(self), k)] = (StorageWeakRef(storages[k]), views)
+        args.clear()
+        return res
+
+
+def _invalidate(entry):
+    """Makes the storage of an earlier replay's output unreadable (its memory is about to be
+    overwritten)."""
+    ref, tws = entry
+    for w in tws:
+        t = w()
+        if t is not None:
+            torch._C._set_storage_access_error_msg(t, _STALE)
+            stats.invalidated += 1
+            return
+    if not ref.expired():  # alive only through views made by the caller: reach the storage itself
+        s = torch.UntypedStorage._new_with_weak_ptr(ref.cdata)
+        if s is not None:
+            t = torch.empty(0, dtype=torch.uint8, device=s.device).set_(s)
+            torch._C._set_storage_access_error_msg(t, _STALE)
+            stats.invalidated += 1
+
+
+def wrap(g, kind, static_inputs, logs):
+    """`g` wrapped for whole-graph replay when it runs on a GPU; `g` itself otherwise."""
+    if not getattr(g, "cuda", False):
+        return g
+
+    def log(msg):
+        if "cudagraphs" in logs:
+            print(f"[braze:cudagraphs] {msg}", file=sys.stderr)
+    return WholeGraph(g, kind, static_inputs, log)

@@ -1,0 +1,134 @@
+"""mode="reduce-overhead": whole compiled graphs captured into one CUDA graph and replayed
+(python/braze/cudagraphs.py, [Note: whole-graph replay]). Values and gradients are eager's on
+fresh inputs every call; the tests count captures, replays and plain runs, so a graph that
+silently stopped replaying fails them."""
+import pytest
+import torch
+
+import braze
+from braze import cudagraphs
+from braze.config import Config
+
+
+def counts():
+    s = cudagraphs.stats
+    return s.captures, s.replays, s.plain_runs
+
+
+def test_modes_turn_whole_graph_replay_on():
+    assert Config.make("reduce-overhead").whole_graph_replay is True
+    assert Config.make("max-autotune").whole_graph_replay is True
+    assert Config.make("default").whole_graph_replay is False
+    assert Config.make("max-autotune-no-cudagraphs").whole_graph_replay is False
+    assert Config.make("reduce-overhead", {"whole_graph_replay": False}).whole_graph_replay is False
+    with pytest.raises(braze.BrazeConfigError, match="whole_graph_replay"):
+        Config.make(None, {"whole_graph_replay": "yes"})
+
+
+def _block(d):
+    return torch.nn.Sequential(torch.nn.Linear(d, 4 * d), torch.nn.GELU(), torch.nn.Linear(4 * d, d), torch.nn.LayerNorm(d))
+
+
+def test_inference_replays_with_fresh_inputs(device):
+    torch.manual_seed(0)
+    m = _block(64).to(device).eval()
+    c = braze.compile(m, mode="reduce-overhead", options={"on_unsupported": "error"})
+    before = counts()
+    with torch.no_grad():
+        for _ in range(5):
+            x = torch.randn(32, 64, device=device)
+            torch.testing.assert_close(c(x), m(x), rtol=1e-4, atol=1e-4)
+    caps, reps, plain = (a - b for a, b in zip(counts(), before))
+    if device == "cpu":
+        assert (caps, reps) == (0, 0)  # CPU graphs run as they are
+    else:
+        assert caps == 1 and reps == 4 and plain == 0, (caps, reps, plain)
+
+
+def test_earlier_outputs_are_invalidated(device):
+    """A call's outputs stay valid until the next call of the same graph; reading one after
+    that raises instead of returning the newer call's values."""
+    if device != "cuda":
+        pytest.skip("CUDA graphs")
+    m = _block(32).to(device).eval()
+    c = braze.compile(m, mode="reduce-overhead")
+    xs = [torch.randn(8, 32, device=device) for _ in range(4)]
+    with torch.no_grad():
+        c(xs[0])
+        c(xs[1])  # captured
+        y2 = c(xs[2])
+        kept = y2.clone()
+        y3 = c(xs[3])
+        with pytest.raises(RuntimeError, match="reduce-overhead"):
+            y2 + 1
+        torch.testing.assert_close(kept, m(xs[2]), rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(y3, m(xs[3]), rtol=1e-4, atol=1e-4)
+
+
+class _ConvNet(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(8, 16, 3, padding=1)
+        self.bn = torch.nn.BatchNorm2d(16)
+        self.head = torch.nn.Linear(16, 10)
+
+    def forward(self, x):
+        y = torch.relu(self.bn(self.conv(x)))
+        return self.head(y.mean((2, 3)))
+
+
+@pytest.mark.parametrize("model", ["mlp", "conv"])
+def test_training_loop_matches_eager(model, device):
+    """Forward and backward both replay (cuDNN convolutions and BatchNorm's running-stat
+    updates inside the captured graphs); every step's loss, the weights after the
+    optimizer's steps and the running statistics are eager's."""
+    torch.manual_seed(0)
+    make = (lambda: _block(32)) if model == "mlp" else _ConvNet
+    ref = make().to(device)
+    mine = make().to(device)
+    mine.load_state_dict(ref.state_dict())
+    shape = (16, 32) if model == "mlp" else (4, 8, 12, 12)
+    c = braze.compile(mine, mode="reduce-overhead", options={"on_unsupported": "error"})
+    opts = [torch.optim.SGD(p.parameters(), lr=0.1) for p in (ref, mine)]
+    before = counts()
+    for _ in range(5):
+        x = torch.randn(*shape, device=device)
+        t = torch.randn(16, 32, device=device) if model == "mlp" else torch.randint(0, 10, (4,), device=device)
+        losses = []
+        for net, fn, opt in ((ref, ref, opts[0]), (mine, c, opts[1])):
+            out = fn(x)
+            loss = torch.nn.functional.mse_loss(out, t) if model == "mlp" else torch.nn.functional.cross_entropy(out, t)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            losses.append(loss.detach())
+        torch.testing.assert_close(losses[1], losses[0], rtol=1e-4, atol=1e-5)
+    for a, b in zip(mine.state_dict().values(), ref.state_dict().values()):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    caps, reps, plain = (a - b for a, b in zip(counts(), before))
+    if device == "cuda":
+        assert caps == 2 and reps == 6 and plain == 0, (caps, reps, plain)
+
+
+def test_gradients_kept_across_backward_calls(device):
+    """Gradient accumulation: the second backward of a step would overwrite the first's
+    gradients, still held in .grad, so it runs plainly; the sums are eager's."""
+    if device != "cuda":
+        pytest.skip("CUDA graphs")
+    torch.manual_seed(0)
+    ref = _block(32).to(device)
+    mine = _block(32).to(device)
+    mine.load_state_dict(ref.state_dict())
+    c = braze.compile(mine, mode="reduce-overhead")
+    before = counts()
+    for _ in range(3):
+        for net, fn in ((ref, ref), (mine, c)):
+            net.zero_grad(set_to_none=True)
+        for _ in range(2):
+            x = torch.randn(16, 32, device=device)
+            ref(x).square().mean().backward()
+            c(x).square().mean().backward()
+        for a, b in zip(mine.parameters(), ref.parameters()):
+            torch.testing.assert_close(a.grad, b.grad, rtol=1e-4, atol=1e-5)
+    assert counts()[2] > before[2]  # plain runs happened
+    assert counts()[1] > before[1]  # and replays too
