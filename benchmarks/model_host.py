@@ -3,7 +3,7 @@ and braze: enqueue time per step (synchronized before, not after) against wall t
 braze the split of its graphs' call time into extern ATen calls, Rust kernel runs and the rest
 of the Python call loop.
 
-    python benchmarks/model_host.py resnet50:inf [bert:train ...] [--steps 50]
+    python benchmarks/model_host.py resnet50:inf [bert:train ...] [--steps 50] [--mode reduce-overhead]
 """
 import argparse
 import copy
@@ -71,6 +71,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("work", nargs="+")
     ap.add_argument("--steps", type=int, default=50)
+    ap.add_argument("--mode", default=None, help="torch.compile mode for Inductor and braze")
     a = ap.parse_args()
     dev = torch.device("cuda")
     runtime.CompiledGraph.__init__ = _keep
@@ -83,13 +84,13 @@ def main():
         base.train(train)
         inf_in, train_in = make_inputs(dev)
         inputs = train_in if train else inf_in
-        print(f"== {desc} {'train' if train else 'inference'}", flush=True)
+        print(f"== {desc} {'train' if train else 'inference'}{', mode ' + a.mode if a.mode else ''}", flush=True)
         for be in ("eager", "inductor", "braze"):
             model = copy.deepcopy(base)
             opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True) if train else None
             torch._dynamo.reset()
             graphs.clear()
-            fn = model if be == "eager" else torch.compile(model, backend=be)
+            fn = model if be == "eager" else torch.compile(model, backend=be, mode=a.mode)
             step = _make_step(model, fn, inputs, train, dev, opt)
             for _ in range(3):
                 step()
