@@ -72,6 +72,8 @@ def main():
     ap.add_argument("work", nargs="+")
     ap.add_argument("--steps", type=int, default=50)
     ap.add_argument("--mode", default=None, help="torch.compile mode for Inductor and braze")
+    ap.add_argument("--backends", default="eager,inductor,braze")
+    ap.add_argument("--profile", action="store_true", help="cProfile braze's timed steps (top functions by own time)")
     a = ap.parse_args()
     dev = torch.device("cuda")
     runtime.CompiledGraph.__init__ = _keep
@@ -85,7 +87,7 @@ def main():
         inf_in, train_in = make_inputs(dev)
         inputs = train_in if train else inf_in
         print(f"== {desc} {'train' if train else 'inference'}{', mode ' + a.mode if a.mode else ''}", flush=True)
-        for be in ("eager", "inductor", "braze"):
+        for be in a.backends.split(","):
             model = copy.deepcopy(base)
             opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True) if train else None
             torch._dynamo.reset()
@@ -102,6 +104,11 @@ def main():
             for k in acc:
                 acc[k] = 0
             host, wall = [], []
+            prof = None
+            if a.profile and be == "braze":
+                import cProfile
+                prof = cProfile.Profile()
+                prof.enable()
             for _ in range(a.steps):
                 torch.cuda.synchronize()
                 t0 = time.perf_counter_ns()
@@ -112,6 +119,10 @@ def main():
                 host.append((t1 - t0) / 1e3)
                 wall.append((t2 - t0) / 1e3)
             runtime.CompiledGraph.__call__ = _call
+            if prof is not None:
+                import pstats
+                prof.disable()
+                pstats.Stats(prof).sort_stats("tottime").print_stats(15)
             line = f"  {be:9s} host {statistics.median(host):8.1f} us  wall {statistics.median(wall):8.1f} us"
             if be == "braze":
                 n = a.steps
@@ -119,6 +130,11 @@ def main():
                 line += (f"  | in graphs {acc['graph'] / n / 1e3:7.1f} us: extern calls {acc['extern'] / n / 1e3:7.1f} us ({acc['externs'] // n}),"
                          f" kernel runs {acc['run'] / n / 1e3:6.1f} us ({acc['runs'] // n}), rest of the loop {rest / n / 1e3:6.1f} us")
             print(line, flush=True)
+            if be == "braze" and a.mode:
+                from braze import cudagraphs
+                s = cudagraphs.stats
+                print(f"    whole-graph replay: captures {s.captures}, replays {s.replays}, plain runs {s.plain_runs}, "
+                      f"invalidated {s.invalidated}, not captured {s.not_captured}", flush=True)
             del step, fn, model, opt
             torch.cuda.empty_cache()
 

@@ -67,7 +67,8 @@ class _Pool:
         self.static_ptrs = set()
 
     def alive(self):
-        dead = [k for k, (ref, _) in self.live.items() if ref.expired()]
+        expired = torch.UntypedStorage._expired  # StorageWeakRef.expired without its Python frame
+        dead = [k for k, (ref, _) in self.live.items() if expired(ref.cdata)]
         for k in dead:
             del self.live[k]
         return self.live
@@ -229,6 +230,7 @@ class WholeGraph:
         for i in self.mutated:
             args[i].copy_(self.copied[i])
         storages = [None] * self.n_storages
+        views = [None] * self.n_storages
         res = []
         for o in self.outs:
             if o[0] == "value":
@@ -241,11 +243,14 @@ class WholeGraph:
                 _, k, meta = o
                 if storages[k] is None:
                     storages[k] = torch._C._construct_storage_from_data_pointer(meta["data_ptr"], meta["device"], meta["nbytes"])
-                res.append(torch._C._construct_CUDA_Tensor_From_Storage_And_Metadata(meta, storages[k]))
-        for k in range(self.n_storages):
-            if storages[k] is not None:
-                views = [weakref.ref(t) for t, o in zip(res, self.outs) if o[0] == "own" and o[1] == k]
-                pool.live[(id(self), k)] = (StorageWeakRef(storages[k]), views)
+                    views[k] = []
+                t = torch._C._construct_CUDA_Tensor_From_Storage_And_Metadata(meta, storages[k])
+                views[k].append(weakref.ref(t))
+                res.append(t)
+        me = id(self)
+        live = pool.live
+        for k, s in enumerate(storages):
+            live[(me, k)] = (StorageWeakRef(s), views[k])
         args.clear()
         return res
 
