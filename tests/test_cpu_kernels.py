@@ -183,6 +183,19 @@ def test_max_ties_and_infinities(shape):
     _close(f(z), fn(z))
 
 
+def test_max_and_min_are_openmp_reductions():
+    """A row max or min is an `omp simd` max/min reduction with a NaN flag ([Note: simd
+    max]), not per-lane arrays, and matches eager with and without NaN."""
+    fn = lambda x: (torch.amax(x, -1), torch.amin(x * 2, -1), x.sum(-1))
+    f = compiled(fn, dynamic=False)
+    n0 = len(braze.stats.records)
+    for x in _nan_variants(torch.randn(64, 1000)):
+        _close(f(x), fn(x))
+    src = "\n".join(r["source"] for r in braze.stats.records[n0:] if r.get("source"))
+    assert "reduction(max:" in src and "reduction(min:" in src and "reduction(|:" in src, src
+    assert "_v[32]" not in src, src
+
+
 @pytest.mark.parametrize("dtype", [torch.float64, torch.int32, torch.int64, torch.bfloat16, torch.float16])
 def test_max_min_other_dtypes(dtype):
     fn = lambda x: (torch.amax(x, -1), torch.amin(x, 1), torch.argmax(x, -1), torch.max(x, -1))

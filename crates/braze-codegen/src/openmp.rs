@@ -244,7 +244,7 @@ pub fn emit_kernel(k: &Kernel, out: &mut String) -> Result<Vec<u32>, CodegenErro
             continue;
         }
         for r in &p.reductions {
-            for l in e.red_init(r) {
+            for l in e.simd_red_init(r) {
                 writeln!(out, "{}{l}", pad(depth)).unwrap();
             }
         }
@@ -267,14 +267,14 @@ pub fn emit_kernel(k: &Kernel, out: &mut String) -> Result<Vec<u32>, CodegenErro
             writeln!(out, "{}{}", pad(depth), e.stmt(s)?).unwrap();
         }
         for r in &p.reductions {
-            writeln!(out, "{}{}", pad(depth), e.red_update(r)).unwrap();
+            writeln!(out, "{}{}", pad(depth), e.simd_red_update(r)).unwrap();
         }
         for _ in 0..n_inner.max(1) {
             depth -= 1;
             writeln!(out, "{}}}", pad(depth)).unwrap();
         }
         for r in &p.reductions {
-            writeln!(out, "{}{}", pad(depth), e.red_final(r)).unwrap();
+            writeln!(out, "{}{}", pad(depth), e.simd_red_final(r)).unwrap();
         }
         for s in &p.after {
             writeln!(out, "{}{}", pad(depth), e.stmt(s)?).unwrap();
@@ -293,8 +293,9 @@ pub fn emit_kernel(k: &Kernel, out: &mut String) -> Result<Vec<u32>, CodegenErro
 const LANES: i64 = 32;
 
 /// Whether a reduction pass runs as a blocked reduction over lanes: when some reduction has
-/// no OpenMP reduction clause (max, min, argmax, argmin, any, all, variance) and the innermost
-/// reduced dim is not known to be short. Sums and products alone keep `omp simd reduction`.
+/// no OpenMP reduction clause (argmax, argmin, any, all, variance, max of bools) and the
+/// innermost reduced dim is not known to be short. Sums, products, max and min alone keep
+/// `omp simd reduction` ([Note: simd max]).
 fn use_lanes(k: &Kernel, p: &braze_sched::loop_ir::Pass, e: &Emitter) -> bool {
     let Some(last) = k.inner.last() else { return false };
     if p.reductions.is_empty() || e.simd_clause(&p.reductions).is_some() {
