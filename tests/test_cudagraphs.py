@@ -133,3 +133,20 @@ def test_gradients_kept_across_backward_calls(device):
             torch.testing.assert_close(a.grad, b.grad, rtol=1e-4, atol=1e-5)
     assert counts()[2] > before[2]  # plain runs happened
     assert counts()[1] > before[1]  # and replays too
+
+
+def test_random_ops_draw_fresh_numbers_each_replay(device):
+    """Dropout inside a replayed graph draws new numbers on every replay (PyTorch's CUDA
+    generator advances through captured graphs), as eager does on every call."""
+    if device != "cuda":
+        pytest.skip("CUDA graphs")
+    drop = torch.nn.Dropout(0.5).train()
+    c = braze.compile(lambda x: drop(x) * 2, mode="reduce-overhead")
+    x = torch.ones(4096, device=device)
+    before = counts()
+    outs = [c(x).clone() for _ in range(4)]
+    assert counts()[1] - before[1] == 3
+    assert not torch.equal(outs[2], outs[3]) and not torch.equal(outs[1], outs[2])
+    for o in outs:  # kept elements are scaled by 1 / (1 - p), then doubled
+        assert set(o.unique().tolist()) <= {0.0, 4.0}
+        assert 0.4 < (o != 0).float().mean().item() < 0.6
