@@ -196,6 +196,23 @@ def test_max_and_min_are_openmp_reductions():
     assert "_v[32]" not in src, src
 
 
+@pytest.mark.parametrize("n", [7, 255, 256, 257, 1000, 4099])
+def test_variance_is_chunked(n):
+    """A row variance is computed in chunks merged by Chan's formula ([Note: chunked
+    Welford]), not per-lane arrays; values match eager for rows around the chunk size, with
+    NaN, and with a common offset a hundred times the spread (where a one-pass sum of
+    squares would lose the variance)."""
+    fn = lambda x: (x.var(-1), torch.var_mean(x, -1, correction=0), F.layer_norm(x, (n,)))
+    f = compiled(fn, dynamic=False)
+    n0 = len(braze.stats.records)
+    for x in _nan_variants(torch.randn(33, n)):
+        _close(f(x), fn(x))
+    x = torch.randn(33, n) + 100  # f32 rounding of values near 100: a looser tolerance
+    torch.testing.assert_close(f(x), fn(x), rtol=1e-3, atol=1e-3)
+    src = "\n".join(r["source"] for r in braze.stats.records[n0:] if r.get("source"))
+    assert "bz_c" in src and "_v[32]" not in src, src
+
+
 @pytest.mark.parametrize("dtype", [torch.float64, torch.int32, torch.int64, torch.bfloat16, torch.float16])
 def test_max_min_other_dtypes(dtype):
     fn = lambda x: (torch.amax(x, -1), torch.amin(x, 1), torch.argmax(x, -1), torch.max(x, -1))

@@ -59,7 +59,7 @@ pub struct Emitter<'a> {
 }
 
 impl Emitter<'_> {
-    fn dt(&self, t: u32) -> DType {
+    pub(crate) fn dt(&self, t: u32) -> DType {
         self.k.tmp_dtypes[t as usize]
     }
     fn buf_dtype(&self, id: u32) -> DType {
