@@ -196,6 +196,25 @@ def test_max_and_min_are_openmp_reductions():
     assert "_v[32]" not in src, src
 
 
+def test_softmax_computes_exp_once():
+    """A CPU softmax stores exp(x - max) in its sum pass and divides it in place ([Note:
+    stored for reload]): one `exp` per element in the generated C. Not where the last pass
+    reads another buffer (it might share the output's memory) or stores another dtype; all
+    match eager, NaN rows included."""
+    f = compiled(lambda x: torch.softmax(x, -1), dynamic=False)
+    n0 = len(braze.stats.records)
+    for x in _nan_variants(torch.randn(48, 1000)):
+        _close(f(x), torch.softmax(x, -1))
+    src = "\n".join(r["source"] for r in braze.stats.records[n0:] if r.get("source"))
+    body = src[src.index("void braze_"):]
+    assert body.count("expf(") == 1, body
+    g = compiled(lambda x, y: torch.softmax(x, -1) * y, dynamic=False)
+    h = compiled(lambda x: torch.softmax(x, -1).to(torch.bfloat16), dynamic=False)
+    x, y = torch.randn(48, 1000), torch.randn(48, 1000)
+    _close(g(x, y), torch.softmax(x, -1) * y)
+    torch.testing.assert_close(h(x), torch.softmax(x, -1).to(torch.bfloat16))
+
+
 @pytest.mark.parametrize("n", [7, 255, 256, 257, 1000, 4099])
 def test_variance_is_chunked(n):
     """A row variance is computed in chunks merged by Chan's formula ([Note: chunked

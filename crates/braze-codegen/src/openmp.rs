@@ -172,6 +172,10 @@ fn product(v: &[Expr]) -> Expr {
 /// lowest id the kernel touches, and so on) and the graph's size symbols by id; returns the
 /// buffer ids in parameter order.
 pub fn emit_kernel(k: &Kernel, out: &mut String) -> Result<Vec<u32>, CodegenError> {
+    // [Note: stored for reload] (braze-sched): the CPU stores a transcendental value for the
+    // last pass instead of computing it twice.
+    let mut reloaded = k.clone();
+    let k = if braze_sched::loop_ir::store_for_reload(&mut reloaded) { &reloaded } else { k };
     let d = OpenMp;
     let e = Emitter { k, d: &d };
     let ix = crate::c_emit::index;

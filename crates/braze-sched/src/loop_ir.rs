@@ -352,6 +352,99 @@ pub fn reload_stored_values(k: &mut Kernel) {
     }
 }
 
+/// [Note: stored for reload] A CPU row kernel whose last pass recomputes a transcendental value
+/// an earlier pass computed (softmax: `exp(x - max)` summed in the second pass, divided by the
+/// sum in the third) stores it in the earlier pass into the buffer the last pass writes, at the
+/// same index, and the last pass reads it back instead: one `exp` per element instead of two,
+/// for one more store and load of a row that is still in cache. The GPU recomputes instead
+/// (memory, not `exp`, bounds its row kernels), so only the CPU target applies this. Applied
+/// only where it is plainly safe: the kernel stores one buffer, once, in its last pass, which
+/// has no reductions; the value's dtype is the buffer's (the load returns it exactly); and every
+/// load of the last pass feeds that value, so nothing the last pass reads can share memory with
+/// the buffer (the planner lets a buffer read in one pass only take the memory of a value stored
+/// there, [Note: in-place kernels]). Returns whether the kernel changed.
+pub fn store_for_reload(k: &mut Kernel) -> bool {
+    if k.passes.len() < 2 || k.column {
+        return false;
+    }
+    let last = k.passes.len() - 1;
+    if !k.passes[last].reductions.is_empty() || !k.passes[last].after.is_empty() {
+        return false;
+    }
+    let stores: Vec<&Stmt> =
+        k.prelude.iter().chain(k.passes.iter().flat_map(|p| p.body.iter().chain(&p.after))).filter(|s| matches!(s, Stmt::Store { .. })).collect();
+    let [Stmt::Store { buf, index, value }] = stores.as_slice() else { return false };
+    let (buf, index, value) = (*buf, index.clone(), *value);
+    let Some(bdt) = k.bufs.iter().find(|b| b.id == buf).map(|b| b.dtype) else { return false };
+    let defs = |p: &Pass| p.body.iter().filter_map(|s| s.dst().map(|d| (d, s.clone()))).collect::<std::collections::HashMap<Tmp, Stmt>>();
+    let last_defs = defs(&k.passes[last]);
+    if !last_defs.contains_key(&value) {
+        return false;
+    }
+    // The statements a temporary of the last pass is computed from (itself included).
+    fn subtree(t: Tmp, defs: &std::collections::HashMap<Tmp, Stmt>, out: &mut std::collections::HashSet<Tmp>) {
+        if let Some(s) = defs.get(&t) {
+            if out.insert(t) {
+                for r in stmt_reads(s) {
+                    subtree(r, defs, out);
+                }
+            }
+        }
+    }
+    // Whether `a` (last pass) and `b` (pass `p`) compute the same value.
+    fn same(a: Tmp, b: Tmp, da: &std::collections::HashMap<Tmp, Stmt>, db: &std::collections::HashMap<Tmp, Stmt>) -> bool {
+        let (Some(sa), Some(sb)) = (da.get(&a), db.get(&b)) else { return a == b && !da.contains_key(&a) && !db.contains_key(&b) };
+        let eq = |x: &Tmp, y: &Tmp| same(*x, *y, da, db);
+        match (sa, sb) {
+            (Stmt::Load { buf: b1, index: i1, mask: None, .. }, Stmt::Load { buf: b2, index: i2, mask: None, .. }) => b1 == b2 && i1 == i2,
+            (Stmt::Const { value: v1, .. }, Stmt::Const { value: v2, .. }) => v1 == v2,
+            (Stmt::Unary { op: o1, a: a1, .. }, Stmt::Unary { op: o2, a: a2, .. }) => o1 == o2 && eq(a1, a2),
+            (Stmt::Binary { op: o1, a: a1, b: b1, .. }, Stmt::Binary { op: o2, a: a2, b: b2, .. }) => o1 == o2 && eq(a1, a2) && eq(b1, b2),
+            (Stmt::Where { c: c1, a: a1, b: b1, .. }, Stmt::Where { c: c2, a: a2, b: b2, .. }) => eq(c1, c2) && eq(a1, a2) && eq(b1, b2),
+            (Stmt::Cast { a: a1, .. }, Stmt::Cast { a: a2, .. }) => eq(a1, a2),
+            _ => false,
+        }
+    }
+    let expensive = |s: &Stmt| {
+        matches!(s, Stmt::Unary { op, .. } if matches!(op, UnaryOp::Exp | UnaryOp::Exp2 | UnaryOp::Expm1 | UnaryOp::Log | UnaryOp::Log2
+            | UnaryOp::Log10 | UnaryOp::Log1p | UnaryOp::Tanh | UnaryOp::Sigmoid | UnaryOp::Erf | UnaryOp::Erfc | UnaryOp::Sin
+            | UnaryOp::Cos | UnaryOp::Tan | UnaryOp::Sinh | UnaryOp::Cosh | UnaryOp::Lgamma))
+    };
+    let loads: Vec<Tmp> = k.passes[last].body.iter().filter(|s| matches!(s, Stmt::Load { .. })).filter_map(|s| s.dst()).collect();
+    // The largest value of the last pass that an earlier pass computes.
+    let mut best: Option<(usize, Tmp, usize, Tmp)> = None;
+    for s in &k.passes[last].body {
+        let Some(t) = s.dst() else { continue };
+        if t == value || k.tmp_dtypes[t as usize] != bdt {
+            continue;
+        }
+        let mut sub = std::collections::HashSet::new();
+        subtree(t, &last_defs, &mut sub);
+        if !sub.iter().any(|x| expensive(&last_defs[x])) || !loads.iter().all(|l| sub.contains(l)) {
+            continue;
+        }
+        if best.as_ref().is_some_and(|b| b.0 >= sub.len()) {
+            continue;
+        }
+        for pi in 0..last {
+            let pd = defs(&k.passes[pi]);
+            if let Some(tp) = k.passes[pi].body.iter().filter_map(|s| s.dst()).find(|&u| same(t, u, &last_defs, &pd)) {
+                best = Some((sub.len(), t, pi, tp));
+                break;
+            }
+        }
+    }
+    let Some((_, t, pi, tp)) = best else { return false };
+    k.passes[pi].body.push(Stmt::Store { buf, index: index.clone(), value: tp });
+    for s in k.passes[last].body.iter_mut() {
+        if s.dst() == Some(t) {
+            *s = Stmt::Load { dst: t, buf, index: index.clone(), mask: None };
+        }
+    }
+    drop_unused(k);
+    true
+}
+
 /// Removes pass-body statements whose temporary nothing reads (to a fixed point).
 fn drop_unused(k: &mut Kernel) {
     loop {
