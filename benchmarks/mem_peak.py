@@ -20,14 +20,10 @@ def main():
     backend = sys.argv[2] if len(sys.argv) > 2 else "braze"
     train = mode == "train"
     dev = torch.device("cuda")
-    build, make_inputs, desc = bm._configs(True)[name]
-    torch.manual_seed(0)
-    model = build().to(dev)
-    model.train(train)
-    inf_in, tr_in = make_inputs(dev)
+    model, inputs, desc = bm.prepared(name, train, dev)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True) if train else None
     fn = model if backend == "eager" else torch.compile(model, backend=backend)
-    step = bm._make_step(model, fn, tr_in if train else inf_in, train, dev, opt)
+    step = bm._make_step(model, fn, inputs, train, dev, opt)
     for _ in range(4):
         step()
     torch.cuda.synchronize()

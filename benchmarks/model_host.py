@@ -14,7 +14,7 @@ import torch
 
 import braze
 from braze import runtime
-from braze.bench_models import _configs, _make_step
+from braze.bench_models import _make_step, prepared
 
 acc = {"extern": 0, "run": 0, "calls": 0, "externs": 0, "runs": 0, "graph": 0}
 graphs = []
@@ -80,12 +80,7 @@ def main():
     for w in a.work:
         name, mode = w.split(":")
         train = mode == "train"
-        build, make_inputs, desc = _configs(True)[name]
-        torch.manual_seed(0)
-        base = build().to(dev)
-        base.train(train)
-        inf_in, train_in = make_inputs(dev)
-        inputs = train_in if train else inf_in
+        base, inputs, desc = prepared(name, train, dev)
         print(f"== {desc} {'train' if train else 'inference'}{', mode ' + a.mode if a.mode else ''}", flush=True)
         for be in a.backends.split(","):
             model = copy.deepcopy(base)

@@ -13,7 +13,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import braze
-from braze.bench_models import _configs, _make_step
+from braze.bench_models import _make_step, prepared
 
 
 def main():
@@ -27,12 +27,7 @@ def main():
     for w in a.work:
         name, mode = w.split(":")
         train = mode == "train"
-        build, make_inputs, desc = _configs(True)[name]
-        torch.manual_seed(0)
-        base = build().to(dev)
-        base.train(train)
-        inf_in, train_in = make_inputs(dev)
-        inputs = train_in if train else inf_in
+        base, inputs, desc = prepared(name, train, dev)
         backends = ["eager", "braze"] + (["inductor"] if a.inductor else [])
         for be in backends:
             model = copy.deepcopy(base)

@@ -56,7 +56,7 @@ def current():
 
 def record(kind, name, fn, gm):
     """Called by braze's compilers with each graph AOTAutograd hands them."""
-    cap = getattr(_state, "capture", None)
+    cap = current()
     if cap is None:
         return
     cap.names.append(name)

@@ -128,14 +128,20 @@ def _make_step(model, fn, inputs, train, device, opt):
     return infer
 
 
-def run_model_workload(name, train, device, backends, reps):
-    """Rows (one per backend, eager first) for one model in one mode."""
+def prepared(name, train, device):
+    """(model with random weights from seed 0 on `device` in train or eval mode, the inputs
+    of that mode, description) of a workload: the sizes of the device's configuration."""
     build, make_inputs, desc = _configs(device.type == "cuda")[name]
     torch.manual_seed(0)
     base = build().to(device)
     base.train(train)
     inf_inputs, train_inputs = make_inputs(device)
-    inputs = train_inputs if train else inf_inputs
+    return base, (train_inputs if train else inf_inputs), desc
+
+
+def run_model_workload(name, train, device, backends, reps):
+    """Rows (one per backend, eager first) for one model in one mode."""
+    base, inputs, desc = prepared(name, train, device)
     steps, first, ref_diff, peak, eager_graphs = {}, {}, {}, {}, {}
     ref = None
     for be in ["eager"] + list(backends):

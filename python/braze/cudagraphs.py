@@ -132,8 +132,9 @@ class WholeGraph:
             self._turn_off("an input is not on the graph's device")
             return self.g(args)
         pool = _pool(dev)
+        alive = pool.alive()
         live_keys = {}  # storage data pointer -> key of a live whole-graph output there
-        for key, (ref, tws) in pool.alive().items():
+        for key, (ref, tws) in alive.items():
             for w in tws:
                 t = w()
                 if t is not None:
@@ -154,7 +155,7 @@ class WholeGraph:
                 cap_args[i] = buf
         pool.static_ptrs.update(args[i].data_ptr() for i in self.static_inputs if i < len(args) and isinstance(args[i], torch.Tensor))
         self.mutated = [i for i in self.g.mutated_args if i in self.copied]
-        self.alive_at_capture = frozenset(pool.alive())
+        self.alive_at_capture = frozenset(alive)
         graph = torch.cuda.CUDAGraph()
         torch.cuda.synchronize(dev)
         try:

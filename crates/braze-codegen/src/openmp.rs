@@ -281,12 +281,7 @@ pub fn emit_kernel(k: &Kernel, out: &mut String) -> Result<Vec<u32>, CodegenErro
             depth -= 1;
             writeln!(out, "{}}}", pad(depth)).unwrap();
         }
-        for r in &p.reductions {
-            writeln!(out, "{}{}", pad(depth), e.simd_red_final(r)).unwrap();
-        }
-        for s in &p.after {
-            writeln!(out, "{}{}", pad(depth), e.stmt(s)?).unwrap();
-        }
+        emit_pass_end(p, out, &pad(depth), |r| e.simd_red_final(r), &e)?;
     }
     for _ in 0..n_outer {
         depth -= 1;
@@ -356,19 +351,31 @@ fn emit_chunked_welford(k: &Kernel, p: &braze_sched::loop_ir::Pass, e: &Emitter,
         writeln!(out, "{q}const {t} bz_m{n} = bz_s{n} / ({t})bz_n;").unwrap();
         writeln!(out, "{q}#pragma omp simd reduction(+:bz_q{n})").unwrap();
         writeln!(out, "{q}for (int64_t bz_l = 0; bz_l < bz_n; bz_l++) {{ const {t} d = bz_c{n}[bz_l] - bz_m{n}; bz_q{n} += d * d; }}").unwrap();
-        writeln!(
-            out,
-            "{q}{{ const int64_t nn = wn{n} + bz_n; const {t} d = bz_m{n} - wm{n}; const {t} f = ({t})bz_n / ({t})nn; \
-             wm{n} += d * f; wq{n} += bz_q{n} + d * d * ({t})wn{n} * f; wn{n} = nn; }}"
-        )
-        .unwrap();
+        // The chunk's state merged as a lane's is (Chan et al.).
+        let chunk = |state: &str| match &state[..2] {
+            "wm" => format!("bz_m{n}"),
+            "wq" => format!("bz_q{n}"),
+            _ => "bz_n".to_string(),
+        };
+        writeln!(out, "{q}{}", e.red_combine(r, &chunk)).unwrap();
     }
     writeln!(out, "{}}}", pad(depth)).unwrap();
+    emit_pass_end(p, out, &pad(depth), |r| e.red_final(r), e)
+}
+
+/// A reduction pass's end: each result (`fin`), then the pass's `after` statements.
+fn emit_pass_end(
+    p: &braze_sched::loop_ir::Pass,
+    out: &mut String,
+    q: &str,
+    fin: impl Fn(&braze_sched::loop_ir::Reduction) -> String,
+    e: &Emitter,
+) -> Result<(), CodegenError> {
     for r in &p.reductions {
-        writeln!(out, "{}{}", pad(depth), e.red_final(r)).unwrap();
+        writeln!(out, "{q}{}", fin(r)).unwrap();
     }
     for s in &p.after {
-        writeln!(out, "{}{}", pad(depth), e.stmt(s)?).unwrap();
+        writeln!(out, "{q}{}", e.stmt(s)?).unwrap();
     }
     Ok(())
 }
@@ -450,13 +457,7 @@ fn emit_lanes_pass(k: &Kernel, p: &braze_sched::loop_ir::Pass, e: &Emitter, out:
         writeln!(out, "{}{}", pad(depth + 1), e.red_combine(r, &|n| format!("{n}_v[bz_l]"))).unwrap();
     }
     writeln!(out, "{}}}", pad(depth)).unwrap();
-    for r in &p.reductions {
-        writeln!(out, "{}{}", pad(depth), e.red_final(r)).unwrap();
-    }
-    for s in &p.after {
-        writeln!(out, "{}{}", pad(depth), e.stmt(s)?).unwrap();
-    }
-    Ok(())
+    emit_pass_end(p, out, &pad(depth), |r| e.red_final(r), e)
 }
 
 /// The body of a vector loop over `lane` (lanes of a blocked reduction, columns of a column

@@ -411,6 +411,7 @@ pub fn store_for_reload(k: &mut Kernel) -> bool {
             | UnaryOp::Cos | UnaryOp::Tan | UnaryOp::Sinh | UnaryOp::Cosh | UnaryOp::Lgamma))
     };
     let loads: Vec<Tmp> = k.passes[last].body.iter().filter(|s| matches!(s, Stmt::Load { .. })).filter_map(|s| s.dst()).collect();
+    let earlier: Vec<_> = k.passes[..last].iter().map(defs).collect();
     // The largest value of the last pass that an earlier pass computes.
     let mut best: Option<(usize, Tmp, usize, Tmp)> = None;
     for s in &k.passes[last].body {
@@ -426,9 +427,8 @@ pub fn store_for_reload(k: &mut Kernel) -> bool {
         if best.as_ref().is_some_and(|b| b.0 >= sub.len()) {
             continue;
         }
-        for pi in 0..last {
-            let pd = defs(&k.passes[pi]);
-            if let Some(tp) = k.passes[pi].body.iter().filter_map(|s| s.dst()).find(|&u| same(t, u, &last_defs, &pd)) {
+        for (pi, pd) in earlier.iter().enumerate() {
+            if let Some(tp) = k.passes[pi].body.iter().filter_map(|s| s.dst()).find(|&u| same(t, u, &last_defs, pd)) {
                 best = Some((sub.len(), t, pi, tp));
                 break;
             }
