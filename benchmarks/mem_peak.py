@@ -23,7 +23,7 @@ def main():
     model, inputs, desc = bm.prepared(name, train, dev)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True) if train else None
     fn = model if backend == "eager" else torch.compile(model, backend=backend)
-    step = bm._make_step(model, fn, inputs, train, dev, opt)
+    step = bm._make_step(model, fn, inputs, train, dev, opt, bm.autocast_of(name))
     for _ in range(4):
         step()
     torch.cuda.synchronize()

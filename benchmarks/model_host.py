@@ -4,6 +4,8 @@ braze the split of its graphs' call time into extern ATen calls, Rust kernel run
 of the Python call loop.
 
     python benchmarks/model_host.py resnet50:inf [bert:train ...] [--steps 50] [--mode reduce-overhead]
+
+Issue 10's fp32 convnets: mobilenet_v3_small:inf, resnet18:train (b32, no autocast).
 """
 import argparse
 import copy
@@ -14,7 +16,7 @@ import torch
 
 import braze
 from braze import runtime
-from braze.bench_models import _make_step, prepared
+from braze.bench_models import _make_step, autocast_of, prepared
 
 acc = {"extern": 0, "run": 0, "calls": 0, "externs": 0, "runs": 0, "graph": 0}
 graphs = []
@@ -72,7 +74,8 @@ def main():
     ap.add_argument("work", nargs="+")
     ap.add_argument("--steps", type=int, default=50)
     ap.add_argument("--mode", default=None, help="torch.compile mode for Inductor and braze")
-    ap.add_argument("--backends", default="eager,inductor,braze")
+    ap.add_argument("--backends", default="eager,inductor,braze",
+                    help="comma-separated; braze:KEY=VALUE[:KEY=VALUE] passes options (conv_layout=eager)")
     ap.add_argument("--profile", action="store_true", help="cProfile braze's timed steps (top functions by own time)")
     a = ap.parse_args()
     dev = torch.device("cuda")
@@ -82,13 +85,15 @@ def main():
         train = mode == "train"
         base, inputs, desc = prepared(name, train, dev)
         print(f"== {desc} {'train' if train else 'inference'}{', mode ' + a.mode if a.mode else ''}", flush=True)
-        for be in a.backends.split(","):
+        for spec in a.backends.split(","):
+            be, *opts = spec.split(":")
+            options = dict(o.split("=", 1) for o in opts)
             model = copy.deepcopy(base)
             opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True) if train else None
             torch._dynamo.reset()
             graphs.clear()
-            fn = model if be == "eager" else torch.compile(model, backend=be, mode=a.mode)
-            step = _make_step(model, fn, inputs, train, dev, opt)
+            fn = model if be == "eager" else torch.compile(model, backend=be, mode=a.mode, **({"options": options} if options else {}))
+            step = _make_step(model, fn, inputs, train, dev, opt, autocast_of(name))
             for _ in range(3):
                 step()
             torch.cuda.synchronize()
@@ -118,7 +123,7 @@ def main():
                 import pstats
                 prof.disable()
                 pstats.Stats(prof).sort_stats("tottime").print_stats(15)
-            line = f"  {be:9s} host {statistics.median(host):8.1f} us  wall {statistics.median(wall):8.1f} us"
+            line = f"  {spec:9s} host {statistics.median(host):8.1f} us  wall {statistics.median(wall):8.1f} us"
             if be == "braze":
                 n = a.steps
                 rest = acc["graph"] - acc["extern"] - acc["run"]

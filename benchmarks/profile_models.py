@@ -13,7 +13,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import braze
-from braze.bench_models import _make_step, prepared
+from braze.bench_models import _make_step, autocast_of, prepared
 
 
 def main():
@@ -35,7 +35,7 @@ def main():
             torch._dynamo.reset()
             braze.stats.reset()
             fn = model if be == "eager" else torch.compile(model, backend=be)
-            step = _make_step(model, fn, inputs, train, dev, opt)
+            step = _make_step(model, fn, inputs, train, dev, opt, autocast_of(name))
             for _ in range(3):
                 step()
             torch.cuda.synchronize()

@@ -1,6 +1,7 @@
 """End-to-end: the seed workloads, training, graph breaks, dynamic shapes, mutation and
 the user-facing surface (entry point, modes, options, explain, logs). Every check compares
 against eager PyTorch on fresh random inputs."""
+import copy
 import re
 import subprocess
 import sys
@@ -462,6 +463,109 @@ def test_cpu_inference_convolutions_run_channels_last():
     copies = [k for k, _ in rec["kernels"] if "copy" in k]
     # The input's layout and the returned convolution's eager strides; nothing between.
     assert len(copies) == 2, rec["kernels"]
+
+
+class _ConvNet(torch.nn.Module):
+    """Convolution, BatchNorm, ReLU, max pool and a residual add, as in a ResNet."""
+
+    def __init__(self, c=8):
+        super().__init__()
+        self.c1, self.b1 = torch.nn.Conv2d(3, c, 3, padding=1, bias=False), torch.nn.BatchNorm2d(c)
+        self.c2, self.b2 = torch.nn.Conv2d(c, c, 3, padding=1, bias=False), torch.nn.BatchNorm2d(c)
+        self.c3 = torch.nn.Conv2d(c, c, 1)
+        self.fc = torch.nn.Linear(c, 5)
+
+    def forward(self, x):
+        y = torch.nn.functional.max_pool2d(torch.relu(self.b1(self.c1(x))), 3, 2, 1)
+        z = torch.relu(self.b2(self.c2(y)) + y)
+        z = torch.relu(self.c3(z)) + z
+        return self.fc(torch.flatten(torch.nn.functional.adaptive_avg_pool2d(z, 1), 1))
+
+
+def test_training_convolutions_run_channels_last(device, monkeypatch):
+    """With conv_layout='channels_last' ([Note: convolution layout]) a training step of a
+    contiguous convnet runs its convolutions channels_last: the forward lays out the input
+    image once and nothing else, returns the activations it saves for the backward
+    channels_last, and the backward, compiled for them, copies no activation between layouts
+    (only ATen's channels_last weight gradients are relaid into the parameters' strides).
+    Outputs, gradients and BatchNorm's running statistics are eager's."""
+    from braze import runtime
+    # cuDNN's TF32 kernels differ between layouts by more than fp32 rounding; this checks layouts.
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+    torch.manual_seed(0)
+    m = _ConvNet().to(device)
+    ref = copy.deepcopy(m)
+    x = torch.randn(4, 3, 16, 16, device=device)
+    copies = []
+    relayout = runtime.CompiledGraph._relayout
+
+    def counted(self, t, *a):
+        copies.append((self.name, tuple(t.shape)))
+        return relayout(self, t, *a)
+    monkeypatch.setattr(runtime.CompiledGraph, "_relayout", counted)
+    graphs = []
+    init = runtime.CompiledGraph.__init__
+
+    def kept(self, *a):
+        init(self, *a)
+        graphs.append(self)
+    monkeypatch.setattr(runtime.CompiledGraph, "__init__", kept)
+    n0 = len(braze.stats.records)
+    c = compiled(m, options={"on_unsupported": "error", "conv_layout": "channels_last"})
+    for _ in range(2):
+        copies.clear()
+        for mod in (m, ref):
+            mod.zero_grad(set_to_none=True)
+        out = c(x)
+        out.square().sum().backward()
+        r = ref(x)
+        r.square().sum().backward()
+        torch.testing.assert_close(out, r, rtol=1e-4, atol=1e-4)
+    for a, b in zip(m.parameters(), ref.parameters()):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-3, atol=1e-4)
+    for a, b in zip(m.buffers(), ref.buffers()):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    fw, bw = [r for r in braze.stats.records[n0:]]
+    assert (fw["kind"], bw["kind"]) == ("forward", "backward")
+    assert len([k for k, _ in fw["kernels"] if "copy" in k]) == 1, fw["kernels"]
+    weights = {tuple(p.shape) for p in m.parameters() if p.dim() == 4}
+    assert copies and all(name.startswith("backward") and shape in weights for name, shape in copies), copies
+    # The saved activations (4-d, a batch stride of at least 8 channels of 8x8; the weights,
+    # saved too, have smaller ones) come back channels_last.
+    saved = [st for st in graphs[0].output_strides() if len(st) == 4 and st[0] >= 512]
+    assert len(saved) >= 4 and all(st[1] == 1 for st in saved), saved
+
+
+def _traced(model, x):
+    from torch.fx.experimental.proxy_tensor import make_fx
+    return make_fx(lambda x: model(x), pre_dispatch=False)(x)
+
+
+def test_conv_layout_choice():
+    """Which graphs run their convolutions channels_last under conv_layout='auto' ([Note:
+    convolution layout]): on the GPU convnets of more than a few channels, not those with
+    convolutions grouped over several channels per group (depthwise ones are fine); on the
+    CPU inference graphs; never under 'eager'; always under 'channels_last'."""
+    from braze.lowering import conv_channels_last
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    x = torch.randn(2, 3, 32, 32)
+    wide = _traced(_ConvNet(96).eval(), x)
+    small = _traced(_ConvNet(8).eval(), x)
+    grouped = _traced(torch.nn.Sequential(torch.nn.Conv2d(3, 128, 3), torch.nn.Conv2d(128, 128, 3, groups=4)), x)
+    depthwise = _traced(torch.nn.Sequential(torch.nn.Conv2d(3, 128, 3), torch.nn.Conv2d(128, 128, 3, groups=128)), x)
+    plain = _traced(torch.nn.Sequential(torch.nn.Linear(32, 32)), x)
+    assert conv_channels_last(wide, "forward", cuda, "auto")
+    assert conv_channels_last(wide, "inference", cuda, "auto")
+    assert not conv_channels_last(small, "forward", cuda, "auto")
+    assert conv_channels_last(small, "forward", cuda, "channels_last")
+    assert not conv_channels_last(grouped, "forward", cuda, "auto")
+    assert conv_channels_last(depthwise, "forward", cuda, "auto")
+    assert not conv_channels_last(wide, "forward", cuda, "eager")
+    assert not conv_channels_last(plain, "inference", cuda, "channels_last")
+    assert conv_channels_last(small, "inference", cpu, "auto")
+    assert not conv_channels_last(wide, "forward", cpu, "auto")
+    # A backward follows its forward's choice.
+    assert conv_channels_last(plain, "backward", cuda, True) and not conv_channels_last(wide, "backward", cuda, False)
 
 
 def test_unsupported_dtype_falls_back():

@@ -39,6 +39,8 @@ class Capture:
         # Forward output name -> the strides braze returns it with, where they differ from
         # eager's ([Note: saved outputs in their returned layout] in backend.py).
         self.relaid_outputs = {}
+        # Whether the forward's convolutions ran channels_last (its backward's then do too).
+        self.conv_channels_last = None
 
     def __enter__(self):
         self.prev = getattr(_state, "capture", None)

@@ -66,13 +66,16 @@ def compile_fx_graph(gm: torch.fx.GraphModule, example_inputs, *, cfg: Config, k
     record = {"name": name, "kind": kind, "fx_nodes": len(gm.graph.nodes)}
     try:
         lowered = lower_graph(gm, name, functools.partial(_compile_subgraph, cfg=cfg), _static_inputs(kind) if cfg.freeze_weights else (),
-                              _saved_strides(gm) if kind == "backward" else None)
+                              _saved_strides(gm) if kind == "backward" else None, _conv_layout(kind, cfg), _saved_from(kind))
         t1 = time.perf_counter()
         compiled = _build(lowered, cfg)
         t2 = time.perf_counter()
         fn = CompiledGraph(compiled, lowered, name)
         if kind == "forward":
             _note_relaid_outputs(gm, lowered, fn)
+            cap = direct.current()
+            if cap is not None:
+                cap.conv_channels_last = lowered.conv_channels_last
         if cfg.whole_graph_replay:
             fn = cudagraphs.wrap(fn, kind, () if kind == "backward" else _static_input_indices(), cfg.logs)
     except (Unsupported, _core.Unsupported, _core.InternalError, _core.EnvironmentError_) as e:
@@ -147,6 +150,25 @@ def _note_relaid_outputs(gm, lowered, fn):
     cap.relaid_outputs = relaid
 
 
+def _conv_layout(kind, cfg):
+    """The conv_layout option, or for a backward its forward's choice ([Note: convolution
+    layout] in lowering.py): the saved activations come in the layout the forward chose."""
+    cap = direct.current()
+    if kind == "backward" and cap is not None and cap.conv_channels_last is not None:
+        return cap.conv_channels_last
+    return cfg.conv_layout
+
+
+def _saved_from(kind):
+    """A forward's first output position that is a tensor saved for the backward (AOTAutograd's
+    metadata), or None."""
+    if kind != "forward":
+        return None
+    ctx = torch._guards.TracingContext.try_get()
+    n = getattr(getattr(ctx, "fw_metadata", None), "num_forward", None)
+    return n if isinstance(n, int) else None
+
+
 def _saved_strides(gm):
     cap = direct.current()
     if cap is None or not cap.relaid_outputs:
@@ -181,7 +203,8 @@ def _build(lowered, cfg: Config):
         target = f"cuda:{device.index if device.index is not None else torch.cuda.current_device()}"
         # Under whole-graph replay the runs of kernels are captured with the rest: no replay
         # of their own.
-        return lowered.builder.compile(device=target, cuda_graphs=cfg.cuda_graphs and not cfg.whole_graph_replay, matmul_tune=cfg.matmul_tune, arena_externs=arena_externs)
+        return lowered.builder.compile(device=target, cuda_graphs=cfg.cuda_graphs and not cfg.whole_graph_replay, matmul_tune=cfg.matmul_tune, arena_externs=arena_externs,
+                                        elide_layouts=lowered.conv_channels_last)
     check = os.environ.get("BRAZE_CHECK_CUDA") == "1" and cuda.nvrtc_available()
     return lowered.builder.compile(device="cpu", check_cuda=check, arena_externs=arena_externs)
 

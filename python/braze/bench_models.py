@@ -31,7 +31,7 @@ def _hf():
 
 
 def _configs(gpu: bool):
-    """name -> (builder, input maker, description)."""
+    """name -> (builder, input maker, description[, bf16 autocast: True when left out])."""
 
     def gpt2():
         cfg = _hf().GPT2Config() if gpu else _hf().GPT2Config(n_layer=2, n_embd=128, n_head=4)
@@ -59,6 +59,12 @@ def _configs(gpu: bool):
         import torchvision
         return torchvision.models.resnet50().to(memory_format=torch.channels_last)
 
+    def tv(name):
+        def build():
+            import torchvision
+            return getattr(torchvision.models, name)()
+        return build
+
     def tokens(b, s, vocab):
         def make(device):
             ids = torch.randint(0, vocab, (b, s), device=device)
@@ -80,6 +86,9 @@ def _configs(gpu: bool):
             "bert": (bert, tokens(16, 512, 30522), "BERT-base b16 s512"),
             "vit": (vit, images(32, 224), "ViT-B/16 b32 224"),
             "resnet50": (resnet50, images(64, 224, True), "ResNet-50 channels_last b64 224"),
+            # Issue 10's host-bound convnets: fp32 (no autocast), contiguous.
+            "mobilenet_v3_small": (tv("mobilenet_v3_small"), images(32, 224), "MobileNet-v3-small fp32 b32 224", False),
+            "resnet18": (tv("resnet18"), images(32, 224), "ResNet-18 fp32 b32 224", False),
         }
     return {
         "gpt2": (gpt2, tokens(2, 128, 50257), "GPT-2 2 layers d128 b2 s128 (CPU size)"),
@@ -87,6 +96,8 @@ def _configs(gpu: bool):
         "bert": (bert, tokens(2, 128, 30522), "BERT 2 layers d128 b2 s128 (CPU size)"),
         "vit": (vit, images(2, 224), "ViT-Ti/16 b2 224 (CPU size)"),
         "resnet50": (resnet50, images(2, 224, True), "ResNet-50 channels_last b2 224 (CPU size)"),
+        "mobilenet_v3_small": (tv("mobilenet_v3_small"), images(2, 224), "MobileNet-v3-small fp32 b2 224 (CPU size)", False),
+        "resnet18": (tv("resnet18"), images(2, 224), "ResNet-18 fp32 b2 224 (CPU size)", False),
     }
 
 
@@ -108,8 +119,8 @@ def _sync(device):
         torch.cuda.synchronize()
 
 
-def _make_step(model, fn, inputs, train, device, opt):
-    auto = torch.autocast(device.type, dtype=torch.bfloat16)
+def _make_step(model, fn, inputs, train, device, opt, autocast=True):
+    auto = torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast)
     if train:
         def step():
             with auto:
@@ -128,10 +139,16 @@ def _make_step(model, fn, inputs, train, device, opt):
     return infer
 
 
+def autocast_of(name):
+    """Whether a workload runs under bf16 autocast (all but issue 10's fp32 convnets)."""
+    cfg = _configs(False)[name]
+    return cfg[3] if len(cfg) > 3 else True
+
+
 def prepared(name, train, device):
     """(model with random weights from seed 0 on `device` in train or eval mode, the inputs
     of that mode, description) of a workload: the sizes of the device's configuration."""
-    build, make_inputs, desc = _configs(device.type == "cuda")[name]
+    build, make_inputs, desc = _configs(device.type == "cuda")[name][:3]
     torch.manual_seed(0)
     base = build().to(device)
     base.train(train)
@@ -154,7 +171,7 @@ def run_model_workload(name, train, device, backends, reps):
         fn = model if be == "eager" else torch.compile(model, backend=be)
         n0 = len(braze.stats.records)
         g0 = braze.stats.graphs_eager
-        step = _make_step(model, fn, inputs, train, device, opt)
+        step = _make_step(model, fn, inputs, train, device, opt, autocast_of(name))
         gc.collect()
         _sync(device)
         t = time.perf_counter()

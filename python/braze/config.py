@@ -36,6 +36,10 @@ OPTIONS = {
                           "and 'max-autotune', else False; python/braze/cudagraphs.py tells the rules)",
     "matmul_tune": "bool: on the GPU, time cuBLASLt's top algorithms for each large matmul at compile time and keep "
                    "the fastest (default True; BRAZE_MATMUL_TUNE=0 turns it off everywhere)",
+    "conv_layout": "how 2-d convolutions of tensors contiguous in eager are laid out: 'auto' (channels_last where "
+                   "it pays: on the GPU graphs whose convolutions are not grouped across channels, inference and "
+                   "training; on the CPU inference graphs), 'channels_last' (always), 'eager' (eager's layouts). "
+                   "Outputs keep eager's strides either way (default 'auto')",
     "direct_autograd": "bool: run graphs without mutation, aliasing, subclasses or RNG state through braze's own "
                        "autograd.Function instead of AOTAutograd's runtime wrappers (default True)",
 }
@@ -56,6 +60,7 @@ class Config:
     cuda_graphs: bool = True
     matmul_tune: bool = True
     whole_graph_replay: bool = False
+    conv_layout: str = "auto"
 
     @staticmethod
     def make(mode=None, options=None) -> "Config":
@@ -85,6 +90,9 @@ class Config:
         freeze_weights = options.get("freeze_weights", False)
         if not isinstance(freeze_weights, bool):
             raise BrazeConfigError("braze: option 'freeze_weights' must be a bool")
+        conv_layout = options.get("conv_layout", "auto")
+        if conv_layout not in ("auto", "channels_last", "eager"):
+            raise BrazeConfigError("braze: option 'conv_layout' must be 'auto', 'channels_last' or 'eager'")
         flags = {}
         for name, default in (("cuda_graphs", mode != "max-autotune-no-cudagraphs"), ("matmul_tune", True),
                               ("whole_graph_replay", mode in ("reduce-overhead", "max-autotune"))):
@@ -92,4 +100,4 @@ class Config:
             if not isinstance(flags[name], bool):
                 raise BrazeConfigError(f"braze: option '{name}' must be a bool")
         return Config(mode=mode, logs=frozenset(logs), on_unsupported=on_unsupported, decompose=decompose,
-                      direct_autograd=direct_autograd, freeze_weights=freeze_weights, **flags)
+                      direct_autograd=direct_autograd, freeze_weights=freeze_weights, conv_layout=conv_layout, **flags)

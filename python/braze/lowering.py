@@ -156,13 +156,23 @@ class Lowered:
     # op name -> count of calls run through PyTorch as islands: higher-order operators and
     # calls that return no tensor (asserts, effects).
     islands: dict = field(default_factory=dict)
+    # Whether the graph's convolutions run channels_last ([Note: convolution layout]).
+    conv_channels_last: bool = False
 
 
 class Lowerer:
     """Walks one FX graph into a GraphBuilder."""
 
-    def __init__(self, gm: torch.fx.GraphModule, name: str, subcompile=None, static_inputs=(), input_strides=None):
+    def __init__(self, gm: torch.fx.GraphModule, name: str, subcompile=None, static_inputs=(), input_strides=None,
+                 conv_layout="auto", saved_from=None):
         self.gm = gm
+        # The conv_layout option, or for a backward the forward's choice (True / False)
+        # ([Note: convolution layout]).
+        self.conv_layout = conv_layout
+        self.conv_cl = False
+        # A forward's first output position that is a tensor saved for the backward (AOTAutograd's
+        # num_forward), or None.
+        self.saved_from = saved_from
         # Placeholder name -> the strides to compile it for instead of its FX metadata's
         # ([Note: saved outputs in their returned layout] in backend.py).
         self.input_strides = input_strides or {}
@@ -191,7 +201,8 @@ class Lowerer:
         self.constants = []
         self.bugs = {}
         self.islands = {}
-        self.relaid = {}  # ir id -> eager strides, for values braze lays out otherwise (CPU convolutions)
+        self.relaid = {}  # ir id -> eager strides, for values braze lays out otherwise (channels_last convolutions)
+        self.cl_inputs = {}  # ir id -> its channels_last layout made for a convolution
         self.arg_index = {}  # placeholder node -> its position among the graph's arguments
         self.mutations = []  # (placeholder node, FX node of the new value): aten.copy_ into an input
 
@@ -300,6 +311,18 @@ class Lowerer:
             self.cpu_linears, self.absorbed = plan(self.gm, self.static_inputs)
         out_node = next((n for n in reversed(self.gm.graph.nodes) if n.op == "output"), None)
         graph_outs = set(out_node.all_input_nodes) if out_node is not None else set()
+        self.conv_cl = conv_channels_last(self.gm, self.name.split("_")[0], self.device, self.conv_layout)
+        # Saved tensors of a forward with channels_last convolutions come back in the strides
+        # braze stores them with (the backward is compiled for those): a ReLU's output that the
+        # next convolution reads channels_last is stored once, channels_last, not also in
+        # eager's layout. (Elsewhere they keep eager's strides.)
+        self.free_saved = set()
+        out_args = []
+        if out_node is not None:
+            out_args = list(out_node.args[0]) if isinstance(out_node.args[0], (list, tuple)) else [out_node.args[0]]
+        if self.conv_cl and self.saved_from is not None:
+            fixed = {a for a in out_args[:self.saved_from] if isinstance(a, torch.fx.Node)}
+            self.free_saved = {a for a in out_args[self.saved_from:] if isinstance(a, torch.fx.Node) and a not in fixed}
         # Outputs in eager's layout, each made right after its value: a copy that runs at
         # the end instead would hold what it reads (GPT-2's qkv projections, for its key and
         # value cache) for the whole graph.
@@ -326,13 +349,17 @@ class Lowerer:
                     inputs.append(("other", val))
             elif node.op == "call_function":
                 v = self.env[node] = self.lower_node(node)
-                if node in graph_outs and isinstance(v, int):
+                if node in graph_outs and isinstance(v, int) and node not in self.free_saved:
                     laid_out[node] = self.output_layout(node, v)
             elif node.op == "output":
                 outs = []
+                free = []  # (outputs position, IR value, passthrough) of saved tensors of free layout
                 for a in torch.fx.node.map_arg(node.args[0], lambda n: n) if isinstance(node.args[0], (list, tuple)) else [node.args[0]]:
                     v = self.env.get(a) if isinstance(a, torch.fx.Node) else a
-                    if isinstance(v, int) and isinstance(a, torch.fx.Node):
+                    if isinstance(v, int) and isinstance(a, torch.fx.Node) and a in self.free_saved:
+                        outputs.append(("t", None))
+                        free.append((len(outputs) - 1, self.free_layout(a, v), a.op == "placeholder"))
+                    elif isinstance(v, int) and isinstance(a, torch.fx.Node):
                         v = laid_out[a] if a in laid_out else self.output_layout(a, v)
                         outputs.append(("t", len(outs)))
                         outs.append(v)
@@ -351,7 +378,14 @@ class Lowerer:
                     mutations.append((len(outs), self.arg_index[dst], _in_place_ok(dst, src)))
                     outs.append(self.tensor(src, dst.meta["val"].dtype))
                     passthrough.append(False)
-                self.b.set_outputs(outs)
+                # Free-layout outputs last: IR outputs from that position on come back in the
+                # strides braze stores them with.
+                free_from = len(outs) if free else None
+                for pos, v, through in free:
+                    outputs[pos] = ("t", len(outs))
+                    outs.append(v)
+                    passthrough.append(through)
+                self.b.set_outputs(outs, free_from)
             elif node.op == "get_attr":
                 val = _attr(self.gm, node.target)
                 # Tensors are constants; subgraphs of higher-order operators (GraphModules)
@@ -364,7 +398,8 @@ class Lowerer:
         return Lowered(self.b, self.externs, outputs, inputs, self.fallbacks, self.lowered_ops, self.reasons,
                        self.device or torch.device("cpu"), passthrough, constants=self.constants, bugs=self.bugs,
                        islands=self.islands, n_host=self.n_host, host_inputs=self.host_inputs,
-                       cpu_linears=[spec for spec, _ in self.cpu_linears.values()], mutations=mutations)
+                       cpu_linears=[spec for spec, _ in self.cpu_linears.values()], mutations=mutations,
+                       conv_channels_last=self.conv_cl)
 
     def lower_node(self, node: torch.fx.Node):
         target = node.target
@@ -439,6 +474,13 @@ class Lowerer:
         if order is None or val.dim() < 2 or order == [d for d in range(val.dim()) if val.shape[d] != 1] or self.b.node_op(i) in self._NO_LAYOUT:
             return i
         return self.layout(i, val.stride())
+
+    def free_layout(self, a: torch.fx.Node, i: int) -> int:
+        """Saved output `a` lowered to `i`, returned in whatever strides braze stores it with: a
+        convolution's input laid out channels_last (`self.cl_inputs`) is returned as that
+        layout, so the value is stored once, channels_last (the layout is elided where `i` is
+        stored in that order anyway)."""
+        return self.cl_inputs.get(i, i)
 
     def layout(self, i: int, strides) -> int:
         """`i` stored with `strides` (a `layout` node)."""
@@ -1525,28 +1567,96 @@ def _channels_last_strides(shape):
     return [c * h * w, 1, w * c, c]
 
 
+# [Note: convolution layout] cuDNN's fast kernels on the H100 and oneDNN's on the CPU are
+# channels_last: given NCHW tensors, cuDNN converts them (ResNet-18 fp32 training on the H100:
+# 1.45 of 7.2 ms per step in nchwToNhwc/nhwcToNchw kernels). Where `conv_channels_last` says
+# so, a graph's 2-d convolutions run channels_last: the input is laid out channels_last (a
+# `layout` that the kernel computing it writes directly, elided where it is stored that way
+# anyway: the BatchNorm and ReLU after the previous convolution inherit its layout), the result
+# is declared channels_last, and a graph output gets eager's strides back (`Lowerer.relaid`).
+# In training, the forward's saved tensors stay channels_last (free-layout outputs, see
+# `Lowerer.free_layout`), the backward is compiled for them, and its convolution_backward
+# takes channels_last gradients and returns a channels_last input gradient. Weights stay
+# as they are (ATen lays a weight out per call, a small copy; CPU inference lays a
+# parameter out once).
+
+
+def _conv_info(n):
+    """(input meta, weight meta, groups, output spatial numel) of a 2-d, not transposed
+    convolution or convolution_backward node with static sizes; None otherwise."""
+    a = n.args
+    if n.target is torch.ops.aten.convolution.default:
+        x, w, transposed, groups, out = a[0], a[1], a[6], a[8], n.meta.get("val")
+    else:
+        x, w, transposed, groups, out = a[1], a[2], a[7], a[9], a[0].meta.get("val") if isinstance(a[0], torch.fx.Node) else None
+    xv = x.meta.get("val") if isinstance(x, torch.fx.Node) else None
+    wv = w.meta.get("val") if isinstance(w, torch.fx.Node) else None
+    if transposed or not all(is_tensor_meta(v) for v in (xv, wv, out)) or xv.dim() != 4:
+        return None
+    if any(not isinstance(d, int) for d in (*xv.shape, *wv.shape, *out.shape)):
+        return None
+    return xv, wv, groups, out.shape[0] * out.shape[2] * out.shape[3]
+
+
+def conv_channels_last(gm, kind, device, option) -> bool:
+    """Whether the 2-d convolutions of `gm` (a graph of `kind`: inference, forward, backward)
+    run channels_last ([Note: convolution layout]). `option`: the conv_layout option, or for a
+    backward the forward's choice."""
+    if isinstance(option, bool):
+        return option
+    convs = [n for n in gm.graph.nodes if n.op == "call_function"
+             and n.target in (torch.ops.aten.convolution.default, torch.ops.aten.convolution_backward.default)]
+    if option == "eager" or device is None or not convs:
+        return False
+    infos = [_conv_info(n) for n in convs]
+    if any(i is None for i in infos):
+        return False
+    if option == "channels_last":
+        return True
+    if device.type != "cuda":
+        return kind == "inference"  # oneDNN: measured for inference (ResNet-18 b8 136 -> 108 ms)
+    # On the GPU: not when every convolution is small (few channels: little to gain), nor
+    # where convolutions grouped across several channels per group (not depthwise) matter:
+    # those ran slower channels_last. Depthwise convolutions (one channel per group) gain.
+    if all(w.shape[0] <= 64 and w.shape[1] <= 64 for _, w, _, _ in infos):
+        return False
+    flops = [(sp * w.shape[0] * w.shape[1] * w.shape[2] * w.shape[3], g > 1 and w.shape[1] > 1) for _, w, g, sp in infos]
+    grouped = sum(f for f, gr in flops if gr)
+    if kind != "inference":
+        return grouped == 0
+    return grouped * 3 <= sum(f for f, _ in flops)
+
+
+def _channels_last_strides(shape):
+    n, c, h, w = shape
+    return [c * h * w, 1, w * c, c]
+
+
+def _cl_operand(L, x):
+    """FX tensor `x` as a channels_last IR value (a `layout`; remembered so that a saved
+    output of `x` is returned as it)."""
+    i = L.tensor(x)
+    xi = L.layout(i, _channels_last_strides(list(x.meta["val"].shape)))
+    L.cl_inputs[i] = xi
+    return xi
+
+
 @register(A("convolution"))
 def _convolution(L, node, x, weight, bias, stride, padding, dilation, transposed, output_padding, groups):
-    """A 2-d convolution of an inference graph on the CPU runs channels_last (oneDNN's fastest
-    layout; eager ResNet-18 b8 on the 2-core build machine: 136 ms NCHW, 108 ms channels_last).
-    The input is laid out channels_last (a `layout` the kernel computing it writes directly,
-    elided where it already is: the BatchNorm and ReLU after the previous convolution inherit
-    its layout), the result is declared channels_last, and a graph output gets eager's strides
-    back. Elsewhere the convolution is ATen's with eager's layouts."""
+    """A 2-d convolution channels_last where the graph's convolutions run so ([Note:
+    convolution layout]); elsewhere ATen's with eager's layouts."""
     src, val = x.meta["val"], node.meta["val"]
-    if (L.device is None or L.device.type != "cpu" or not L.name.startswith("inference") or transposed
-            or src.dim() != 4 or not src.dtype.is_floating_point
-            or any(not isinstance(d, int) for d in list(src.shape) + list(val.shape))
+    if (not L.conv_cl or _conv_info(node) is None or not src.dtype.is_floating_point
             or not src.is_contiguous() or not val.is_contiguous()):
         raise Unsupported("convolution runs with eager's layout")
-    xi = L.layout(L.tensor(x), _channels_last_strides(list(src.shape)))
+    xi = _cl_operand(L, x)
     saved = L.env[x]
     L.env[x] = xi
     try:
         out_strides = _channels_last_strides(list(val.shape))
         wv = weight.meta.get("val")
-        if (isinstance(weight, torch.fx.Node) and weight.op == "placeholder" and L.arg_index.get(weight) in L.static_inputs
-                and is_tensor_meta(wv) and wv.dim() == 4 and wv.is_contiguous()):
+        if (L.device.type == "cpu" and isinstance(weight, torch.fx.Node) and weight.op == "placeholder"
+                and L.arg_index.get(weight) in L.static_inputs and is_tensor_meta(wv) and wv.dim() == 4 and wv.is_contiguous()):
             # A parameter's channels_last copy made once ([Note: CPU convolutions]).
             spec = CpuConv(stride, padding, dilation, groups)
             L.reasons[spec.__name__] = "library convolution, weight laid out once"
@@ -1555,6 +1665,52 @@ def _convolution(L, node, x, weight, bias, stride, padding, dilation, transposed
             out = L.extern(node, out_strides=out_strides)
     finally:
         L.env[x] = saved
+    L.relaid[out] = list(val.stride())
+    return out
+
+
+@register(A("convolution_backward"))
+def _convolution_backward(L, node, grad_out, x, weight, bias_sizes, stride, padding, dilation, transposed, output_padding, groups, mask):
+    """The backward of a channels_last convolution ([Note: convolution layout]): the gradient
+    and the saved input channels_last (layouts elided where they are already), the input's
+    gradient declared channels_last. Elsewhere ATen's with eager's layouts."""
+    val = node.meta.get("val")
+    gv, xv = grad_out.meta.get("val"), x.meta.get("val")
+    if (not L.conv_cl or _conv_info(node) is None or not xv.dtype.is_floating_point or not gv.is_contiguous()
+            or not isinstance(val, (list, tuple)) or (val[0] is not None and not val[0].is_contiguous())):
+        raise Unsupported("convolution_backward runs with eager's layouts")
+    saved = {a: L.env[a] for a in (grad_out, x)}
+    L.env[grad_out] = _cl_operand(L, grad_out)
+    if xv.is_contiguous():
+        L.env[x] = _cl_operand(L, x)
+    try:
+        grad_in = is_tensor_meta(val[0])
+        out = L.extern(node, out_strides=_channels_last_strides(list(val[0].shape)) if grad_in else None)
+    finally:
+        L.env.update(saved)
+    if grad_in:
+        L.relaid[out[0]] = list(val[0].stride())
+    return out
+
+
+@register(A("max_pool2d_with_indices_backward"))
+def _max_pool2d_backward(L, node, grad_out, x, kernel_size, stride, padding, dilation, ceil_mode, indices):
+    """ATen's max-pool backward in a graph of channels_last convolutions ([Note: convolution
+    layout]): ATen computes it in the layout of `x` (channels_last there) and converts the
+    gradient and indices to it, so they are given channels_last and its result is declared
+    so. Elsewhere with eager's layouts."""
+    val = node.meta.get("val")
+    metas = [a.meta.get("val") if isinstance(a, torch.fx.Node) else None for a in (grad_out, x, indices)]
+    if (not L.conv_cl or not all(is_tensor_meta(v) and v.dim() == 4 and v.is_contiguous() for v in metas)
+            or not is_tensor_meta(val) or not val.is_contiguous() or any(not isinstance(d, int) for v in metas for d in v.shape)):
+        raise Unsupported("max_pool2d_with_indices_backward runs with eager's layouts")
+    saved = {a: L.env[a] for a in (grad_out, x, indices)}
+    for a in (grad_out, x, indices):
+        L.env[a] = _cl_operand(L, a)
+    try:
+        out = L.extern(node, out_strides=_channels_last_strides(list(val.shape)))
+    finally:
+        L.env.update(saved)
     L.relaid[out] = list(val.stride())
     return out
 
@@ -1782,10 +1938,11 @@ for _op, _fn in (("cond", _lower_cond), ("while_loop", _lower_while), ("invoke_s
         _BRANCHING[_hop] = _fn
 
 
-def lower_graph(gm: torch.fx.GraphModule, name: str, subcompile=None, static_inputs=(), input_strides=None) -> Lowered:
+def lower_graph(gm: torch.fx.GraphModule, name: str, subcompile=None, static_inputs=(), input_strides=None,
+                conv_layout="auto", saved_from=None) -> Lowered:
     # AOTAutograd calls its compilers with its fake mode active; the graph's constants are
     # real tensors and are read (item(), detach()) as such.
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
     with unset_fake_temporarily():
-        return Lowerer(gm, name, subcompile, static_inputs, input_strides).run()
+        return Lowerer(gm, name, subcompile, static_inputs, input_strides, conv_layout, saved_from).run()

@@ -246,11 +246,15 @@ pub struct Options {
     /// Extern calls (by target key) whose operands may live in arenas ([Note: extern
     /// operands in arenas]): their results are fresh and they have no effect.
     pub arena_externs: HashSet<String>,
+    /// Drop `layout` copies of values stored in that order anyway on the GPU too (graphs whose
+    /// convolutions run channels_last ask for channels_last inputs the previous one's
+    /// BatchNorm and ReLU already produce). Always on for the CPU.
+    pub elide_layouts: bool,
 }
 
 impl Default for Options {
     fn default() -> Self {
-        Options { cuda_graphs: true, matmul_tune: true, arena_externs: HashSet::new() }
+        Options { cuda_graphs: true, matmul_tune: true, arena_externs: HashSet::new(), elide_layouts: false }
     }
 }
 
@@ -277,6 +281,9 @@ pub fn compile_with(g: Graph, target: Target, check_cuda: bool, check_arch: &str
         opt = braze_passes::split_reductions::split_reductions(&opt, 2 * sms as i64);
         // cuBLASLt's fast kernels need aligned matrices (per-target stage).
         opt = braze_passes::pad_matmuls::pad_matmuls(&opt);
+        if opts.elide_layouts {
+            opt = braze_passes::elide_layouts::elide_layouts(&opt);
+        }
     } else {
         // Convolutions of CPU inference graphs ask for channels_last inputs that are often
         // channels_last already (per-target stage: not yet measured on the GPU).

@@ -80,6 +80,11 @@ pub struct Graph {
     pub name: String,
     pub nodes: Vec<Node>,
     pub outputs: Vec<NodeId>,
+    /// Outputs from this position on are returned in whatever strides the compiler stores
+    /// them with (a forward's tensors saved for its backward, which is compiled for the
+    /// strides they come back with); the ones before keep eager's (`layout` nodes give them).
+    /// `None`: every output keeps eager's strides.
+    pub free_layout_from: Option<usize>,
 }
 
 impl Graph {
@@ -89,6 +94,20 @@ impl Graph {
 
     pub fn node(&self, id: NodeId) -> &Node {
         &self.nodes[id.index()]
+    }
+
+    /// Whether `id` is an output whose strides are eager's (an output before
+    /// `free_layout_from`): such a value is stored row-major unless it is a `layout`.
+    pub fn fixed_layout_output(&self, id: NodeId) -> bool {
+        let fixed = self.free_layout_from.unwrap_or(usize::MAX).min(self.outputs.len());
+        self.outputs[..fixed].contains(&id)
+    }
+
+    /// Takes `from`'s outputs (and which of them have free layouts), its node ids renumbered
+    /// by `map` (a pass's rebuilt graph).
+    pub fn outputs_from(&mut self, from: &Graph, map: &[NodeId]) {
+        self.outputs = from.outputs.iter().map(|o| map[o.index()]).collect();
+        self.free_layout_from = from.free_layout_from;
     }
 
     /// The tensor type of a node; panics on an `Extern` (a verifier-guarded invariant).

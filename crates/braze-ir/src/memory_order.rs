@@ -84,12 +84,13 @@ pub fn dense_strides(shape: &[Expr], order: &[usize]) -> Vec<Expr> {
     strides
 }
 
-/// Where a computed elementwise value that is not a graph output is stored: in the memory
-/// order of the operands it is computed from (a ReLU-backward of channels_last gradients
-/// stays channels_last), so the kernel writing it and the kernels reading it walk memory in
-/// order. `None`: row-major. Graph outputs keep eager's strides (the `layout` op).
+/// Where a computed elementwise value is stored: in the memory order of the operands it is
+/// computed from (a ReLU-backward of channels_last gradients stays channels_last), so the
+/// kernel writing it and the kernels reading it walk memory in order. `None`: row-major.
+/// Graph outputs keep eager's strides (the `layout` op), except those of free layout
+/// ([`Graph::free_layout_from`]: a forward's saved tensors).
 pub fn inherited_order(g: &Graph, id: NodeId) -> Option<Vec<usize>> {
-    if g.outputs.contains(&id) || !matches!(g.node(id).op, Op::Unary(_) | Op::Cast(_) | Op::Binary(_) | Op::Where) {
+    if g.fixed_layout_output(id) || !matches!(g.node(id).op, Op::Unary(_) | Op::Cast(_) | Op::Binary(_) | Op::Where) {
         return None;
     }
     memory_order(g, id)
@@ -121,6 +122,19 @@ mod tests {
         .unwrap();
         assert_eq!(memory_order(&g, NodeId(3)), Some(vec![0, 2, 3, 1]));
         assert_eq!(memory_order(&g, NodeId(2)), None);
+    }
+
+    #[test]
+    fn free_layout_outputs_keep_their_operands_order() {
+        // %3 is returned with eager's (row-major) strides, %4 (a saved tensor) with the order
+        // it inherits; the text round-trips.
+        let text = "graph g {\n  %0 = input index=0 strides=[200704, 1, 3584, 64] : f32[2, 64, 56, 56]\n  %1 = relu %0 : f32[2, 64, 56, 56]\n  %2 = scalar value=2.0 dtype=f32 : f32[]\n  %3 = mul %1, %2 : f32[2, 64, 56, 56]\n  %4 = add %1, %2 : f32[2, 64, 56, 56]\n  return %3 | free layout %4\n}\n";
+        let g = parse(text).unwrap();
+        assert_eq!(g.free_layout_from, Some(1));
+        assert_eq!(g.to_string(), text);
+        assert_eq!(inherited_order(&g, NodeId(3)), None);
+        assert_eq!(inherited_order(&g, NodeId(4)), Some(vec![0, 2, 3, 1]));
+        assert_eq!(inherited_order(&g, NodeId(1)), Some(vec![0, 2, 3, 1]));
     }
 
     #[test]

@@ -37,12 +37,25 @@ pub fn parse_graph(text: &str) -> Result<Graph, Error> {
         if line == "}" {
             done = true;
         } else if let Some(rest) = line.strip_prefix("return") {
-            graph.outputs = rest
-                .split(',')
-                .map(|s| s.trim())
-                .filter(|s| !s.is_empty())
-                .map(|s| node_ref(s).ok_or_else(|| err(line_no, format!("bad output `{s}`"))))
-                .collect::<Result<_, _>>()?;
+            let refs = |part: &str| {
+                part.split(',')
+                    .map(|s| s.trim())
+                    .filter(|s| !s.is_empty())
+                    .map(|s| node_ref(s).ok_or_else(|| err(line_no, format!("bad output `{s}`"))))
+                    .collect::<Result<Vec<_>, _>>()
+            };
+            let (fixed, free) = match rest.split_once('|') {
+                Some((a, b)) => {
+                    let b = b.trim().strip_prefix("free layout").ok_or_else(|| err(line_no, "expected `| free layout` after the outputs"))?;
+                    (a, Some(b))
+                }
+                None => (rest, None),
+            };
+            graph.outputs = refs(fixed)?;
+            if let Some(free) = free {
+                graph.free_layout_from = Some(graph.outputs.len());
+                graph.outputs.extend(refs(free)?);
+            }
         } else {
             parse_node(graph, line).map_err(|m| err(line_no, m))?;
         }

@@ -96,7 +96,12 @@ impl fmt::Display for Graph {
             writeln!(f, "  {}", node_line(id, self.node(id)))?;
         }
         let outs: Vec<String> = self.outputs.iter().map(|o| o.to_string()).collect();
-        writeln!(f, "  return {}", outs.join(", "))?;
+        match self.free_layout_from {
+            // `return %1 | free layout %2, %3`: the outputs after the bar come back in the
+            // strides braze stores them with.
+            Some(k) if k <= outs.len() => writeln!(f, "  return {} | free layout {}", outs[..k].join(", "), outs[k..].join(", "))?,
+            _ => writeln!(f, "  return {}", outs.join(", "))?,
+        }
         writeln!(f, "}}")
     }
 }

@@ -26,6 +26,6 @@ pub fn dce(g: &Graph) -> Graph {
         let ins = n.inputs.iter().map(|i| map[i.index()]).collect();
         map[id.index()] = out.add_typed(n.op.clone(), ins, n.ty.clone());
     }
-    out.outputs = g.outputs.iter().map(|o| map[o.index()]).collect();
+    out.outputs_from(g, &map);
     out
 }

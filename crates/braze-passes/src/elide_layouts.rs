@@ -14,7 +14,7 @@ pub fn elide_layouts(g: &Graph) -> Graph {
     let elided = |g: &Graph, _: &mut Graph, map: &[NodeId], id: NodeId| {
         let Op::Layout { strides } = &g.node(id).op else { return None };
         let x = g.node(id).inputs[0];
-        let same = !g.outputs.contains(&id)
+        let same = !g.fixed_layout_output(id)
             && match &g.node(x).op {
                 Op::Input { strides: s, .. } | Op::ExternOut { strides: s, .. } | Op::Layout { strides: s } => s == strides,
                 _ => inherited_order(g, x).is_some_and(|o| Some(o) == from_strides(&g.ty(x).shape, strides)),

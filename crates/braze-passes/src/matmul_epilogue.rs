@@ -87,6 +87,6 @@ pub fn matmul_epilogue(g: &Graph) -> Graph {
         };
         map.push(new);
     }
-    out.outputs = g.outputs.iter().map(|o| map[o.index()]).collect();
+    out.outputs_from(g, &map);
     dce(&out)
 }

@@ -38,7 +38,7 @@ pub fn rewrite(g: &Graph, mut rule: impl FnMut(&Graph, &Node) -> Option<Rewrite>
         };
         map.push(new_id);
     }
-    out.outputs = g.outputs.iter().map(|o| map[o.index()]).collect();
+    out.outputs_from(g, &map);
     out
 }
 
@@ -84,6 +84,6 @@ pub fn rebuild(g: &Graph, mut build: impl FnMut(&Graph, &mut Graph, &[NodeId], N
         };
         map.push(new);
     }
-    out.outputs = g.outputs.iter().map(|o| map[o.index()]).collect();
+    out.outputs_from(g, &map);
     changed.then_some(out)
 }

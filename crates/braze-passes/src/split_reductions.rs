@@ -51,7 +51,7 @@ pub fn split_reductions(g: &Graph, min_blocks: i64) -> Graph {
         };
         map.push(new_id);
     }
-    out.outputs = g.outputs.iter().map(|o| map[o.index()]).collect();
+    out.outputs_from(g, &map);
     if changed {
         // A variance and a mean of the same input share their stage 1 input and sums.
         cse(&dce(&out))

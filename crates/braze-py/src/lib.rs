@@ -74,8 +74,12 @@ impl GraphBuilder {
         Ok(ids)
     }
 
-    fn set_outputs(&mut self, outs: Vec<u32>) {
+    /// The graph's outputs; those from position `free_layout_from` on come back in the
+    /// strides braze stores them with (a forward's saved tensors), the others in eager's.
+    #[pyo3(signature = (outs, free_layout_from=None))]
+    fn set_outputs(&mut self, outs: Vec<u32>, free_layout_from: Option<usize>) {
         self.g.outputs = outs.into_iter().map(NodeId).collect();
+        self.g.free_layout_from = free_layout_from;
     }
 
     /// (dtype, sizes) of a node.
@@ -100,13 +104,14 @@ impl GraphBuilder {
     /// the graph's CUDA kernels with NVRTC for `arch`, so codegen errors surface without a GPU.
     /// `cuda_graphs` and `matmul_tune` are the user's options of those names (GPU graphs).
     /// `arena_externs`: the extern calls (by key) whose operands may live in arenas.
-    #[pyo3(signature = (device="cpu", check_cuda=false, arch="sm_90", cuda_graphs=true, matmul_tune=true, arena_externs=Vec::new()))]
+    /// `elide_layouts`: drop redundant `layout` copies on the GPU too (always done on the CPU).
+    #[pyo3(signature = (device="cpu", check_cuda=false, arch="sm_90", cuda_graphs=true, matmul_tune=true, arena_externs=Vec::new(), elide_layouts=false))]
     #[allow(clippy::too_many_arguments)]
-    fn compile(&self, py: Python<'_>, device: &str, check_cuda: bool, arch: &str, cuda_graphs: bool, matmul_tune: bool, arena_externs: Vec<String>) -> PyResult<Compiled> {
+    fn compile(&self, py: Python<'_>, device: &str, check_cuda: bool, arch: &str, cuda_graphs: bool, matmul_tune: bool, arena_externs: Vec<String>, elide_layouts: bool) -> PyResult<Compiled> {
         let g = self.g.clone();
         let target = Target::parse(device).map_err(driver_err)?;
         let arch = arch.to_string();
-        let opts = braze_driver::Options { cuda_graphs, matmul_tune, arena_externs: arena_externs.into_iter().collect() };
+        let opts = braze_driver::Options { cuda_graphs, matmul_tune, arena_externs: arena_externs.into_iter().collect(), elide_layouts };
         let res = py.detach(move || catch_unwind(AssertUnwindSafe(|| braze_driver::compile_with(g, target, check_cuda, &arch, opts))));
         match res {
             Ok(r) => r.map(|(plan, module)| Compiled { plan, module }).map_err(driver_err),
