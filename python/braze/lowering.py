@@ -1633,12 +1633,12 @@ def _channels_last_strides(shape):
 
 
 def _cl_operand(L, x):
-    """FX tensor `x` as a channels_last IR value (a `layout`; remembered so that a saved
-    output of `x` is returned as it)."""
+    """FX tensor `x` as a channels_last IR value (one `layout` per value, remembered so that
+    a saved output of `x` is returned as it)."""
     i = L.tensor(x)
-    xi = L.layout(i, _channels_last_strides(list(x.meta["val"].shape)))
-    L.cl_inputs[i] = xi
-    return xi
+    if i not in L.cl_inputs:
+        L.cl_inputs[i] = L.layout(i, _channels_last_strides(list(x.meta["val"].shape)))
+    return L.cl_inputs[i]
 
 
 @register(A("convolution"))
