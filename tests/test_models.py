@@ -490,8 +490,6 @@ def test_training_convolutions_run_channels_last(device, monkeypatch):
     (only ATen's channels_last weight gradients are relaid into the parameters' strides).
     Outputs, gradients and BatchNorm's running statistics are eager's."""
     from braze import runtime
-    # cuDNN's TF32 kernels differ between layouts by more than fp32 rounding; this checks layouts.
-    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
     torch.manual_seed(0)
     m = _ConvNet().to(device)
     ref = copy.deepcopy(m)
@@ -512,15 +510,17 @@ def test_training_convolutions_run_channels_last(device, monkeypatch):
     monkeypatch.setattr(runtime.CompiledGraph, "__init__", kept)
     n0 = len(braze.stats.records)
     c = compiled(m, options={"on_unsupported": "error", "conv_layout": "channels_last"})
-    for _ in range(2):
-        copies.clear()
-        for mod in (m, ref):
-            mod.zero_grad(set_to_none=True)
-        out = c(x)
-        out.square().sum().backward()
-        r = ref(x)
-        r.square().sum().backward()
-        torch.testing.assert_close(out, r, rtol=1e-4, atol=1e-4)
+    # cuDNN's TF32 kernels differ between layouts by more than fp32 rounding; this checks layouts.
+    with torch.backends.cudnn.flags(enabled=True, allow_tf32=False):
+        for _ in range(2):
+            copies.clear()
+            for mod in (m, ref):
+                mod.zero_grad(set_to_none=True)
+            out = c(x)
+            out.square().sum().backward()
+            r = ref(x)
+            r.square().sum().backward()
+            torch.testing.assert_close(out, r, rtol=1e-4, atol=1e-4)
     for a, b in zip(m.parameters(), ref.parameters()):
         torch.testing.assert_close(a.grad, b.grad, rtol=1e-3, atol=1e-4)
     for a, b in zip(m.buffers(), ref.buffers()):
