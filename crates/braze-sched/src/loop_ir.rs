@@ -224,7 +224,7 @@ impl Kernel {
 }
 
 /// A value's computation, by structure: equal keys compute equal values at the same loop
-/// point. Operands are the keys' numbers in `ValueKeys`.
+/// point. Operands are the numbers [`value_numbers`] gave them.
 #[derive(Clone, PartialEq, Eq, Hash)]
 enum Key {
     /// A temporary not defined in a pass body (prelude value, reduction result).
@@ -238,6 +238,55 @@ enum Key {
     Where(u32, u32, u32),
     Cast(u32),
     Bounded(u32, Expr),
+}
+
+/// [Note: value numbers] Numbers for the temporaries the pass bodies define: two with the same
+/// number compute the same value at the same loop point (same loads at the same indices and
+/// masks, same constants, index values and operations on same-numbered operands, same
+/// dtype). A temporary defined elsewhere (the prelude, a reduction's result) is numbered as
+/// itself. Every pass walks a row in the same order, so same-numbered temporaries of two
+/// passes hold the same element's value.
+fn value_numbers(k: &Kernel) -> std::collections::HashMap<Tmp, u32> {
+    let mut ids: std::collections::HashMap<(Key, DType), u32> = std::collections::HashMap::new();
+    let mut num: std::collections::HashMap<Tmp, u32> = std::collections::HashMap::new();
+    for s in k.passes.iter().flat_map(|p| &p.body) {
+        let Some(dst) = s.dst() else { continue };
+        let mut arg = |t: &Tmp| match num.get(t) {
+            Some(&n) => n,
+            None => {
+                let n = ids.len() as u32;
+                *ids.entry((Key::Outside(*t), DType::Bool)).or_insert(n)
+            }
+        };
+        let key = match s {
+            Stmt::Load { buf, index, mask, .. } => Key::Load(*buf, index.clone(), mask.map(|m| arg(&m))),
+            Stmt::Const { value, .. } => match value {
+                Lit::F(f) => Key::Const(f.to_bits(), 0),
+                Lit::I(i) => Key::Const(*i as u64, 1),
+                Lit::B(b) => Key::Const(*b as u64, 2),
+            },
+            Stmt::Index { index, .. } => Key::Index(index.clone()),
+            Stmt::InRange { index, lo, hi, .. } => Key::InRange(index.clone(), lo.clone(), hi.clone()),
+            Stmt::Unary { op, a, .. } => Key::Unary(*op, arg(a)),
+            Stmt::Binary { op, a, b, .. } => Key::Binary(*op, arg(a), arg(b)),
+            Stmt::Where { c, a, b, .. } => Key::Where(arg(c), arg(a), arg(b)),
+            Stmt::Cast { a, .. } => Key::Cast(arg(a)),
+            Stmt::Bounded { a, hi, .. } => Key::Bounded(arg(a), hi.clone()),
+            Stmt::Store { .. } => unreachable!(),
+        };
+        let n = ids.len() as u32;
+        let id = *ids.entry((key, k.tmp_dtypes[dst as usize])).or_insert(n);
+        num.insert(dst, id);
+    }
+    num
+}
+
+/// The temporaries an arithmetic statement combines (none for loads, constants and indices).
+fn operands(s: &Stmt) -> Vec<Tmp> {
+    match s {
+        Stmt::Unary { .. } | Stmt::Cast { .. } | Stmt::Bounded { .. } | Stmt::Binary { .. } | Stmt::Where { .. } => stmt_reads(s),
+        _ => Vec::new(),
+    }
 }
 
 /// [Note: stored values reloaded] A multi-pass row kernel (LayerNorm over `x + a + b`, the
@@ -261,12 +310,12 @@ pub fn reload_stored_values(k: &mut Kernel) {
             *stores_of.entry(*buf).or_default() += 1;
         }
     }
-    let mut ids: std::collections::HashMap<(Key, DType), u32> = std::collections::HashMap::new();
-    // Per temporary defined in a pass body: its key number, and whether it reads a written buffer.
-    let mut key_of: std::collections::HashMap<Tmp, (u32, bool)> = std::collections::HashMap::new();
-    // Stored values: key number -> (buffer, index), from earlier passes.
+    let num = value_numbers(k);
+    // Per temporary defined in a pass body: whether it reads a buffer the kernel writes.
+    let mut reads_written: std::collections::HashMap<Tmp, bool> = std::collections::HashMap::new();
+    // Stored values: value number -> (buffer, index), from earlier passes.
     let mut stored: std::collections::HashMap<u32, (BufId, Expr)> = std::collections::HashMap::new();
-    // Keys whose computation loads memory (only those are worth a load in their place).
+    // Value numbers whose computation loads memory (only those are worth a load in their place).
     let mut loaded: std::collections::HashSet<u32> = std::collections::HashSet::new();
     let mut changed = false;
     for pi in 0..k.passes.len() {
@@ -275,7 +324,7 @@ pub fn reload_stored_values(k: &mut Kernel) {
         for s in body.iter_mut() {
             let Some(dst) = s.dst() else {
                 if let Stmt::Store { buf, index, value } = s {
-                    if let Some(&(id, false)) = key_of.get(value) {
+                    if let (Some(&id), Some(false)) = (num.get(value), reads_written.get(value).copied()) {
                         if k.tmp_dtypes[*value as usize] == k.bufs.iter().find(|b| b.id == *buf).map_or(DType::Bool, |b| b.dtype) && stores_of[buf] == 1 && loaded.contains(&id) {
                             pass_stores.push((id, (*buf, index.clone())));
                         }
@@ -283,63 +332,21 @@ pub fn reload_stored_values(k: &mut Kernel) {
                 }
                 continue;
             };
-            let mut arg = |t: &Tmp| key_of.get(t).copied().unwrap_or_else(|| {
-                let n = ids.len() as u32;
-                (*ids.entry((Key::Outside(*t), DType::Bool)).or_insert(n), false)
-            });
-            let (key, reads_written) = match s {
-                Stmt::Load { buf, index, mask, .. } => {
-                    let m = mask.map(|m| arg(&m));
-                    (Key::Load(*buf, index.clone(), m.map(|m| m.0)), written.contains(buf) || m.is_some_and(|m| m.1))
-                }
-                Stmt::Const { value, .. } => match value {
-                    Lit::F(f) => (Key::Const(f.to_bits(), 0), false),
-                    Lit::I(i) => (Key::Const(*i as u64, 1), false),
-                    Lit::B(b) => (Key::Const(*b as u64, 2), false),
-                },
-                Stmt::Index { index, .. } => (Key::Index(index.clone()), false),
-                Stmt::InRange { index, lo, hi, .. } => (Key::InRange(index.clone(), lo.clone(), hi.clone()), false),
-                Stmt::Unary { op, a, .. } => {
-                    let a = arg(a);
-                    (Key::Unary(*op, a.0), a.1)
-                }
-                Stmt::Binary { op, a, b, .. } => {
-                    let (a, b) = (arg(a), arg(b));
-                    (Key::Binary(*op, a.0, b.0), a.1 || b.1)
-                }
-                Stmt::Where { c, a, b, .. } => {
-                    let (c, a, b) = (arg(c), arg(a), arg(b));
-                    (Key::Where(c.0, a.0, b.0), c.1 || a.1 || b.1)
-                }
-                Stmt::Cast { a, .. } => {
-                    let a = arg(a);
-                    (Key::Cast(a.0), a.1)
-                }
-                Stmt::Bounded { a, hi, .. } => {
-                    let a = arg(a);
-                    (Key::Bounded(a.0, hi.clone()), a.1)
-                }
-                Stmt::Store { .. } => unreachable!(),
+            let flag = |t: &Tmp| reads_written.get(t).copied().unwrap_or(false);
+            let ops = operands(s);
+            let (rw, from_memory) = match s {
+                Stmt::Load { buf, mask, .. } => (written.contains(buf) || mask.is_some_and(|m| flag(&m)), true),
+                _ => (ops.iter().any(flag), ops.iter().any(|t| num.get(t).is_some_and(|n| loaded.contains(n)))),
             };
-            // Index expressions may name temporaries (a gathered index): such keys only match
-            // when those are the same temporaries, as `Outside` ones are in every pass.
-            let from_memory = match &key {
-                Key::Load(..) => true,
-                Key::Unary(_, a) | Key::Cast(a) | Key::Bounded(a, _) => loaded.contains(a),
-                Key::Binary(_, a, b) => loaded.contains(a) || loaded.contains(b),
-                Key::Where(c, a, b) => loaded.contains(c) || loaded.contains(a) || loaded.contains(b),
-                _ => false,
-            };
-            let n = ids.len() as u32;
-            let id = *ids.entry((key, k.tmp_dtypes[dst as usize])).or_insert(n);
+            let id = num[&dst];
             if from_memory {
                 loaded.insert(id);
             }
-            key_of.insert(dst, (id, reads_written));
-            if !reads_written {
+            reads_written.insert(dst, rw);
+            if !rw {
                 if let Some((buf, index)) = stored.get(&id) {
                     *s = Stmt::Load { dst, buf: *buf, index: index.clone(), mask: None };
-                    key_of.insert(dst, (id, true));
+                    reads_written.insert(dst, true);
                     changed = true;
                 }
             }
@@ -391,27 +398,13 @@ pub fn store_for_reload(k: &mut Kernel) -> bool {
             }
         }
     }
-    // Whether `a` (last pass) and `b` (pass `p`) compute the same value.
-    fn same(a: Tmp, b: Tmp, da: &std::collections::HashMap<Tmp, Stmt>, db: &std::collections::HashMap<Tmp, Stmt>) -> bool {
-        let (Some(sa), Some(sb)) = (da.get(&a), db.get(&b)) else { return a == b && !da.contains_key(&a) && !db.contains_key(&b) };
-        let eq = |x: &Tmp, y: &Tmp| same(*x, *y, da, db);
-        match (sa, sb) {
-            (Stmt::Load { buf: b1, index: i1, mask: None, .. }, Stmt::Load { buf: b2, index: i2, mask: None, .. }) => b1 == b2 && i1 == i2,
-            (Stmt::Const { value: v1, .. }, Stmt::Const { value: v2, .. }) => v1 == v2,
-            (Stmt::Unary { op: o1, a: a1, .. }, Stmt::Unary { op: o2, a: a2, .. }) => o1 == o2 && eq(a1, a2),
-            (Stmt::Binary { op: o1, a: a1, b: b1, .. }, Stmt::Binary { op: o2, a: a2, b: b2, .. }) => o1 == o2 && eq(a1, a2) && eq(b1, b2),
-            (Stmt::Where { c: c1, a: a1, b: b1, .. }, Stmt::Where { c: c2, a: a2, b: b2, .. }) => eq(c1, c2) && eq(a1, a2) && eq(b1, b2),
-            (Stmt::Cast { a: a1, .. }, Stmt::Cast { a: a2, .. }) => eq(a1, a2),
-            _ => false,
-        }
-    }
     let expensive = |s: &Stmt| {
         matches!(s, Stmt::Unary { op, .. } if matches!(op, UnaryOp::Exp | UnaryOp::Exp2 | UnaryOp::Expm1 | UnaryOp::Log | UnaryOp::Log2
             | UnaryOp::Log10 | UnaryOp::Log1p | UnaryOp::Tanh | UnaryOp::Sigmoid | UnaryOp::Erf | UnaryOp::Erfc | UnaryOp::Sin
             | UnaryOp::Cos | UnaryOp::Tan | UnaryOp::Sinh | UnaryOp::Cosh | UnaryOp::Lgamma))
     };
     let loads: Vec<Tmp> = k.passes[last].body.iter().filter(|s| matches!(s, Stmt::Load { .. })).filter_map(|s| s.dst()).collect();
-    let earlier: Vec<_> = k.passes[..last].iter().map(defs).collect();
+    let num = value_numbers(k);
     // The largest value of the last pass that an earlier pass computes.
     let mut best: Option<(usize, Tmp, usize, Tmp)> = None;
     for s in &k.passes[last].body {
@@ -427,8 +420,8 @@ pub fn store_for_reload(k: &mut Kernel) -> bool {
         if best.as_ref().is_some_and(|b| b.0 >= sub.len()) {
             continue;
         }
-        for (pi, pd) in earlier.iter().enumerate() {
-            if let Some(tp) = k.passes[pi].body.iter().filter_map(|s| s.dst()).find(|&u| same(t, u, &last_defs, pd)) {
+        for pi in 0..last {
+            if let Some(tp) = k.passes[pi].body.iter().filter_map(|s| s.dst()).find(|u| num[u] == num[&t]) {
                 best = Some((sub.len(), t, pi, tp));
                 break;
             }
