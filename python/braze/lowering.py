@@ -358,6 +358,8 @@ class Lowerer:
                     v = self.env.get(a) if isinstance(a, torch.fx.Node) else a
                     if isinstance(v, int) and isinstance(a, torch.fx.Node) and a in self.free_saved:
                         outputs.append(("t", None))
+                        # (An input returned through its channels_last layout is that copy, unless
+                        # the layout is elided: then it is the input itself, returned as it is.)
                         free.append((len(outputs) - 1, self.free_layout(a, v), a.op == "placeholder"))
                     elif isinstance(v, int) and isinstance(a, torch.fx.Node):
                         v = laid_out[a] if a in laid_out else self.output_layout(a, v)
