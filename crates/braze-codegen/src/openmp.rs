@@ -193,7 +193,12 @@ pub fn emit_kernel(k: &Kernel, out: &mut String) -> Result<Vec<u32>, CodegenErro
     let params: Vec<u32> = bufs.iter().map(|b| b.id).collect();
     let n_outer = k.outer.len();
     let total = product(&k.outer).mul(&product(&k.inner));
+    // A static size below the threshold runs on the calling thread with no parallel region
+    // at all: `parallel ... if(0)` still enters the OpenMP runtime (a team of one) per call,
+    // which is most of the cost of a tiny kernel (`x + 1` on 8 elements).
+    let serial = total.as_const().is_some_and(|n| n < PARALLEL_MIN);
     let par_if = format!("if({} >= {PARALLEL_MIN})", ix(&total));
+    let parallel = |pragma: String| if serial { None } else { Some(pragma) };
     let reduction_kernel = !k.inner.is_empty() || k.is_reduction() || !k.prelude.is_empty() || k.passes.len() != 1 || k.passes.iter().any(|p| !p.after.is_empty());
     let mut depth = 1;
     let pad = |d: usize| "  ".repeat(d);
@@ -204,11 +209,14 @@ pub fn emit_kernel(k: &Kernel, out: &mut String) -> Result<Vec<u32>, CodegenErro
             let last = i + 1 == n_outer;
             if i == 0 {
                 let pragma = match (n_outer, last) {
-                    (1, _) => format!("#pragma omp parallel for simd schedule(static) {par_if}"),
-                    _ if n_outer > 2 => format!("#pragma omp parallel for collapse({}) schedule(static) {par_if}", n_outer - 1),
-                    _ => format!("#pragma omp parallel for schedule(static) {par_if}"),
+                    (1, _) if serial => Some("#pragma omp simd".to_string()),
+                    (1, _) => parallel(format!("#pragma omp parallel for simd schedule(static) {par_if}")),
+                    _ if n_outer > 2 => parallel(format!("#pragma omp parallel for collapse({}) schedule(static) {par_if}", n_outer - 1)),
+                    _ => parallel(format!("#pragma omp parallel for schedule(static) {par_if}")),
                 };
-                writeln!(out, "{}{pragma}", pad(depth)).unwrap();
+                if let Some(pragma) = pragma {
+                    writeln!(out, "{}{pragma}", pad(depth)).unwrap();
+                }
             } else if last {
                 writeln!(out, "{}#pragma omp simd", pad(depth)).unwrap();
             }
@@ -226,7 +234,7 @@ pub fn emit_kernel(k: &Kernel, out: &mut String) -> Result<Vec<u32>, CodegenErro
         return Ok(params);
     }
     if k.column && n_outer > 0 {
-        emit_column(k, &e, out, &par_if)?;
+        emit_column(k, &e, out, parallel(format!("#pragma omp parallel for schedule(static) {par_if}")))?;
         writeln!(out, "}}\n").unwrap();
         return Ok(params);
     }
@@ -234,7 +242,9 @@ pub fn emit_kernel(k: &Kernel, out: &mut String) -> Result<Vec<u32>, CodegenErro
     for (i, size) in k.outer.iter().enumerate() {
         if i == 0 {
             let c = if n_outer > 1 { format!(" collapse({n_outer})") } else { String::new() };
-            writeln!(out, "{}#pragma omp parallel for{c} schedule(static) {par_if}", pad(depth)).unwrap();
+            if let Some(pragma) = parallel(format!("#pragma omp parallel for{c} schedule(static) {par_if}")) {
+                writeln!(out, "{}{pragma}", pad(depth)).unwrap();
+            }
         }
         writeln!(out, "{}for (int64_t i{i} = 0; i{i} < {}; i{i}++) {{", pad(depth), ix(size)).unwrap();
         depth += 1;
@@ -501,7 +511,8 @@ const COL_CHUNK: i64 = 64;
 /// they are computed and read back by later passes. Before, a kernel of several passes
 /// walked each column alone with a stride of the row length (BatchNorm backward of a
 /// ResNet-50 in channels_last: 10–20 ms per kernel at batch 2 on the 2-core machine).
-fn emit_column(k: &Kernel, e: &Emitter, out: &mut String, par_if: &str) -> Result<(), CodegenError> {
+/// `pragma`: the parallel-for pragma of the column loop (None: the kernel runs serially).
+fn emit_column(k: &Kernel, e: &Emitter, out: &mut String, pragma: Option<String>) -> Result<(), CodegenError> {
     let ix = crate::c_emit::index;
     let n_outer = k.outer.len();
     let last = n_outer - 1;
@@ -513,7 +524,9 @@ fn emit_column(k: &Kernel, e: &Emitter, out: &mut String, par_if: &str) -> Resul
     let pass_values = |p: &braze_sched::loop_ir::Pass| -> Vec<u32> { p.reductions.iter().map(|r| r.dst).chain(defined(&p.after)).collect() };
     let ctype = |t: u32| crate::dialect::compute_type(k.tmp_dtypes[t as usize]);
     writeln!(out, "  const int64_t nch = ({c} + {COL_CHUNK} - 1) / {COL_CHUNK};").unwrap();
-    writeln!(out, "  #pragma omp parallel for schedule(static) {par_if}").unwrap();
+    if let Some(pragma) = pragma {
+        writeln!(out, "  {pragma}").unwrap();
+    }
     writeln!(out, "  for (int64_t x = 0; x < {} * nch; x++) {{", ix(&lead)).unwrap();
     writeln!(out, "    const int64_t cb = (x % nch) * {COL_CHUNK};").unwrap();
     writeln!(out, "    const int64_t cn = {c} - cb < {COL_CHUNK} ? {c} - cb : {COL_CHUNK};").unwrap();
