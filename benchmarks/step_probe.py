@@ -100,7 +100,7 @@ def _plan_near(g, peak_step):
     """The plan around the peak step: what each step allocates outside the arena (buffer,
     kind, dtype, shape, MiB, and the buffer whose memory it takes), the operands an extern
     call gets as arena views, what it frees, and the arena window it opens."""
-    _, plan, _, _ = g.static_plan if not g.dynamic else next(iter(g.plans.values()))[-1]
+    _, plan, _, _ = g.static_plan if not g.dynamic else next(iter(g.plans.values()))[5]
     for s in range(max(0, peak_step - 3), min(len(plan), peak_step + 2)):
         kind, allocs, frees, a, _, (opens, closes) = plan[s]
         label = "kernels" if kind == 0 else f"extern {getattr(a[0], '__name__', a[0])}"

@@ -148,19 +148,20 @@ class CompiledGraph:
             self.static_syms = compiled.sym_vals([])
             self.static = self._layouts(compiled.eval([]))
             self.static_plan = self._plan(*self.static)
-        self.straight = self._straight_call()
+        self.straight = None if self.dynamic else self._straight_call(self.static_plan, self.static_syms)
 
-    def _straight_call(self):
-        """[Note: straight calls] For a static graph that is only runs of kernels and matmuls
-        (no extern calls, arenas, host values, input mutations, reused or in-place buffers,
+    def _straight_call(self, prepared, syms):
+        """[Note: straight calls] For a graph that is only runs of kernels and matmuls (no
+        extern calls, arenas, host values, input mutations, reused or in-place buffers,
         output views or copies; `x + 1`, a chain of pointwise ops, a LayerNorm+MLP block),
         a call without the general loop's branches: inputs checked and bound, each run's
         buffers allocated, the run, its frees, the outputs. (`x + 1` on the 2-core CPU: the
-        general loop took 3.0 us of the call, the primitives it calls about 1.7.) None for
-        any other graph."""
-        if self.dynamic or self.n_host or self.mutated_args:
+        general loop took 3.0 us of the call, the primitives it calls about 1.7.) Made once
+        for a static graph's plan, and for each plan of a dynamic graph (`prepared`, with
+        the run's symbol values `syms`). None for any other graph."""
+        if self.n_host or self.mutated_args:
             return None
-        inputs, plan, out_plan, (simple, copies) = self.static_plan
+        inputs, plan, out_plan, (simple, copies) = prepared
         if not simple or copies or any(view is not None or copy for _, view, copy in out_plan):
             return None
         steps = []
@@ -170,7 +171,7 @@ class CompiledGraph:
             steps.append((tuple((buf, shape, stride, dtype) for buf, shape, stride, dtype, _ in allocs), frees, a))
         steps = tuple(steps)
         outs = tuple(b for b, _, _ in out_plan)
-        n, empty, syms, tensor_args_of, in_layout = self.n_bufs, self.empty, self.static_syms, self.tensor_args_of, self._in_layout
+        n, empty, tensor_args_of, in_layout = self.n_bufs, self.empty, self.tensor_args_of, self._in_layout
         cuda, raw_stream, dev = self.cuda, getattr(self, "raw_stream", None), getattr(self, "device_index", None)
 
         def call(args):
@@ -295,7 +296,7 @@ class CompiledGraph:
         its buffers are freed, as `on_step(kind, what, bufs)` with kind 0 (a run of kernels
         and matmuls; `what` its plan step) or 1 (an extern call; `what` its target), and
         `bufs` the live tensors by buffer id."""
-        if on_step is None and self.straight is not None:
+        if self.straight is not None and on_step is None:
             return self.straight(args)
         if self.dynamic:
             # Plans by symbol values: a loop calling with the sizes it called with before
@@ -306,11 +307,14 @@ class CompiledGraph:
             if hit is None:
                 syms = self.syms.expand(key)
                 vals, shapes, strides = self._layouts(self.c.eval(syms))
-                hit = (syms, self.c.sym_vals(syms), vals, shapes, strides, self._plan(vals, shapes, strides))
+                run_syms, prepared = self.c.sym_vals(syms), self._plan(vals, shapes, strides)
+                hit = (syms, run_syms, vals, shapes, strides, prepared, self._straight_call(prepared, run_syms))
                 if len(self.plans) >= _PLANS_KEPT:
                     del self.plans[next(iter(self.plans))]
                 self.plans[key] = hit
-            syms, run_syms, vals, shapes, strides, (inputs, plan, out_plan, (simple, copies)) = hit
+            if hit[6] is not None and on_step is None:
+                return hit[6](args)
+            syms, run_syms, vals, shapes, strides, (inputs, plan, out_plan, (simple, copies)), _ = hit
         else:
             syms, run_syms = _NO_SYMS, self.static_syms
             vals, shapes, strides = self.static
