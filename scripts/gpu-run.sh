@@ -7,6 +7,13 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/braze-out}
 mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl .braze-wheel/*.whl || exit 1
+# Wheels of other refs (gpu-prepare.sh's BRAZE_AB), each in its own site directory.
+for w in .braze-wheel/ab/*/*.whl .braze-wheel/ab/*/*/*.whl; do
+  [ -f "$w" ] || continue
+  ref=$(dirname "${w#.braze-wheel/ab/}")
+  python3 -m pip install -q --no-index --no-deps --no-compile --target "/tmp/site-${ref//\//-}" .whl/*.whl "$w" || exit 1
+  echo "braze of $ref: PYTHONPATH=/tmp/site-${ref//\//-}"
+done
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv > "$OUT/gpu.txt" 2>&1
 python3 -c "import torch, braze; print('torch', torch.__version__, torch.cuda.get_device_name(0), 'braze', braze.__version__)" | tee -a "$OUT/gpu.txt"
