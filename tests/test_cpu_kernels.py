@@ -245,7 +245,7 @@ def test_max_min_other_dtypes(dtype):
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
-@pytest.mark.parametrize("op", ["var_mean", "var", "std", "var_unbiased0", "layer_norm", "var_mean_dims"])
+@pytest.mark.parametrize("op", ["var_mean", "var", "std", "var_unbiased0", "layer_norm", "var_mean_dims", "var_outer_and_last"])
 def test_welford_matches_eager(op, shape):
     n = shape[-1]
     w, b = torch.randn(n), torch.randn(n)
@@ -256,6 +256,8 @@ def test_welford_matches_eager(op, shape):
         "var_unbiased0": lambda x: torch.var(x, dim=-1, correction=0),
         "layer_norm": lambda x: F.layer_norm(x, (n,), w, b),
         "var_mean_dims": lambda x: torch.var_mean(x, dim=list(range(1, x.dim()))),
+        # Two reduced dims apart (BatchNorm's statistics): chunks of the last, the first around.
+        "var_outer_and_last": lambda x: torch.var_mean(x, dim=[0, x.dim() - 1]),
     }
     fn = fns[op]
     f = compiled(fn, dynamic=False)
