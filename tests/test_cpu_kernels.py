@@ -314,33 +314,22 @@ def test_small_static_kernels_run_without_a_parallel_region(shape):
         assert "omp parallel" in src and ">= 32768) {" in src and "} else {" in src, src
 
 
-def test_straight_calls():
+def test_straight_calls(compiled_graphs):
     """A static graph of kernel runs only takes the straight call ([Note: straight calls])
     and a graph with an extern call the general loop; both match eager on fresh inputs,
     call after call, the input's layout copied where it differs."""
-    from braze import runtime
-    graphs = []
-    init = runtime.CompiledGraph.__init__
-
-    def kept(self, *a):
-        init(self, *a)
-        graphs.append(self)
-    runtime.CompiledGraph.__init__ = kept
-    try:
-        torch._dynamo.reset()
-        fn = lambda x: (x * 2 + 1).relu() - x.mean(-1, keepdim=True)
-        f = compiled(fn, dynamic=False)
-        for _ in range(3):
-            x = torch.randn(16, 64)
-            _close(f(x), fn(x))
-        xt = torch.randn(64, 16).t()  # another layout: copied into the compiled one
-        _close(f(xt), fn(xt))
-        assert graphs[-1].straight is not None
-        torch._dynamo.reset()
-        g = lambda x: torch.cumsum(x, -1) * 2  # cumsum runs through ATen
-        fg = compiled(g, dynamic=False)
+    torch._dynamo.reset()
+    fn = lambda x: (x * 2 + 1).relu() - x.mean(-1, keepdim=True)
+    f = compiled(fn, dynamic=False)
+    for _ in range(3):
         x = torch.randn(16, 64)
-        _close(fg(x), g(x))
-        assert graphs[-1].straight is None
-    finally:
-        runtime.CompiledGraph.__init__ = init
+        _close(f(x), fn(x))
+    xt = torch.randn(64, 16).t()  # another layout: copied into the compiled one
+    _close(f(xt), fn(xt))
+    assert compiled_graphs[-1].straight is not None
+    torch._dynamo.reset()
+    g = lambda x: torch.cumsum(x, -1) * 2  # cumsum runs through ATen
+    fg = compiled(g, dynamic=False)
+    x = torch.randn(16, 64)
+    _close(fg(x), g(x))
+    assert compiled_graphs[-1].straight is None

@@ -482,7 +482,7 @@ class _ConvNet(torch.nn.Module):
         return self.fc(torch.flatten(torch.nn.functional.adaptive_avg_pool2d(z, 1), 1))
 
 
-def test_training_convolutions_run_channels_last(device, monkeypatch):
+def test_training_convolutions_run_channels_last(device, monkeypatch, compiled_graphs):
     """With conv_layout='channels_last' ([Note: convolution layout]) a training step of a
     contiguous convnet runs its convolutions channels_last: the forward lays out the input
     image once and nothing else, returns the activations it saves for the backward
@@ -501,13 +501,6 @@ def test_training_convolutions_run_channels_last(device, monkeypatch):
         copies.append((self.name, tuple(t.shape)))
         return relayout(self, t, *a)
     monkeypatch.setattr(runtime.CompiledGraph, "_relayout", counted)
-    graphs = []
-    init = runtime.CompiledGraph.__init__
-
-    def kept(self, *a):
-        init(self, *a)
-        graphs.append(self)
-    monkeypatch.setattr(runtime.CompiledGraph, "__init__", kept)
     n0 = len(braze.stats.records)
     c = compiled(m, options={"on_unsupported": "error", "conv_layout": "channels_last"})
     # cuDNN's TF32 kernels differ between layouts by more than fp32 rounding; this checks layouts.
@@ -532,7 +525,7 @@ def test_training_convolutions_run_channels_last(device, monkeypatch):
     assert copies and all(name.startswith("backward") and shape in weights for name, shape in copies), copies
     # The saved activations (4-d, a batch stride of at least 8 channels of 8x8; the weights,
     # saved too, have smaller ones) come back channels_last.
-    saved = [st for st in graphs[0].output_strides() if len(st) == 4 and st[0] >= 512]
+    saved = [st for st in compiled_graphs[0].output_strides() if len(st) == 4 and st[0] >= 512]
     assert len(saved) >= 4 and all(st[1] == 1 for st in saved), saved
 
 

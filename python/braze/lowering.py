@@ -354,7 +354,7 @@ class Lowerer:
             elif node.op == "output":
                 outs = []
                 free = []  # (outputs position, IR value, passthrough) of saved tensors of free layout
-                for a in torch.fx.node.map_arg(node.args[0], lambda n: n) if isinstance(node.args[0], (list, tuple)) else [node.args[0]]:
+                for a in out_args:
                     v = self.env.get(a) if isinstance(a, torch.fx.Node) else a
                     if isinstance(v, int) and isinstance(a, torch.fx.Node) and a in self.free_saved:
                         outputs.append(("t", None))
@@ -516,7 +516,9 @@ class Lowerer:
     def extern(self, node: torch.fx.Node, target=None, call_args=None, name=None, island=None, out_strides=None):
         """The node as a call of its own ATen kernel (or of `target` with `call_args`, FX
         arguments like the node's own). `island` overrides whether it counts as a PyTorch
-        island (a callable that is no ATen op) or a library call."""
+        island (a callable that is no ATen op) or a library call. `out_strides`: the strides
+        the call returns its first tensor in, or a dict of them by result path ((1,) for the
+        second of a tuple), where they differ from the node's metadata."""
         val = node.meta.get("val")
         target = node.target if target is None else target
         name = name or op_name(target)
@@ -561,7 +563,10 @@ class Lowerer:
             if is_tensor_meta(v) and not check_tensor(v, self):
                 host_outs.append((path, self.host().slot))
             elif is_tensor_meta(v):
-                st = out_strides if out_strides is not None and not outs else v.stride()
+                if isinstance(out_strides, dict):  # result path -> strides
+                    st = out_strides.get(path, v.stride())
+                else:  # the first result's strides
+                    st = out_strides if out_strides is not None and not outs else v.stride()
                 outs.append((dt(v.dtype), [sym_str(s) for s in v.shape], [sym_str(s) for s in st]))
                 paths.append(path)
             elif isinstance(v, (list, tuple)):
@@ -1643,6 +1648,29 @@ def _cl_operand(L, x):
     return L.cl_inputs[i]
 
 
+def _cl_extern(L, node, cl_args, cl_results, **extern_kw):
+    """`node` as an extern call ([Note: convolution layout]) whose FX tensor arguments
+    `cl_args` are given channels_last (their layouts, elided where stored so) and whose
+    results at `cl_results` (result paths: () for a lone tensor, (0,) for a tuple's first)
+    are declared channels_last, a graph output among them getting eager's strides back."""
+    val = node.meta["val"]
+
+    def at(v, path):
+        for k in path:
+            v = v[k]
+        return v
+    saved = {a: L.env[a] for a in cl_args}
+    for a in cl_args:
+        L.env[a] = _cl_operand(L, a)
+    try:
+        out = L.extern(node, out_strides={p: _channels_last_strides(list(at(val, p).shape)) for p in cl_results}, **extern_kw)
+    finally:
+        L.env.update(saved)
+    for p in cl_results:
+        L.relaid[at(out, p)] = list(at(val, p).stride())
+    return out
+
+
 @register(A("convolution"))
 def _convolution(L, node, x, weight, bias, stride, padding, dilation, transposed, output_padding, groups):
     """A 2-d convolution channels_last where the graph's convolutions run so ([Note:
@@ -1651,24 +1679,14 @@ def _convolution(L, node, x, weight, bias, stride, padding, dilation, transposed
     if (not L.conv_cl or _conv_info(node) is None or not src.dtype.is_floating_point
             or not src.is_contiguous() or not val.is_contiguous()):
         raise Unsupported("convolution runs with eager's layout")
-    xi = _cl_operand(L, x)
-    saved = L.env[x]
-    L.env[x] = xi
-    try:
-        out_strides = _channels_last_strides(list(val.shape))
-        wv = weight.meta.get("val")
-        if (L.device.type == "cpu" and isinstance(weight, torch.fx.Node) and weight.op == "placeholder"
-                and L.arg_index.get(weight) in L.static_inputs and is_tensor_meta(wv) and wv.dim() == 4 and wv.is_contiguous()):
-            # A parameter's channels_last copy made once ([Note: CPU convolutions]).
-            spec = CpuConv(stride, padding, dilation, groups)
-            L.reasons[spec.__name__] = "library convolution, weight laid out once"
-            out = L.extern(node, target=spec, call_args=(x, weight, bias), name=spec.__name__, island=False, out_strides=out_strides)
-        else:
-            out = L.extern(node, out_strides=out_strides)
-    finally:
-        L.env[x] = saved
-    L.relaid[out] = list(val.stride())
-    return out
+    wv = weight.meta.get("val")
+    if (L.device.type == "cpu" and isinstance(weight, torch.fx.Node) and weight.op == "placeholder"
+            and L.arg_index.get(weight) in L.static_inputs and is_tensor_meta(wv) and wv.dim() == 4 and wv.is_contiguous()):
+        # A parameter's channels_last copy made once ([Note: CPU convolutions]).
+        spec = CpuConv(stride, padding, dilation, groups)
+        L.reasons[spec.__name__] = "library convolution, weight laid out once"
+        return _cl_extern(L, node, (x,), [()], target=spec, call_args=(x, weight, bias), name=spec.__name__, island=False)
+    return _cl_extern(L, node, (x,), [()])
 
 
 @register(A("convolution_backward"))
@@ -1681,18 +1699,7 @@ def _convolution_backward(L, node, grad_out, x, weight, bias_sizes, stride, padd
     if (not L.conv_cl or _conv_info(node) is None or not xv.dtype.is_floating_point or not gv.is_contiguous()
             or not isinstance(val, (list, tuple)) or (val[0] is not None and not val[0].is_contiguous())):
         raise Unsupported("convolution_backward runs with eager's layouts")
-    saved = {a: L.env[a] for a in (grad_out, x)}
-    L.env[grad_out] = _cl_operand(L, grad_out)
-    if xv.is_contiguous():
-        L.env[x] = _cl_operand(L, x)
-    try:
-        grad_in = is_tensor_meta(val[0])
-        out = L.extern(node, out_strides=_channels_last_strides(list(val[0].shape)) if grad_in else None)
-    finally:
-        L.env.update(saved)
-    if grad_in:
-        L.relaid[out[0]] = list(val[0].stride())
-    return out
+    return _cl_extern(L, node, (grad_out, x) if xv.is_contiguous() else (grad_out,), [(0,)] if is_tensor_meta(val[0]) else [])
 
 
 @register(A("max_pool2d_with_indices_backward"))
@@ -1706,15 +1713,7 @@ def _max_pool2d_backward(L, node, grad_out, x, kernel_size, stride, padding, dil
     if (not L.conv_cl or not all(is_tensor_meta(v) and v.dim() == 4 and v.is_contiguous() for v in metas)
             or not is_tensor_meta(val) or not val.is_contiguous() or any(not isinstance(d, int) for v in metas for d in v.shape)):
         raise Unsupported("max_pool2d_with_indices_backward runs with eager's layouts")
-    saved = {a: L.env[a] for a in (grad_out, x, indices)}
-    for a in (grad_out, x, indices):
-        L.env[a] = _cl_operand(L, a)
-    try:
-        out = L.extern(node, out_strides=_channels_last_strides(list(val.shape)))
-    finally:
-        L.env.update(saved)
-    L.relaid[out] = list(val.stride())
-    return out
+    return _cl_extern(L, node, (grad_out, x, indices), [()])
 
 
 def _pool_window(L, x, val, kernel_size, stride, padding, dilation, ceil_mode):
