@@ -463,6 +463,14 @@ def test_cpu_inference_convolutions_run_channels_last():
     copies = [k for k, _ in rec["kernels"] if "copy" in k]
     # The input's layout and the returned convolution's eager strides; nothing between.
     assert len(copies) == 2, rec["kernels"]
+    # conv_layout='eager' keeps eager's layouts: no copies at all, the same values.
+    torch._dynamo.reset()
+    with torch.no_grad():
+        outs = compiled(m, options={"on_unsupported": "error", "conv_layout": "eager"})(x)
+    for o, r in zip(outs, refs):
+        torch.testing.assert_close(o, r, rtol=1e-4, atol=1e-4)
+    rec = braze.stats.records[-1]
+    assert rec["status"] == "compiled" and not [k for k, _ in rec["kernels"] if "copy" in k], rec["kernels"]
 
 
 class _ConvNet(torch.nn.Module):
