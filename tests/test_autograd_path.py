@@ -319,3 +319,60 @@ def test_padded_logits_reach_the_backward_without_copies(device, monkeypatch):
     torch.testing.assert_close(loss.detach(), ref.detach())
     for g, p in zip(got, lin.parameters()):
         torch.testing.assert_close(g, p.grad, rtol=1e-2, atol=1e-3)
+
+
+_probe_seen = []
+
+
+@torch.library.custom_op("braze_test::autocast_probe", mutates_args=())
+def _autocast_probe(x: torch.Tensor) -> torch.Tensor:
+    """An extern call that records whether autocast is on when it runs."""
+    _probe_seen.append(torch.is_autocast_enabled(x.device.type))
+    return x.clone()
+
+
+@_autocast_probe.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+_autocast_probe.register_autograd(lambda ctx, g: g)
+
+
+def _mlp_probe(x, w1, b1, w2):
+    return _autocast_probe(torch.nn.functional.gelu(x @ w1 + b1)) @ w2
+
+
+def test_graphs_compiled_under_autocast_run_direct_with_autocast_off(device):
+    """A graph traced under autocast has its casts in it ([Note: autocast around compiled
+    graphs]): it runs direct, and its extern calls (the probe) run with autocast off, as under
+    AOTAutograd's wrappers, where they would otherwise be autocast a second time. Outputs and
+    gradients match eager's under the same autocast (bf16 tolerance)."""
+    torch._dynamo.reset()
+    ins = _mlp_inputs(device)
+    ins2 = [x.detach().clone().requires_grad_() for x in ins]
+    n = braze.stats.direct_graphs
+    with torch.autocast(device, dtype=torch.bfloat16):
+        ref = _mlp_probe(*ins)
+        c = compiled(_mlp_probe)
+        c(*ins2)  # compiles
+        _probe_seen.clear()
+        out = c(*ins2)
+    assert _probe_seen == [False]
+    assert braze.stats.direct_graphs == n + 1
+    assert type(out.grad_fn).__name__ == "_BrazeFunctionBackward"
+    torch.testing.assert_close(out.float(), ref.float(), rtol=2e-2, atol=2e-2)
+    g = torch.randn_like(ref)
+    ref.backward(g)
+    out.backward(g)
+    for a, b in zip(ins2, ins):
+        torch.testing.assert_close(a.grad, b.grad, rtol=3e-2, atol=3e-2)
+    # Inference too.
+    with torch.no_grad(), torch.autocast(device, dtype=torch.bfloat16):
+        torch._dynamo.reset()
+        c = compiled(_mlp_probe)
+        c(*[x.detach() for x in ins])
+        _probe_seen.clear()
+        torch.testing.assert_close(c(*[x.detach() for x in ins]).float(), _mlp_probe(*[x.detach() for x in ins]).float(), rtol=2e-2, atol=2e-2)
+    assert _probe_seen == [False, True]  # compiled, then eager
+    assert braze.stats.records[-1]["runtime"] == "direct"

@@ -77,13 +77,24 @@ def direct_path(cap: Capture, gm: torch.fx.GraphModule):
         cap.why = why
         return None
     kind, fw, fw_gm, meta = cap.forward
+    # [Note: autocast around compiled graphs] A graph traced under autocast has its casts in
+    # it; run with autocast still on, the extern ATen calls in it (matmuls, convolutions)
+    # would be autocast again (an f32 matmul the graph keeps f32 would run in bf16). As
+    # AOTAutograd's wrappers do, the graphs run with autocast off when it was on at compile time.
+    amp = torch._C._is_any_autocast_enabled()
     if kind == "inference":
+        if amp:
+            def infer_amp(*args):
+                with torch._C._DisableAutocast():
+                    return fw(list(args))
+            return infer_amp
+
         def infer(*args):
             return fw(list(args))
         return infer
     bw, bw_gm = cap.backward
     try:
-        return _training_path(fw, fw_gm, meta, bw, bw_gm)
+        return _training_path(fw, fw_gm, meta, bw, bw_gm, amp)
     except _NotSimple as e:
         cap.why = str(e)
         return None
@@ -110,8 +121,6 @@ def _not_simple(cap, gm):
         elif not isinstance(x, (int, float, bool, torch.SymInt)):
             # A SymInt (a dynamic size Dynamo passes as an argument) is an int at run time.
             return "an input is neither a tensor, a size nor a constant"
-    if torch._C._is_any_autocast_enabled():
-        return "autocast is enabled"
     if getattr(torch._dynamo.config, "compiled_autograd", False):
         return "compiled autograd is enabled"
     n_in = sum(1 for n in fw_gm.graph.nodes if n.op == "placeholder")
@@ -130,7 +139,7 @@ def _not_simple(cap, gm):
     return None
 
 
-def _training_path(fw, fw_gm, meta, bw, bw_gm):
+def _training_path(fw, fw_gm, meta, bw, bw_gm, amp):
     n_out = meta.num_outputs
     if n_out == 0:
         raise _NotSimple("the graph returns nothing")
@@ -164,7 +173,7 @@ def _training_path(fw, fw_gm, meta, bw, bw_gm):
     n_grads = len(next(n for n in bw_gm.graph.nodes if n.op == "output").args[0])
     if n_grads != n_in:
         raise _NotSimple("the backward does not return one gradient per input")
-    plan = _Plan(fw, bw, n_out, nondiff, tuple(bw_args))
+    plan = _Plan(fw, bw, n_out, nondiff, tuple(bw_args), amp)
     apply = _BrazeFunction.apply
 
     def run(*args):
@@ -177,9 +186,9 @@ _eval_frame_callback = getattr(torch._C._dynamo.eval_frame, "get_eval_frame_call
 
 
 class _Plan:
-    __slots__ = ("fw", "bw", "bw_no_dynamo", "n_out", "nondiff", "bw_args")
+    __slots__ = ("fw", "bw", "bw_no_dynamo", "n_out", "nondiff", "bw_args", "amp")
 
-    def __init__(self, fw, bw, n_out, nondiff, bw_args):
+    def __init__(self, fw, bw, n_out, nondiff, bw_args, amp):
         # The backward runs from the autograd engine, maybe on a thread where Dynamo is
         # active (a backward called inside a compiled function): there it must not be traced
         # (AOTAutograd disables Dynamo the same way). Elsewhere it is called directly.
@@ -189,12 +198,17 @@ class _Plan:
         self.n_out = n_out
         self.nondiff = nondiff
         self.bw_args = bw_args
+        self.amp = amp  # compiled under autocast: run with it off ([Note: autocast around compiled graphs])
 
 
 class _BrazeFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, plan, *args):
-        outs = plan.fw(list(args))
+        if plan.amp:
+            with torch._C._DisableAutocast():
+                outs = plan.fw(list(args))
+        else:
+            outs = plan.fw(list(args))
         n = plan.n_out
         ctx.plan = plan
         ctx.save_for_backward(*outs[n:])
@@ -218,4 +232,7 @@ class _BrazeFunction(torch.autograd.Function):
             clear()
         cb = _eval_frame_callback()
         bw = plan.bw if cb is None or cb is False else plan.bw_no_dynamo
+        if plan.amp:
+            with torch._C._DisableAutocast():
+                return (None, *bw(args))
         return (None, *bw(args))

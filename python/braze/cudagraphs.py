@@ -60,7 +60,8 @@ class _Pool:
 
     def __init__(self):
         self.handle = torch.cuda.graph_pool_handle()
-        # (graph id, output storage index) -> (StorageWeakRef, weak refs to tensors viewing it)
+        # (graph id, output storage index) -> (StorageWeakRef, weak ref to the first tensor
+        # returned viewing it, the storage's data pointer)
         self.live = {}
         # Data pointers of the static inputs (parameters, buffers) of the graphs captured: a
         # backward reading a parameter reads it in place too.
@@ -68,7 +69,7 @@ class _Pool:
 
     def alive(self):
         expired = torch.UntypedStorage._expired  # StorageWeakRef.expired without its Python frame
-        dead = [k for k, (ref, _) in self.live.items() if expired(ref.cdata)]
+        dead = [k for k, (ref, _, _) in self.live.items() if expired(ref.cdata)]
         for k in dead:
             del self.live[k]
         return self.live
@@ -133,13 +134,7 @@ class WholeGraph:
             return self.g(args)
         pool = _pool(dev)
         alive = pool.alive()
-        live_keys = {}  # storage data pointer -> key of a live whole-graph output there
-        for key, (ref, tws) in alive.items():
-            for w in tws:
-                t = w()
-                if t is not None:
-                    live_keys[_storage_key(t)] = key
-                    break
+        live_keys = {ptr: key for key, (_, _, ptr) in alive.items()}  # storage data pointer -> key of a live whole-graph output there
         # Inputs read in place: static ones and live outputs of whole graphs; the rest are
         # copied into the graph's own buffers.
         self.in_place = {}  # arg index -> (data_ptr, shape, stride, storage offset)
@@ -181,14 +176,19 @@ class WholeGraph:
             if sp in input_ptr:
                 i = input_ptr[sp]
                 base = cap_args[i]
-                self.outs.append(("input", i, o.shape, o.stride(), o.storage_offset() - base.storage_offset()))
+                if o.shape == base.shape and o.stride() == base.stride() and o.storage_offset() == base.storage_offset():
+                    # The input itself (a parameter a forward saves for its backward): returned
+                    # as the call's input object, as eager returns it, without a view.
+                    self.outs.append(("arg", i))
+                else:
+                    self.outs.append(("input", i, o.shape, o.stride(), o.storage_offset() - base.storage_offset()))
                 continue
             if sp not in storages:
                 storages[sp] = len(storages)
                 self.kept.append(o)
-            meta = {"data_ptr": sp, "size": o.shape, "stride": o.stride(), "dtype": o.dtype, "device": o.device,
-                    "storage_offset": o.storage_offset(), "nbytes": o.untyped_storage().nbytes()}
+            meta = {"size": o.shape, "stride": o.stride(), "dtype": o.dtype, "device": o.device, "storage_offset": o.storage_offset()}
             self.outs.append(("own", storages[sp], meta))
+        self.storage_specs = [(sp, k.device, k.untyped_storage().nbytes()) for sp, k in zip(storages, self.kept)]
         self.n_storages = len(storages)
         del live_keys
         stats.captures += 1
@@ -214,7 +214,7 @@ class WholeGraph:
         pool = self.pool
         if check:
             stale = []
-            for key, (ref, tws) in pool.alive().items():
+            for key in pool.alive():
                 if key in self.alive_at_capture:
                     continue
                 if key[0] == id(self) and self.kind != "backward":
@@ -231,10 +231,13 @@ class WholeGraph:
         for i in self.mutated:
             args[i].copy_(self.copied[i])
         storages = [None] * self.n_storages
-        views = [None] * self.n_storages
+        first = [None] * self.n_storages
+        construct = torch._C._construct_CUDA_Tensor_From_Storage_And_Metadata
         res = []
         for o in self.outs:
-            if o[0] == "value":
+            if o[0] == "arg":
+                res.append(args[o[1]])
+            elif o[0] == "value":
                 res.append(o[1])
             elif o[0] == "input":
                 _, i, shape, stride, off = o
@@ -242,16 +245,18 @@ class WholeGraph:
                 res.append(base.as_strided(shape, stride, base.storage_offset() + off))
             else:
                 _, k, meta = o
-                if storages[k] is None:
-                    storages[k] = torch._C._construct_storage_from_data_pointer(meta["data_ptr"], meta["device"], meta["nbytes"])
-                    views[k] = []
-                t = torch._C._construct_CUDA_Tensor_From_Storage_And_Metadata(meta, storages[k])
-                views[k].append(weakref.ref(t))
+                s = storages[k]
+                if s is None:
+                    s = storages[k] = torch._C._construct_storage_from_data_pointer(*self.storage_specs[k])
+                t = construct(meta, s)
+                if first[k] is None:
+                    first[k] = weakref.ref(t)
                 res.append(t)
         me = id(self)
         live = pool.live
+        specs = self.storage_specs
         for k, s in enumerate(storages):
-            live[(me, k)] = (StorageWeakRef(s), views[k])
+            live[(me, k)] = (StorageWeakRef(s), first[k], specs[k][0])
         args.clear()
         return res
 
@@ -259,13 +264,12 @@ class WholeGraph:
 def _invalidate(entry):
     """Makes the storage of an earlier replay's output unreadable (its memory is about to be
     overwritten)."""
-    ref, tws = entry
-    for w in tws:
-        t = w()
-        if t is not None:
-            torch._C._set_storage_access_error_msg(t, _STALE)
-            stats.invalidated += 1
-            return
+    ref, w, _ = entry
+    t = w()
+    if t is not None:
+        torch._C._set_storage_access_error_msg(t, _STALE)
+        stats.invalidated += 1
+        return
     if not ref.expired():  # alive only through views made by the caller: reach the storage itself
         s = torch.UntypedStorage._new_with_weak_ptr(ref.cdata)
         if s is not None:
