@@ -541,6 +541,31 @@ def test_training_convolutions_run_channels_last(device, monkeypatch, compiled_g
     assert len(saved) >= 4 and all(st[1] == 1 for st in saved), saved
 
 
+def test_channels_last_batch_of_one(device, monkeypatch):
+    """A batch of one channels_last: braze's buffers get PyTorch's strides on their size-1
+    dims (batch stride C*H*W), which ATen reads as channels_last. With batch stride 1 each
+    convolution took its operand for NCHW, copied it and returned NCHW, which the call then
+    laid out again (43 copies per ResNet-50 call)."""
+    from braze import runtime
+    torch.manual_seed(0)
+    m = _ConvNet(16).to(device).eval()
+    x = torch.randn(1, 3, 16, 16, device=device)
+    copies = []
+    relayout = runtime.CompiledGraph._relayout
+
+    def counted(self, t, *a):
+        copies.append(tuple(t.shape))
+        return relayout(self, t, *a)
+    monkeypatch.setattr(runtime.CompiledGraph, "_relayout", counted)
+    c = compiled(m, options={"on_unsupported": "error", "conv_layout": "channels_last"})
+    with torch.no_grad(), torch.backends.cudnn.flags(enabled=True, allow_tf32=False):
+        for _ in range(2):
+            torch.testing.assert_close(c(x), m(x), rtol=1e-4, atol=1e-4)
+    assert copies == []
+    rec = braze.stats.records[-1]
+    assert rec["status"] == "compiled" and rec["kind"] == "inference"
+
+
 def _traced(model, x):
     from torch.fx.experimental.proxy_tensor import make_fx
     return make_fx(lambda x: model(x), pre_dispatch=False)(x)
@@ -550,7 +575,7 @@ def test_conv_layout_choice():
     """Which graphs run their convolutions channels_last under conv_layout='auto' ([Note:
     convolution layout]): on the GPU convnets of more than a few channels, not those with
     convolutions grouped over several channels per group (depthwise ones are fine); on the
-    CPU inference graphs; never under 'eager'; always under 'channels_last'."""
+    CPU inference graphs whose activations outweigh their non-1x1 weights; never under 'eager'; always under 'channels_last'."""
     from braze.lowering import conv_channels_last
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     x = torch.randn(2, 3, 32, 32)
@@ -568,6 +593,8 @@ def test_conv_layout_choice():
     assert not conv_channels_last(wide, "forward", cuda, "eager")
     assert not conv_channels_last(plain, "inference", cuda, "channels_last")
     assert conv_channels_last(small, "inference", cpu, "auto")
+    # On the CPU not where the weights ATen lays out per call outweigh the activations.
+    assert not conv_channels_last(_traced(_ConvNet(96).eval(), torch.randn(1, 3, 8, 8)), "inference", cpu, "auto")
     assert not conv_channels_last(wide, "forward", cpu, "auto")
     # A backward follows its forward's choice.
     assert conv_channels_last(plain, "backward", cuda, True) and not conv_channels_last(wide, "backward", cuda, False)

@@ -73,11 +73,27 @@ fn split_dim(from: &[Expr], to: &[Expr]) -> Option<usize> {
 }
 
 /// Dense strides for `shape` laid out in `order` (its non-1 dims, outermost first, as
-/// [`memory_order`] gives them); size-1 dims get stride 1.
+/// [`memory_order`] gives them). A size-1 dim takes the stride PyTorch gives it in the same
+/// layout: it sits just outside the first dim of `order` that follows it logically (the
+/// batch dim of a channels_last `[1, C, H, W]` gets `C * H * W`, not 1). Its stride does not
+/// move any element, but ATen reads layouts from strides: given batch stride 1, a
+/// convolution takes a channels_last `[1, C, H, W]` operand for NCHW, copies it and returns
+/// NCHW.
 pub fn dense_strides(shape: &[Expr], order: &[usize]) -> Vec<Expr> {
+    let mut full: Vec<usize> = Vec::with_capacity(shape.len());
+    let ones: Vec<usize> = (0..shape.len()).filter(|&d| !order.contains(&d)).collect();
+    let mut next_one = 0;
+    for &d in order {
+        while next_one < ones.len() && ones[next_one] < d {
+            full.push(ones[next_one]);
+            next_one += 1;
+        }
+        full.push(d);
+    }
+    full.extend_from_slice(&ones[next_one..]);
     let mut strides = vec![Expr::one(); shape.len()];
     let mut acc = Expr::one();
-    for &d in order.iter().rev() {
+    for &d in full.iter().rev() {
         strides[d] = acc.clone();
         acc = acc.mul(&shape[d]);
     }
@@ -141,7 +157,11 @@ mod tests {
     fn dense_strides_of_an_order() {
         let shape: Vec<Expr> = [2, 64, 1, 56].iter().map(|&v| Expr::constant(v)).collect();
         let st: Vec<Option<i64>> = dense_strides(&shape, &[0, 3, 1]).iter().map(|e| e.as_const()).collect();
-        assert_eq!(st, vec![Some(3584), Some(1), Some(1), Some(64)]);
+        assert_eq!(st, vec![Some(3584), Some(1), Some(3584), Some(64)]);
+        // A batch of one channels_last: PyTorch's strides, which ATen reads as channels_last.
+        let shape: Vec<Expr> = [1, 64, 16, 16].iter().map(|&v| Expr::constant(v)).collect();
+        let st: Vec<Option<i64>> = dense_strides(&shape, &[2, 3, 1]).iter().map(|e| e.as_const()).collect();
+        assert_eq!(st, vec![Some(16384), Some(1), Some(1024), Some(64)]);
     }
 
     #[test]
