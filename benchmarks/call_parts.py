@@ -51,7 +51,7 @@ for g in graphs:
     args = last_args[g.name]
     inputs_, plan, outs, simple = g.static_plan
     bufs = [None] * g.n_bufs
-    for b, idx, shp, st in inputs_:
+    for b, idx, shp, st in inputs_[0]:
         bufs[b] = g.tensor_args_of(args)[idx]
     allocs = [a for _, al, _, _, _ in plan for a in al]
     for buf, shp, st, dt in allocs:

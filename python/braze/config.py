@@ -38,7 +38,7 @@ OPTIONS = {
                    "the fastest (default True; BRAZE_MATMUL_TUNE=0 turns it off everywhere)",
     "conv_layout": "how 2-d convolutions of tensors contiguous in eager are laid out: 'auto' (channels_last where "
                    "it pays: on the GPU graphs whose convolutions are not grouped across channels, inference and "
-                   "training; on the CPU inference graphs), 'channels_last' (always), 'eager' (eager's layouts). "
+                   "training; on the CPU inference graphs whose activations outweigh their weights), 'channels_last' (always), 'eager' (eager's layouts). "
                    "Outputs keep eager's strides either way (default 'auto')",
     "direct_autograd": "bool: run graphs without mutation, aliasing, subclasses or RNG state through braze's own "
                        "autograd.Function instead of AOTAutograd's runtime wrappers (default True)",

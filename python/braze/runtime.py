@@ -179,12 +179,7 @@ class CompiledGraph:
             ptrs = [0] * n
             stream = raw_stream(dev) if cuda else 0
             tensor_args = tensor_args_of(args)
-            for b, idx, shape, stride in inputs:
-                t = tensor_args[idx]
-                if t.stride() != stride:
-                    t = in_layout(t, shape, stride, stream)
-                bufs[b] = t
-                ptrs[b] = t.data_ptr()
+            _bind_inputs(inputs, tensor_args, bufs, ptrs, in_layout, stream)
             # [Note: inputs freed at their last use]: the list is handed over.
             args.clear()
             tensor_args = t = None
@@ -225,7 +220,7 @@ class CompiledGraph:
         """Per-step work with every size resolved: built once for static graphs, per call
         for dynamic ones. Steps are (kind, ...) tuples the call loop reads directly."""
         dts = [_TORCH_DTYPES[b[2]] for b in self.bufs]
-        inputs = [(b, b_[1], shapes[b], strides[b]) for b, b_ in enumerate(self.bufs) if b_[0] == "input"]
+        inputs = _input_columns([(b, b_[1], shapes[b], strides[b]) for b, b_ in enumerate(self.bufs) if b_[0] == "input"])
         # [Note: input mutations] (lowering.py): a new input value whose buffer is a temp of
         # the input's layout is stored by its kernel straight into the input ("in place");
         # the others are copied into it after the call.
@@ -331,9 +326,7 @@ class CompiledGraph:
                 hosts[slot] = args[i]
         stream = self.raw_stream(self.device_index) if self.cuda else 0
         # Graph inputs, in the layout the kernels were compiled for.
-        for b, idx, shape, stride in inputs:
-            t = bufs[b] = self._in_layout(tensor_args[idx], shape, stride, stream)
-            ptrs[b] = t.data_ptr()
+        _bind_inputs(inputs, tensor_args, bufs, ptrs, self._in_layout, stream)
         # [Note: inputs freed at their last use] The boxed calling convention hands the list
         # over: cleared, it leaves `bufs` the only reference braze holds to each input, dropped
         # at the input's last reader (the plan's frees). A backward's saved activations are
@@ -350,6 +343,7 @@ class CompiledGraph:
         pool = self.arena_pool
         arena = None
         arena_ptr = 0
+        arena_views = {}  # dtype -> the open window's arena viewed as it
         run = self.c.run
         for kind, allocs, frees, a, b, (opens, closes) in plan:
             if opens:
@@ -362,6 +356,7 @@ class CompiledGraph:
                 if arena is None:
                     arena = empty((opens,), (1,), torch.uint8)
                 arena_ptr = arena.data_ptr()
+                arena_views = {}
             for buf, shape, stride, dtype, dying in allocs:
                 if dying is not None:  # the memory of a buffer dying at this step
                     t = bufs[dying[0]]
@@ -382,7 +377,11 @@ class CompiledGraph:
             else:
                 target, build, views, results, in_arena = a
                 for buf, dtype, shape, stride, off in in_arena:
-                    bufs[buf] = torch.as_strided(arena.view(dtype), shape, stride, off)
+                    base = arena_views.get(dtype)
+                    if base is None:
+                        base = arena_views[dtype] = arena.view(dtype)
+                    bufs[buf] = torch.as_strided(base, shape, stride, off)
+                base = None
                 tensors = [bufs[b] if v is None else bufs[b].as_strided(v[0], v[1], bufs[b].storage_offset() + v[2]) for b, v in views]
                 args_, kwargs_ = build(tensors, syms, hosts)
                 r = target(*args_, **kwargs_)
@@ -412,6 +411,7 @@ class CompiledGraph:
                     pool.setdefault(arena.numel(), []).append(arena)
                 arena = None
                 arena_ptr = 0
+                arena_views = {}
         outs = []
         for b, view, copy in out_plan:
             t = bufs[b]
@@ -433,6 +433,23 @@ class CompiledGraph:
             else:
                 res.append(v)
         return res
+
+
+def _bind_inputs(inputs, tensor_args, bufs, ptrs, in_layout, stream):
+    """Binds a plan's graph inputs (`inputs`: (buffer, argument index, shape, strides) rows
+    and the same as columns, `_input_columns`) to their buffers: one comparison of all
+    strides in the common case (ResNet-50 inference has 267 inputs), relayouts otherwise."""
+    rows, (idx, bs, shapes, strides) = inputs
+    ts = [tensor_args[i] for i in idx]
+    if [t.stride() for t in ts] != strides:
+        ts = [in_layout(t, shape, st, stream) for t, shape, st in zip(ts, shapes, strides)]
+    for b, t in zip(bs, ts):
+        bufs[b] = t
+        ptrs[b] = t.data_ptr()
+
+
+def _input_columns(rows):
+    return rows, ([i for _, i, _, _ in rows], [b for b, _, _, _ in rows], [sh for _, _, sh, _ in rows], [st for _, _, _, st in rows])
 
 
 def _allocator(device):

@@ -3,7 +3,7 @@
 use crate::dialect::{compute_type, Dialect};
 use crate::CodegenError;
 use braze_ir::{Atom, BinaryOp, DType, Expr, Lit, ReduceKind, UnaryOp};
-use braze_sched::loop_ir::{Kernel, Reduction, Stmt};
+use braze_sched::loop_ir::{stmt_reads, Kernel, Reduction, Stmt};
 
 /// Index expressions in C (all index arithmetic is on non-negative int64 values).
 pub fn index(e: &Expr) -> String {
@@ -62,7 +62,7 @@ impl Emitter<'_> {
     pub(crate) fn dt(&self, t: u32) -> DType {
         self.k.tmp_dtypes[t as usize]
     }
-    fn buf_dtype(&self, id: u32) -> DType {
+    pub(crate) fn buf_dtype(&self, id: u32) -> DType {
         self.k.bufs.iter().find(|b| b.id == id).map(|b| b.dtype).expect("buffer of kernel")
     }
 
@@ -456,4 +456,38 @@ pub fn cast(v: &str, from: DType, to: DType) -> String {
         DType::BF16 => format!("bz_round_bf((float){v})"),
         _ => format!("({}){v}", compute_type(to)),
     }
+}
+
+/// The loop variables (bit `n` for `in`) an index expression depends on, through the
+/// temporaries it reads (`deps`).
+pub(crate) fn expr_deps(e: &Expr, deps: &std::collections::HashMap<u32, u64>) -> u64 {
+    e.atoms().fold(0, |m, a| m | atom_deps(a, deps))
+}
+
+fn atom_deps(a: &braze_ir::Atom, deps: &std::collections::HashMap<u32, u64>) -> u64 {
+    use braze_ir::Atom;
+    match a {
+        Atom::Var(n) => 1u64.checked_shl(*n).unwrap_or(u64::MAX),
+        Atom::Tmp(t) => deps.get(t).copied().unwrap_or(u64::MAX),
+        Atom::FloorDiv(x, y) | Atom::Mod(x, y) | Atom::Max(x, y) | Atom::Min(x, y) => expr_deps(x, deps) | expr_deps(y, deps),
+        Atom::Sym(_) => 0,
+    }
+}
+
+/// The loop variables each temporary of `body` depends on (bit `n` for `in`).
+pub(crate) fn tmp_deps(body: &[Stmt]) -> std::collections::HashMap<u32, u64> {
+    let mut deps = std::collections::HashMap::new();
+    for s in body {
+        let d = match s {
+            Stmt::Load { index, mask, .. } => expr_deps(index, &deps) | mask.map_or(0, |m| deps.get(&m).copied().unwrap_or(u64::MAX)),
+            Stmt::Index { index, .. } => expr_deps(index, &deps),
+            Stmt::InRange { index, lo, hi, .. } => expr_deps(index, &deps) | expr_deps(lo, &deps) | expr_deps(hi, &deps),
+            Stmt::Bounded { a, hi, .. } => deps.get(a).copied().unwrap_or(u64::MAX) | expr_deps(hi, &deps),
+            s => stmt_reads(s).iter().fold(0, |m, t| m | deps.get(t).copied().unwrap_or(u64::MAX)),
+        };
+        if let Some(t) = s.dst() {
+            deps.insert(t, d);
+        }
+    }
+    deps
 }

@@ -16,7 +16,7 @@
 //!
 //! Half types are computed in f32 registers. Statements are written by `c_emit.rs`.
 
-use crate::c_emit::{index, Emitter};
+use crate::c_emit::{index, tmp_deps, Emitter};
 use crate::dialect::{compute_type, storage_type, Dialect};
 use crate::CodegenError;
 use braze_ir::{DType, Expr, ReduceKind};
@@ -707,40 +707,6 @@ const HOIST_MAX_REGS: i64 = 32;
 const HOIST_BLOCKS_PER_SM: u32 = 8;
 /// Most blocks a hoisted kernel's grid is rounded up to a multiple of.
 const HOIST_MAX_GRID_MULTIPLE: i64 = 16;
-
-/// The loop variables (bit `n` for `in`) an index expression depends on, through the
-/// temporaries it reads (`deps`).
-fn expr_deps(e: &Expr, deps: &std::collections::HashMap<u32, u64>) -> u64 {
-    e.atoms().fold(0, |m, a| m | atom_deps(a, deps))
-}
-
-fn atom_deps(a: &braze_ir::Atom, deps: &std::collections::HashMap<u32, u64>) -> u64 {
-    use braze_ir::Atom;
-    match a {
-        Atom::Var(n) => 1u64.checked_shl(*n).unwrap_or(u64::MAX),
-        Atom::Tmp(t) => deps.get(t).copied().unwrap_or(u64::MAX),
-        Atom::FloorDiv(x, y) | Atom::Mod(x, y) | Atom::Max(x, y) | Atom::Min(x, y) => expr_deps(x, deps) | expr_deps(y, deps),
-        Atom::Sym(_) => 0,
-    }
-}
-
-/// The loop variables each temporary of `body` depends on (bit `n` for `in`).
-fn tmp_deps(body: &[Stmt]) -> std::collections::HashMap<u32, u64> {
-    let mut deps = std::collections::HashMap::new();
-    for s in body {
-        let d = match s {
-            Stmt::Load { index, mask, .. } => expr_deps(index, &deps) | mask.map_or(0, |m| deps.get(&m).copied().unwrap_or(u64::MAX)),
-            Stmt::Index { index, .. } => expr_deps(index, &deps),
-            Stmt::InRange { index, lo, hi, .. } => expr_deps(index, &deps) | expr_deps(lo, &deps) | expr_deps(hi, &deps),
-            Stmt::Bounded { a, hi, .. } => deps.get(a).copied().unwrap_or(u64::MAX) | expr_deps(hi, &deps),
-            s => stmt_reads(s).iter().fold(0, |m, t| m | deps.get(t).copied().unwrap_or(u64::MAX)),
-        };
-        if let Some(t) = s.dst() {
-            deps.insert(t, d);
-        }
-    }
-    deps
-}
 
 /// Elements per thread for the vector path over the loads and stores `keep` selects: 16
 /// bytes of the widest such buffer, when the last dim (`len`) is a multiple of that and each
