@@ -103,7 +103,7 @@ def _plan_near(g, peak_step):
     _, plan, _, _ = g.static_plan if not g.dynamic else next(iter(g.plans.values()))[5]
     for s in range(max(0, peak_step - 3), min(len(plan), peak_step + 2)):
         kind, allocs, frees, a, _, (opens, closes) = plan[s]
-        label = "kernels" if kind == 0 else f"extern {getattr(a[0], '__name__', a[0])}"
+        label = "kernels" if kind == 0 else f"extern {getattr(a[5], '__name__', a[5])}"
         def desc(b):
             kind_, _, dt, *_ = g.bufs[b]
             shape = g.static[1][b] if not g.dynamic else "?"
