@@ -417,3 +417,25 @@ def test_attention_mask_made_dense_before_tracing():
             assert m.meta["example_value"].stride()[-1] == 1
         else:
             assert m is mn
+
+
+def test_dead_stores_dropped(device):
+    """[Note: dead stores] A max pool with indices (training forward) computes its window
+    maximum and the int8 offsets in one kernel; values that the first fusion round stored
+    because several kernels recomputed them end up read only inside that kernel, and are not
+    stored. Values and gradients match eager."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 8, 13, 13, device=device, requires_grad=True)
+    x2 = x.detach().clone().requires_grad_()
+    f = lambda x: torch.nn.functional.max_pool2d(x, 3, 2, 1)
+    n0 = len(braze.stats.records)
+    out = torch.compile(f, backend="braze", options={"on_unsupported": "error"})(x2)
+    ref = f(x)
+    torch.testing.assert_close(out, ref)
+    g = torch.randn_like(ref)
+    out.backward(g)
+    ref.backward(g)
+    torch.testing.assert_close(x2.grad, x.grad)
+    fw = [r for r in braze.stats.records[n0:] if r["kind"] == "forward"][0]
+    # The pooled values and their offsets (saved for the backward): two stores.
+    assert sum(len(roots) for _, roots in fw["kernels"]) == 2, fw["kernels"]

@@ -371,6 +371,7 @@ pub fn schedule(g: &Graph) -> Result<Schedule, SchedError> {
         }
     }
     let outputs: Vec<Access> = g.outputs.iter().map(|&o| access(o)).collect();
+    drop_dead_stores(&buffers, &mut kernels, &steps, &outputs);
     let frees = plan_frees(&buffers, &kernels, &steps, &outputs);
     Ok(Schedule { buffers, kernels, steps, outputs, frees, log })
 }
@@ -510,6 +511,50 @@ fn fuse(g: &Graph, stored: &[bool], log: &mut Vec<String>) -> Result<Fused, Sche
 /// them: the runtime drops its reference there, and a caller that handed its list over (the
 /// boxed calling convention; AOTAutograd's backward hands over the saved activations) frees
 /// each input as the backward stops needing it, as eager does.
+/// [Note: dead stores] A value is stored because more than one kernel recomputed it in the
+/// first fusion round ([Note: realization]); fused again, its readers may all have joined
+/// the kernel that computes it, which uses the value directly. Its store is then dead: no
+/// step loads the buffer and no output returns it. Such stores are dropped with the
+/// buffer's place among the kernel's parameters, so it is never allocated (the buffer stays
+/// in the list, touched by no step). A CPU max pool with indices stored two boolean masks
+/// and a partial maximum per output that nothing read.
+fn drop_dead_stores(buffers: &[Buffer], kernels: &mut [Kernel], steps: &[Step], outputs: &[Access]) {
+    let mut read = vec![false; buffers.len()];
+    for a in outputs {
+        read[a.buf as usize] = true;
+    }
+    for st in steps {
+        match st {
+            Step::Kernel(_) => {}
+            Step::Matmul { .. } => st.matmul_operands().for_each(|x| read[x.buf as usize] = true),
+            Step::Extern { args, .. } => args.iter().for_each(|a| read[a.buf as usize] = true),
+        }
+    }
+    let stmts = |k: &Kernel| k.prelude.iter().chain(k.passes.iter().flat_map(|p| p.body.iter().chain(&p.after))).cloned().collect::<Vec<_>>();
+    for k in kernels.iter() {
+        for st in stmts(k) {
+            if let crate::loop_ir::Stmt::Load { buf, .. } = st {
+                read[buf as usize] = true;
+            }
+        }
+    }
+    let dead = |b: BufId| !read[b as usize] && buffers[b as usize].kind == BufKind::Temp;
+    for k in kernels.iter_mut() {
+        if !k.bufs.iter().any(|r| dead(r.id)) {
+            continue;
+        }
+        let keep = |st: &crate::loop_ir::Stmt| !matches!(st, crate::loop_ir::Stmt::Store { buf, .. } if dead(*buf));
+        k.prelude.retain(keep);
+        for p in &mut k.passes {
+            p.body.retain(keep);
+            p.after.retain(keep);
+        }
+        let gone: Vec<String> = k.bufs.iter().filter(|r| dead(r.id)).map(|r| buffers[r.id as usize].node.to_string()).collect();
+        k.roots.retain(|r| !gone.contains(r));
+        k.bufs.retain(|r| !dead(r.id));
+    }
+}
+
 fn plan_frees(buffers: &[Buffer], kernels: &[Kernel], steps: &[Step], outputs: &[Access]) -> Vec<Vec<BufId>> {
     let mut last = vec![None; buffers.len()];
     for (s, st) in steps.iter().enumerate() {
