@@ -58,3 +58,19 @@ def compiled_graphs(monkeypatch):
         made.append(self)
     monkeypatch.setattr(runtime.CompiledGraph, "__init__", keep)
     return made
+
+
+@pytest.fixture
+def relayouts(monkeypatch):
+    """The runtime's layout copies during the test (an input or extern result copied into the
+    layout its graph was compiled for), as (graph name, shape), in order."""
+    from braze import runtime
+
+    seen = []
+    relayout = runtime.CompiledGraph._relayout
+
+    def counted(self, t, *a):
+        seen.append((self.name, tuple(t.shape)))
+        return relayout(self, t, *a)
+    monkeypatch.setattr(runtime.CompiledGraph, "_relayout", counted)
+    return seen

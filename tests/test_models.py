@@ -490,25 +490,18 @@ class _ConvNet(torch.nn.Module):
         return self.fc(torch.flatten(torch.nn.functional.adaptive_avg_pool2d(z, 1), 1))
 
 
-def test_training_convolutions_run_channels_last(device, monkeypatch, compiled_graphs):
+def test_training_convolutions_run_channels_last(device, relayouts, compiled_graphs):
     """With conv_layout='channels_last' ([Note: convolution layout]) a training step of a
     contiguous convnet runs its convolutions channels_last: the forward lays out the input
     image once and nothing else, returns the activations it saves for the backward
     channels_last, and the backward, compiled for them, copies no activation between layouts
     (on the CPU ATen's channels_last weight gradients are relaid into the parameters' strides;
     on the GPU braze's kernels lay the 3x3 weights out and their gradients back). Outputs, gradients and BatchNorm's running statistics are eager's."""
-    from braze import runtime
     torch.manual_seed(0)
     m = _ConvNet().to(device)
     ref = copy.deepcopy(m)
     x = torch.randn(4, 3, 16, 16, device=device)
-    copies = []
-    relayout = runtime.CompiledGraph._relayout
-
-    def counted(self, t, *a):
-        copies.append((self.name, tuple(t.shape)))
-        return relayout(self, t, *a)
-    monkeypatch.setattr(runtime.CompiledGraph, "_relayout", counted)
+    copies = relayouts
     n0 = len(braze.stats.records)
     c = compiled(m, options={"on_unsupported": "error", "conv_layout": "channels_last"})
     # cuDNN's TF32 kernels differ between layouts by more than fp32 rounding; this checks layouts.
@@ -541,27 +534,19 @@ def test_training_convolutions_run_channels_last(device, monkeypatch, compiled_g
     assert len(saved) >= 4 and all(st[1] == 1 for st in saved), saved
 
 
-def test_channels_last_batch_of_one(device, monkeypatch):
+def test_channels_last_batch_of_one(device, relayouts):
     """A batch of one channels_last: braze's buffers get PyTorch's strides on their size-1
     dims (batch stride C*H*W), which ATen reads as channels_last. With batch stride 1 each
     convolution took its operand for NCHW, copied it and returned NCHW, which the call then
     laid out again (43 copies per ResNet-50 call)."""
-    from braze import runtime
     torch.manual_seed(0)
     m = _ConvNet(16).to(device).eval()
     x = torch.randn(1, 3, 16, 16, device=device)
-    copies = []
-    relayout = runtime.CompiledGraph._relayout
-
-    def counted(self, t, *a):
-        copies.append(tuple(t.shape))
-        return relayout(self, t, *a)
-    monkeypatch.setattr(runtime.CompiledGraph, "_relayout", counted)
     c = compiled(m, options={"on_unsupported": "error", "conv_layout": "channels_last"})
     with torch.no_grad(), torch.backends.cudnn.flags(enabled=True, allow_tf32=False):
         for _ in range(2):
             torch.testing.assert_close(c(x), m(x), rtol=1e-4, atol=1e-4)
-    assert copies == []
+    assert relayouts == []
     rec = braze.stats.records[-1]
     assert rec["status"] == "compiled" and rec["kind"] == "inference"
 
