@@ -516,8 +516,8 @@ fn fuse(g: &Graph, stored: &[bool], log: &mut Vec<String>) -> Result<Fused, Sche
 /// the kernel that computes it, which uses the value directly. Its store is then dead: no
 /// step loads the buffer and no output returns it. Such stores are dropped with the
 /// buffer's place among the kernel's parameters, so it is never allocated (the buffer stays
-/// in the list, touched by no step). A CPU max pool with indices stored two boolean masks
-/// and a partial maximum per output that nothing read.
+/// in the list, touched by no step). Pointwise kernels only. A CPU max pool with indices
+/// stored two boolean masks and a partial maximum per output that nothing read.
 fn drop_dead_stores(buffers: &[Buffer], kernels: &mut [Kernel], steps: &[Step], outputs: &[Access]) {
     let mut read = vec![false; buffers.len()];
     for a in outputs {
@@ -540,7 +540,10 @@ fn drop_dead_stores(buffers: &[Buffer], kernels: &mut [Kernel], steps: &[Step], 
     }
     let dead = |b: BufId| !read[b as usize] && buffers[b as usize].kind == BufKind::Temp;
     for k in kernels.iter_mut() {
-        if !k.bufs.iter().any(|r| dead(r.id)) {
+        // Pointwise kernels only (one pass, no reduction): a reduction's emitters place its
+        // results' stores themselves.
+        let pointwise = !k.is_reduction() && k.inner.is_empty() && k.prelude.is_empty() && k.passes.len() == 1 && k.passes[0].after.is_empty();
+        if !pointwise || !k.bufs.iter().any(|r| dead(r.id)) {
             continue;
         }
         let keep = |st: &crate::loop_ir::Stmt| !matches!(st, crate::loop_ir::Stmt::Store { buf, .. } if dead(*buf));
