@@ -54,11 +54,11 @@ for g in graphs:
     if g.dynamic:
         print(f"{g.name}: dynamic sizes, skipped")
         continue
-    (rows, _), plan, outs, _ = g.static_plan
+    (arg_idx, in_bufs, _, _), plan, outs, _ = g.static_plan
     bufs = [None] * g.n_bufs
     tensor_args = g.tensor_args_of(args)
-    for b, idx, shp, st in rows:
-        bufs[b] = tensor_args[idx]
+    for b, i in zip(in_bufs, arg_idx):
+        bufs[b] = tensor_args[i]
     # Fresh allocations (not the in-place stores into inputs nor reused dying buffers).
     allocs = [a for _, al, _, _, _, _ in plan for a in al if a[1] is not None and a[4] is None]
     for buf, shp, st, dt, _ in allocs:

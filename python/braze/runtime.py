@@ -220,7 +220,9 @@ class CompiledGraph:
         """Per-step work with every size resolved: built once for static graphs, per call
         for dynamic ones. Steps are (kind, ...) tuples the call loop reads directly."""
         dts = [_TORCH_DTYPES[b[2]] for b in self.bufs]
-        inputs = _input_columns([(b, b_[1], shapes[b], strides[b]) for b, b_ in enumerate(self.bufs) if b_[0] == "input"])
+        ins = [b for b, b_ in enumerate(self.bufs) if b_[0] == "input"]
+        # Graph inputs as columns: argument index, buffer, shape, strides (`_bind_inputs`).
+        inputs = ([self.bufs[b][1] for b in ins], ins, [shapes[b] for b in ins], [strides[b] for b in ins])
         # [Note: input mutations] (lowering.py): a new input value whose buffer is a temp of
         # the input's layout is stored by its kernel straight into the input ("in place");
         # the others are copied into it after the call.
@@ -446,20 +448,16 @@ def _callable(target):
 
 
 def _bind_inputs(inputs, tensor_args, bufs, ptrs, in_layout, stream):
-    """Binds a plan's graph inputs (`inputs`: (buffer, argument index, shape, strides) rows
-    and the same as columns, `_input_columns`) to their buffers: one comparison of all
-    strides in the common case (ResNet-50 inference has 267 inputs), relayouts otherwise."""
-    rows, (idx, bs, shapes, strides) = inputs
+    """Binds a plan's graph inputs (`inputs`: argument indices, buffers, shapes, strides) to
+    their buffers: one comparison of all strides in the common case (ResNet-50 inference has
+    267 inputs), relayouts otherwise."""
+    idx, bs, shapes, strides = inputs
     ts = [tensor_args[i] for i in idx]
     if [t.stride() for t in ts] != strides:
         ts = [in_layout(t, shape, st, stream) for t, shape, st in zip(ts, shapes, strides)]
     for b, t in zip(bs, ts):
         bufs[b] = t
         ptrs[b] = t.data_ptr()
-
-
-def _input_columns(rows):
-    return rows, ([i for _, i, _, _ in rows], [b for b, _, _, _ in rows], [sh for _, _, sh, _ in rows], [st for _, _, _, st in rows])
 
 
 def _allocator(device):

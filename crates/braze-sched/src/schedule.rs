@@ -530,11 +530,10 @@ fn drop_dead_stores(buffers: &[Buffer], kernels: &mut [Kernel], steps: &[Step], 
             Step::Extern { args, .. } => args.iter().for_each(|a| read[a.buf as usize] = true),
         }
     }
-    let stmts = |k: &Kernel| k.prelude.iter().chain(k.passes.iter().flat_map(|p| p.body.iter().chain(&p.after))).cloned().collect::<Vec<_>>();
     for k in kernels.iter() {
-        for st in stmts(k) {
+        for st in k.prelude.iter().chain(k.passes.iter().flat_map(|p| p.body.iter().chain(&p.after))) {
             if let crate::loop_ir::Stmt::Load { buf, .. } = st {
-                read[buf as usize] = true;
+                read[*buf as usize] = true;
             }
         }
     }
