@@ -65,10 +65,22 @@ def compile_fx_graph(gm: torch.fx.GraphModule, example_inputs, *, cfg: Config, k
     t0 = time.perf_counter()
     record = {"name": name, "kind": kind, "fx_nodes": len(gm.graph.nodes)}
     try:
-        lowered = lower_graph(gm, name, functools.partial(_compile_subgraph, cfg=cfg), _static_inputs(kind) if cfg.freeze_weights else (),
-                              _saved_strides(gm) if kind == "backward" else None, _conv_layout(kind, cfg), _saved_from(kind))
+        def lower(library_convs):
+            return lower_graph(gm, name, functools.partial(_compile_subgraph, cfg=cfg), _static_inputs(kind) if cfg.freeze_weights else (),
+                               _saved_strides(gm) if kind == "backward" else None, _conv_layout(kind, cfg), _saved_from(kind),
+                               library_convs=library_convs)
+        lowered = lower(cfg.cudnn_convs)
         t1 = time.perf_counter()
-        compiled = _build(lowered, cfg)
+        try:
+            compiled = _build(lowered, cfg)
+        except (_core.InternalError, _core.EnvironmentError_) as e:
+            # cuDNN refused a convolution (no algorithm, a failed query): the graph's
+            # convolutions go back to ATen rather than the whole graph to eager.
+            if not (cfg.cudnn_convs and "cuDNN" in str(e)):
+                raise
+            warnings.warn(f"braze: graph {name}: {e}; its convolutions run through ATen", stacklevel=2)
+            lowered = lower(False)
+            compiled = _build(lowered, cfg)
         t2 = time.perf_counter()
         fn = CompiledGraph(compiled, lowered, name)
         if kind == "forward":

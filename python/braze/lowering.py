@@ -164,8 +164,11 @@ class Lowerer:
     """Walks one FX graph into a GraphBuilder."""
 
     def __init__(self, gm: torch.fx.GraphModule, name: str, subcompile=None, static_inputs=(), input_strides=None,
-                 conv_layout="auto", saved_from=None):
+                 conv_layout="auto", saved_from=None, library_convs=True):
         self.gm = gm
+        # Channels_last convolutions on the GPU as braze's `conv` op, run by cuDNN from braze's
+        # runs (option cudnn_convs); else ATen calls.
+        self.library_convs = library_convs
         # The conv_layout option, or for a backward the forward's choice (True / False)
         # ([Note: convolution layout]).
         self.conv_layout = conv_layout
@@ -1699,7 +1702,34 @@ def _convolution(L, node, x, weight, bias, stride, padding, dilation, transposed
     # oneDNN reorders a weight into its blocked format anyway, and a channels_last copy first
     # made ResNet-18 b8 inference 153 -> 183 ms.)
     cl_weight = L.device.type == "cuda" and isinstance(weight, torch.fx.Node) and _cl_weight_differs(wv)
+    if L.device.type == "cuda" and L.library_convs and isinstance(weight, torch.fx.Node) and is_tensor_meta(wv) and wv.dtype == src.dtype:
+        return _library_conv(L, node, x, weight, bias, stride, padding, dilation, groups, cl_weight)
     return _cl_extern(L, node, (x, weight) if cl_weight else (x,), [()])
+
+
+def _library_conv(L, node, x, weight, bias, stride, padding, dilation, groups, cl_weight):
+    """A channels_last 2-d convolution as braze's own `conv` op, run by cuDNN inside braze's
+    runs ([Note: library convolutions] in braze-runtime): the input and weight channels_last
+    (laid out by braze kernels where they are not), the result channels_last, a bias added
+    by the kernel that reads the result."""
+    from . import cuda
+
+    val = node.meta["val"]
+    if not cuda.cudnn_ready() or val.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise Unsupported("convolution through ATen (no cuDNN)")
+    xi = _cl_operand(L, x)
+    wi = _cl_operand(L, weight) if cl_weight else L.tensor(weight)
+    if not (cl_weight or weight.meta["val"].is_contiguous(memory_format=torch.channels_last)):
+        raise Unsupported("convolution weight neither contiguous nor channels_last")
+    tf32 = "true" if val.dtype == torch.float32 and torch.backends.cudnn.allow_tf32 else "false"
+    pair = lambda v: ", ".join(str(int(a)) for a in pool_pair(v))  # noqa: E731
+    out_strides = ", ".join(map(str, _channels_last_strides(list(val.shape))))
+    r = L.op(f"conv stride=[{pair(stride)}] padding=[{pair(padding)}] dilation=[{pair(dilation)}] groups={int(groups)} tf32={tf32} strides=[{out_strides}]", xi, wi)
+    if bias is not None:
+        b = L.tensor(bias, val.dtype)
+        r = L.op("add", r, L.op(f"reshape shape=[{val.shape[1]}, 1, 1]", b))
+    L.relaid[r] = list(val.stride())
+    return r
 
 
 @register(A("convolution_backward"))
@@ -1958,10 +1988,10 @@ for _op, _fn in (("cond", _lower_cond), ("while_loop", _lower_while), ("invoke_s
 
 
 def lower_graph(gm: torch.fx.GraphModule, name: str, subcompile=None, static_inputs=(), input_strides=None,
-                conv_layout="auto", saved_from=None) -> Lowered:
+                conv_layout="auto", saved_from=None, library_convs=True) -> Lowered:
     # AOTAutograd calls its compilers with its fake mode active; the graph's constants are
     # real tensors and are read (item(), detach()) as such.
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
     with unset_fake_temporarily():
-        return Lowerer(gm, name, subcompile, static_inputs, input_strides, conv_layout, saved_from).run()
+        return Lowerer(gm, name, subcompile, static_inputs, input_strides, conv_layout, saved_from, library_convs).run()
