@@ -551,12 +551,14 @@ def test_channels_last_batch_of_one(device, relayouts):
     assert rec["status"] == "compiled" and rec["kind"] == "inference"
 
 
+@pytest.mark.parametrize("model_layout", ["contiguous", "channels_last"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_library_convolutions(device, dtype, relayouts):
+def test_library_convolutions(device, dtype, model_layout, relayouts):
     """On the GPU channels_last convolutions are braze's own `conv` op, run by cuDNN inside
     braze's runs ([Note: library convolutions]): no ATen convolution is called, whatever the
-    stride, padding, dilation, groups (depthwise included) or bias, and the results are
-    eager's. With cudnn_convs=False the same graph calls ATen's convolution."""
+    stride, padding, dilation, groups (depthwise included) or bias, in a contiguous model
+    laid out channels_last by braze or a channels_last one, and the results are eager's,
+    in eager's strides. With cudnn_convs=False the same graph calls ATen's convolution."""
     if device != "cuda":
         pytest.skip("library convolutions run on the GPU")
     torch.manual_seed(0)
@@ -567,6 +569,8 @@ def test_library_convolutions(device, dtype, relayouts):
         torch.nn.Conv2d(128, 128, (3, 5), stride=(1, 2), padding=(1, 0)),
     ).to(device).eval()
     x = torch.randn(4, 3, 33, 31, device=device)
+    if model_layout == "channels_last":
+        m, x = m.to(memory_format=torch.channels_last), x.to(memory_format=torch.channels_last)
     tol = {torch.float32: 1e-4, torch.bfloat16: 3e-2, torch.float16: 5e-3}[dtype]
     for cudnn_convs in (True, False):
         torch._dynamo.reset()

@@ -1687,10 +1687,15 @@ def _convolution(L, node, x, weight, bias, stride, padding, dilation, transposed
     """A 2-d convolution channels_last where the graph's convolutions run so ([Note:
     convolution layout]); elsewhere ATen's with eager's layouts."""
     src, val = x.meta["val"], node.meta["val"]
+    wv = weight.meta.get("val")
+    # A convolution that is channels_last in eager already (a channels_last model) needs no
+    # layout decision: on the GPU it is a library convolution as it is.
+    if (L.device.type == "cuda" and L.library_convs and _conv_info(node) is not None and src.dtype.is_floating_point
+            and _is_cl(src) and _is_cl(val) and isinstance(weight, torch.fx.Node) and is_tensor_meta(wv) and wv.dtype == src.dtype):
+        return _library_conv(L, node, x, weight, bias, stride, padding, dilation, groups, _cl_weight_differs(wv))
     if (not L.conv_cl or _conv_info(node) is None or not src.dtype.is_floating_point
             or not src.is_contiguous() or not val.is_contiguous()):
         raise Unsupported("convolution runs with eager's layout")
-    wv = weight.meta.get("val")
     if (L.device.type == "cpu" and isinstance(weight, torch.fx.Node) and weight.op == "placeholder"
             and L.arg_index.get(weight) in L.static_inputs and is_tensor_meta(wv) and wv.dim() == 4 and wv.is_contiguous()):
         # A parameter's channels_last copy made once ([Note: CPU convolutions]).
@@ -1705,6 +1710,11 @@ def _convolution(L, node, x, weight, bias, stride, padding, dilation, transposed
     if L.device.type == "cuda" and L.library_convs and isinstance(weight, torch.fx.Node) and is_tensor_meta(wv) and wv.dtype == src.dtype:
         return _library_conv(L, node, x, weight, bias, stride, padding, dilation, groups, cl_weight)
     return _cl_extern(L, node, (x, weight) if cl_weight else (x,), [()])
+
+
+def _is_cl(t) -> bool:
+    """Whether tensor meta `t` is a dense 4-d channels_last tensor."""
+    return is_tensor_meta(t) and t.dim() == 4 and t.is_contiguous(memory_format=torch.channels_last)
 
 
 def _library_conv(L, node, x, weight, bias, stride, padding, dilation, groups, cl_weight):

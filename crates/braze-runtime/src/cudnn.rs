@@ -166,9 +166,14 @@ pub struct Prepared {
     w: Desc,
     y: Desc,
     conv: Desc,
-    algo: c_int,
-    workspace: usize,
+    /// The chosen algorithm with its workspace bytes and math type.
+    algo: Algo,
 }
+
+/// An algorithm as the heuristic offers it: (algorithm, workspace bytes, math type). PyTorch
+/// sets the math type that came with the algorithm before running it (cuDNN may otherwise
+/// pick a slower kernel).
+type Algo = (c_int, usize, c_int);
 
 // SAFETY: descriptors are immutable once prepared; cuDNN descriptors may be used from any
 // thread, and calls on the shared handle are serialized by `handle()`'s lock.
@@ -216,6 +221,11 @@ pub fn prepare(spec: ConvSpec, tune_on: Option<i32>) -> Result<Prepared, Runtime
     let l = dnn()?;
     let (h, _) = handle()?;
     let ty = data_type(spec.dtype)?;
+    // The legacy API's sizes are ints: PyTorch splits larger batches; braze leaves them to ATen.
+    let numel = |shape: &[i64; 4]| shape.iter().product::<i64>();
+    if [numel(&spec.x_shape), numel(&spec.w_shape), numel(&spec.out_shape)].iter().any(|&n| n > i32::MAX as i64) {
+        return Err(RuntimeError::Environment(format!("{}: more than 2^31 elements for cuDNN's legacy API", spec.name)));
+    }
     let (mut x, mut w, mut y, mut conv): (Desc, Desc, Desc, Desc) = (std::ptr::null_mut(), std::ptr::null_mut(), std::ptr::null_mut(), std::ptr::null_mut());
     // SAFETY: descriptor set-up with arrays of the documented lengths; every descriptor made
     // is owned by the Prepared (destroyed on drop) or destroyed here on error.
@@ -225,7 +235,7 @@ pub fn prepare(spec: ConvSpec, tune_on: Option<i32>) -> Result<Prepared, Runtime
         ok((l.filter_create)(&mut w), "filter descriptor")?;
         ok((l.conv_create)(&mut conv), "convolution descriptor")?;
     }
-    let mut p = Prepared { spec, x, w, y, conv, algo: 0, workspace: 0 };
+    let mut p = Prepared { spec, x, w, y, conv, algo: (0, 0, 0) };
     let s = &p.spec;
     // PyTorch's choices: f32 arithmetic for f16/bf16 data on tensor cores; f32 data on tensor
     // cores (TF32) only where allowed.
@@ -250,15 +260,15 @@ pub fn prepare(spec: ConvSpec, tune_on: Option<i32>) -> Result<Prepared, Runtime
         Some(ordinal) if cands.len() > 1 && crate::cublaslt::tuning_enabled() => p.fastest(ordinal, &cands),
         _ => cands[0],
     };
-    p.algo = algo.0;
-    p.workspace = algo.1;
+    p.set_math(algo.2)?;
+    p.algo = algo;
     Ok(p)
 }
 
 impl Prepared {
     /// cuDNN's heuristic candidates, best first, as (algorithm, workspace bytes): those that
     /// are supported here and fit the workspace the matmuls share.
-    fn candidates(&self, h: Handle) -> Result<Vec<(c_int, usize)>, RuntimeError> {
+    fn candidates(&self, h: Handle) -> Result<Vec<Algo>, RuntimeError> {
         let l = dnn()?;
         let mut perf = [FwdAlgoPerf::default(); FWD_ALGO_COUNT];
         let mut n: c_int = 0;
@@ -274,8 +284,8 @@ impl Prepared {
             let mut ws: usize = 0;
             // SAFETY: a workspace query over this convolution's descriptors.
             let st = unsafe { (l.fwd_workspace)(h, self.x, self.w, self.conv, self.y, r.algo, &mut ws) };
-            if st == 0 && ws <= crate::cublaslt::WORKSPACE && !out.iter().any(|&(a, _)| a == r.algo) {
-                out.push((r.algo, ws));
+            if st == 0 && ws <= crate::cublaslt::WORKSPACE && !out.iter().any(|&(a, _, m)| (a, m) == (r.algo, r.math_type)) {
+                out.push((r.algo, ws, r.math_type));
             }
         }
         Ok(out)
@@ -283,7 +293,7 @@ impl Prepared {
 
     /// The fastest of `cands` on device `ordinal` (remembered per spec); the heuristic's
     /// favourite when timing is not possible.
-    fn fastest(&self, ordinal: i32, cands: &[(c_int, usize)]) -> (c_int, usize) {
+    fn fastest(&self, ordinal: i32, cands: &[Algo]) -> Algo {
         let s = &self.spec;
         let key = format!("{:?} {} {:?} {:?} {:?} {:?} {:?} {:?} {:?} {}", s.dtype, s.tf32, s.x_shape, s.x_strides, s.w_shape, s.out_strides, s.stride, s.padding, s.dilation, s.groups);
         if let Some(&a) = tuned().lock().unwrap().get(&key) {
@@ -295,7 +305,10 @@ impl Prepared {
         let bytes = |shape: &[i64; 4], strides: &[i64; 4]| (shape.iter().zip(strides).map(|(&n, &st)| (n - 1) * st).sum::<i64>() + 1) as usize * es;
         let w_bytes = s.w_shape.iter().product::<i64>() as usize * es;
         let sizes = [bytes(&s.x_shape, &s.x_strides), w_bytes, bytes(&s.out_shape, &s.out_strides), crate::cublaslt::WORKSPACE];
-        let timed = crate::cuda::time_candidates(ordinal, &sizes, cands.len(), &mut |i, ptrs, stream| self.launch(ptrs[0], ptrs[1], ptrs[2], stream, ptrs[3], cands[i]));
+        let timed = crate::cuda::time_candidates(ordinal, &sizes, cands.len(), &mut |i, ptrs, stream| {
+            self.set_math(cands[i].2)?;
+            self.launch(ptrs[0], ptrs[1], ptrs[2], stream, ptrs[3], cands[i])
+        });
         let Ok(times) = timed else { return cands[0] };
         let (i, t) = times.iter().enumerate().fold((0, f64::INFINITY), |b, (i, &t)| if t < b.1 { (i, t) } else { b });
         if t.is_finite() {
@@ -307,11 +320,18 @@ impl Prepared {
     /// Runs the convolution on `stream` with buffer pointers by id.
     pub fn run(&self, ptrs: &[usize], stream: usize, workspace: usize) -> Result<(), RuntimeError> {
         let s = &self.spec;
-        self.launch(ptrs[s.x as usize], ptrs[s.w as usize], ptrs[s.out as usize], stream, workspace, (self.algo, self.workspace))
+        self.launch(ptrs[s.x as usize], ptrs[s.w as usize], ptrs[s.out as usize], stream, workspace, self.algo)
+    }
+
+    /// Sets the convolution's math type (while it is prepared, before any call).
+    fn set_math(&self, math: c_int) -> Result<(), RuntimeError> {
+        let l = dnn()?;
+        // SAFETY: a descriptor this Prepared owns, not in use by any call yet.
+        unsafe { ok((l.conv_math)(self.conv, math), "math type") }
     }
 
     /// One `cudnnConvolutionForward` with algorithm `algo` (and its workspace bytes).
-    fn launch(&self, x: usize, w: usize, y: usize, stream: usize, workspace: usize, algo: (c_int, usize)) -> Result<(), RuntimeError> {
+    fn launch(&self, x: usize, w: usize, y: usize, stream: usize, workspace: usize, algo: Algo) -> Result<(), RuntimeError> {
         let l = dnn()?;
         let (h, call) = handle()?;
         let (alpha, beta) = (1.0f32, 0.0f32);
