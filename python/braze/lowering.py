@@ -158,6 +158,8 @@ class Lowered:
     islands: dict = field(default_factory=dict)
     # Whether the graph's convolutions run channels_last ([Note: convolution layout]).
     conv_channels_last: bool = False
+    # How many convolutions are braze's `conv` op ([Note: library convolutions]).
+    library_convs: int = 0
 
 
 class Lowerer:
@@ -169,6 +171,7 @@ class Lowerer:
         # Channels_last convolutions on the GPU as braze's `conv` op, run by cuDNN from braze's
         # runs (option cudnn_convs); else ATen calls.
         self.library_convs = library_convs
+        self.n_library_convs = 0
         # The conv_layout option, or for a backward the forward's choice (True / False)
         # ([Note: convolution layout]).
         self.conv_layout = conv_layout
@@ -404,7 +407,7 @@ class Lowerer:
                        self.device or torch.device("cpu"), passthrough, constants=self.constants, bugs=self.bugs,
                        islands=self.islands, n_host=self.n_host, host_inputs=self.host_inputs,
                        cpu_linears=[spec for spec, _ in self.cpu_linears.values()], mutations=mutations,
-                       conv_channels_last=self.conv_cl)
+                       conv_channels_last=self.conv_cl, library_convs=self.n_library_convs)
 
     def lower_node(self, node: torch.fx.Node):
         target = node.target
@@ -1734,6 +1737,7 @@ def _library_conv(L, node, x, weight, bias, stride, padding, dilation, groups, c
     tf32 = "true" if val.dtype == torch.float32 and torch.backends.cudnn.allow_tf32 else "false"
     pair = lambda v: ", ".join(str(int(a)) for a in pool_pair(v))  # noqa: E731
     out_strides = ", ".join(map(str, _channels_last_strides(list(val.shape))))
+    L.n_library_convs += 1
     r = L.op(f"conv stride=[{pair(stride)}] padding=[{pair(padding)}] dilation=[{pair(dilation)}] groups={int(groups)} tf32={tf32} strides=[{out_strides}]", xi, wi)
     if bias is not None:
         b = L.tensor(bias, val.dtype)

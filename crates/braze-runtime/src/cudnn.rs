@@ -47,6 +47,7 @@ const DATA_HALF: i32 = 2;
 const DATA_BFLOAT16: i32 = 9;
 const CROSS_CORRELATION: i32 = 1;
 const HEUR_MODE_INSTANT: i32 = 0;
+const HEUR_MODE_FALLBACK: i32 = 2;
 // Descriptor types.
 const D_CONVOLUTION: c_int = 1;
 const D_ENGINE: c_int = 2;
@@ -321,35 +322,44 @@ pub fn prepare(spec: ConvSpec, tune_on: Option<i32>) -> Result<Prepared, Runtime
     graph.set(A_GRAPH_HANDLE, T_HANDLE, &[h])?;
     graph.set(A_GRAPH_OPS, T_BACKEND_DESCRIPTOR, &[op.0])?;
     graph.finalize("operation graph")?;
-    let heur = Descriptor::new(D_ENGINEHEUR)?;
-    heur.set(A_HEUR_OPERATION_GRAPH, T_BACKEND_DESCRIPTOR, &[graph.0])?;
-    heur.set(A_HEUR_MODE, T_HEUR_MODE, &[HEUR_MODE_INSTANT])?;
-    heur.finalize("engine heuristic")?;
-    let cfgs: Vec<Descriptor> = (0..HEUR_CONFIGS).map(|_| Descriptor::new(D_ENGINECFG)).collect::<Result<_, _>>()?;
-    let mut raw: Vec<Desc> = cfgs.iter().map(|c| c.0).collect();
-    let mut n: i64 = 0;
-    let l = dnn()?;
-    // SAFETY: `raw` holds HEUR_CONFIGS engine-config descriptors for cuDNN to fill.
-    ok(unsafe { (l.get_attr)(heur.0, A_HEUR_RESULTS, T_BACKEND_DESCRIPTOR, raw.len() as i64, &mut n, raw.as_mut_ptr() as *mut c_void) }, "heuristic results")?;
+    // The heuristic's ranked configurations; where none of them is usable (f32 without TF32:
+    // the fast engines all use tensor cores), cuDNN's fallback engines.
     let mut plans: Vec<(Descriptor, usize)> = Vec::new();
+    let mut built_from = vec![];
     let mut why = String::new();
-    for cfg in cfgs.iter().take(n.clamp(0, HEUR_CONFIGS as i64) as usize) {
-        match plan_of(h, cfg, &spec) {
-            Ok(Some(p)) => plans.push(p),
-            Ok(None) => {}
-            Err(e) => why = e.to_string(),
+    for mode in [HEUR_MODE_INSTANT, HEUR_MODE_FALLBACK] {
+        let heur = Descriptor::new(D_ENGINEHEUR)?;
+        heur.set(A_HEUR_OPERATION_GRAPH, T_BACKEND_DESCRIPTOR, &[graph.0])?;
+        heur.set(A_HEUR_MODE, T_HEUR_MODE, &[mode])?;
+        heur.finalize("engine heuristic")?;
+        let cfgs: Vec<Descriptor> = (0..HEUR_CONFIGS).map(|_| Descriptor::new(D_ENGINECFG)).collect::<Result<_, _>>()?;
+        let mut raw: Vec<Desc> = cfgs.iter().map(|c| c.0).collect();
+        let mut n: i64 = 0;
+        let l = dnn()?;
+        // SAFETY: `raw` holds HEUR_CONFIGS engine-config descriptors for cuDNN to fill.
+        ok(unsafe { (l.get_attr)(heur.0, A_HEUR_RESULTS, T_BACKEND_DESCRIPTOR, raw.len() as i64, &mut n, raw.as_mut_ptr() as *mut c_void) }, "heuristic results")?;
+        for cfg in cfgs.iter().take(n.clamp(0, HEUR_CONFIGS as i64) as usize) {
+            match plan_of(h, cfg, &spec) {
+                Ok(Some(p)) => plans.push(p),
+                Ok(None) => {}
+                Err(e) => why = e.to_string(),
+            }
+        }
+        built_from.push(heur);
+        built_from.extend(cfgs);
+        if !plans.is_empty() {
+            break;
         }
     }
     if plans.is_empty() {
-        return Err(RuntimeError::Environment(format!("cuDNN has no engine for {} ({n} configurations; {why})", spec.name)));
+        return Err(RuntimeError::Environment(format!("cuDNN has no engine for {} ({why})", spec.name)));
     }
     let i = match tune_on {
         Some(ordinal) if plans.len() > 1 && crate::cublaslt::tuning_enabled() => fastest(ordinal, &spec, &plans),
         _ => 0,
     };
     let (plan, _) = plans.swap_remove(i);
-    let mut built_from = vec![x, w, y, conv, op, graph, heur];
-    built_from.extend(cfgs);
+    built_from.extend([x, w, y, conv, op, graph]);
     Ok(Prepared { spec, plan, _built_from: built_from })
 }
 
