@@ -14,8 +14,9 @@
 //! few timed on the device when tuning is on (as for matmuls). The graph API, as PyTorch
 //! uses it, and not the legacy `cudnnConvolutionForward`: on the H100 the legacy API's
 //! algorithms took 1.1–10× the time of PyTorch's engines on ResNet-50's bf16 channels_last
-//! convolutions (3.29 against 1.92 ms per call summed over them). Engines that compile
-//! kernels at run time (NVRTC) are skipped, which keeps the compile-time cost bounded.
+//! convolutions (3.29 against 1.92 ms per call summed over them). Plans are built in the
+//! heuristic's order only until enough are built (one, or the few timed when tuning): an
+//! engine may compile its kernels with NVRTC when its plan is built.
 
 use crate::RuntimeError;
 use braze_ir::DType;
@@ -68,7 +69,6 @@ const T_CONVOLUTION_MODE: c_int = 7;
 const T_HEUR_MODE: c_int = 8;
 const T_NUMERICAL_NOTE: c_int = 11;
 const T_BACKEND_DESCRIPTOR: c_int = 15;
-const T_BEHAVIOR_NOTE: c_int = 19;
 // Attribute names.
 const A_CONV_COMP_TYPE: c_int = 100;
 const A_CONV_MODE: c_int = 101;
@@ -101,13 +101,13 @@ const A_PACK_UNIQUE_IDS: c_int = 1000;
 const A_PACK_DATA_POINTERS: c_int = 1001;
 const A_PACK_WORKSPACE: c_int = 1003;
 const A_ENGINE_NUMERICAL_NOTE: c_int = 1303;
-const A_ENGINE_BEHAVIOR_NOTE: c_int = 1305;
 // Notes.
 const NOTE_TENSOR_CORE: i32 = 0;
 const NOTE_DOWN_CONVERT_INPUTS: i32 = 1;
-const BEHAVIOR_RUNTIME_COMPILATION: i32 = 0;
 
-/// Heuristic configurations asked for; of those that build, how many are timed when tuning.
+/// Heuristic configurations asked for; how many plans are built (and timed) when tuning:
+/// building one may compile its kernels (engines compiled at run time, with NVRTC), so only as
+/// many are built as are used.
 const HEUR_CONFIGS: usize = 8;
 const TUNE_PLANS: usize = 4;
 /// Operand ids in the graph and the variant pack.
@@ -324,6 +324,8 @@ pub fn prepare(spec: ConvSpec, tune_on: Option<i32>) -> Result<Prepared, Runtime
     graph.finalize("operation graph")?;
     // The heuristic's ranked configurations; where none of them is usable (f32 without TF32:
     // the fast engines all use tensor cores), cuDNN's fallback engines.
+    let tune = tune_on.is_some() && crate::cublaslt::tuning_enabled();
+    let wanted = if tune { TUNE_PLANS } else { 1 };
     let mut plans: Vec<(Descriptor, usize)> = Vec::new();
     let mut built_from = vec![];
     let mut why = String::new();
@@ -339,6 +341,9 @@ pub fn prepare(spec: ConvSpec, tune_on: Option<i32>) -> Result<Prepared, Runtime
         // SAFETY: `raw` holds HEUR_CONFIGS engine-config descriptors for cuDNN to fill.
         ok(unsafe { (l.get_attr)(heur.0, A_HEUR_RESULTS, T_BACKEND_DESCRIPTOR, raw.len() as i64, &mut n, raw.as_mut_ptr() as *mut c_void) }, "heuristic results")?;
         for cfg in cfgs.iter().take(n.clamp(0, HEUR_CONFIGS as i64) as usize) {
+            if plans.len() == wanted {
+                break;
+            }
             match plan_of(h, cfg, &spec) {
                 Ok(Some(p)) => plans.push(p),
                 Ok(None) => {}
@@ -355,7 +360,7 @@ pub fn prepare(spec: ConvSpec, tune_on: Option<i32>) -> Result<Prepared, Runtime
         return Err(RuntimeError::Environment(format!("cuDNN has no engine for {} ({why})", spec.name)));
     }
     let i = match tune_on {
-        Some(ordinal) if plans.len() > 1 && crate::cublaslt::tuning_enabled() => fastest(ordinal, &spec, &plans),
+        Some(ordinal) if tune && plans.len() > 1 => fastest(ordinal, &spec, &plans),
         _ => 0,
     };
     let (plan, _) = plans.swap_remove(i);
@@ -364,8 +369,8 @@ pub fn prepare(spec: ConvSpec, tune_on: Option<i32>) -> Result<Prepared, Runtime
 }
 
 /// The execution plan of engine configuration `cfg` with its workspace bytes; None where the
-/// engine is not wanted (TF32 where not allowed, run-time compiled) or its workspace is
-/// larger than the one the libraries share.
+/// engine is not wanted (TF32 where not allowed), does not build, or needs a larger workspace
+/// than the one the libraries share.
 fn plan_of(h: Handle, cfg: &Descriptor, spec: &ConvSpec) -> Result<Option<(Descriptor, usize)>, RuntimeError> {
     let engine = Descriptor::new(D_ENGINE)?;
     let l = dnn()?;
@@ -374,9 +379,8 @@ fn plan_of(h: Handle, cfg: &Descriptor, spec: &ConvSpec) -> Result<Option<(Descr
     // SAFETY: `e` is an engine descriptor for cuDNN to fill.
     ok(unsafe { (l.get_attr)(cfg.0, A_CFG_ENGINE, T_BACKEND_DESCRIPTOR, 1, &mut n, &mut e as *mut Desc as *mut c_void) }, "engine of a configuration")?;
     let notes = engine.get_enums(A_ENGINE_NUMERICAL_NOTE, T_NUMERICAL_NOTE, 16)?;
-    let behavior = engine.get_enums(A_ENGINE_BEHAVIOR_NOTE, T_BEHAVIOR_NOTE, 16)?;
     let tf32 = spec.dtype == DType::F32 && notes.iter().any(|&n| n == NOTE_TENSOR_CORE || n == NOTE_DOWN_CONVERT_INPUTS);
-    if (tf32 && !spec.tf32) || behavior.contains(&BEHAVIOR_RUNTIME_COMPILATION) {
+    if tf32 && !spec.tf32 {
         return Ok(None);
     }
     let plan = Descriptor::new(D_EXECUTION_PLAN)?;
