@@ -364,7 +364,7 @@ pub fn prepare(spec: ConvSpec, tune_on: Option<i32>) -> Result<Prepared, Runtime
 }
 
 /// The execution plan of engine configuration `cfg` with its workspace bytes; None where the
-/// engine is not wanted (TF32 where not allowed, run-time compiled) or its workspace is
+/// engine is not wanted (narrowed inputs, TF32 where not allowed, run-time compiled) or its workspace is
 /// larger than the one the libraries share.
 fn plan_of(h: Handle, cfg: &Descriptor, spec: &ConvSpec) -> Result<Option<(Descriptor, usize)>, RuntimeError> {
     let engine = Descriptor::new(D_ENGINE)?;
@@ -375,8 +375,10 @@ fn plan_of(h: Handle, cfg: &Descriptor, spec: &ConvSpec) -> Result<Option<(Descr
     ok(unsafe { (l.get_attr)(cfg.0, A_CFG_ENGINE, T_BACKEND_DESCRIPTOR, 1, &mut n, &mut e as *mut Desc as *mut c_void) }, "engine of a configuration")?;
     let notes = engine.get_enums(A_ENGINE_NUMERICAL_NOTE, T_NUMERICAL_NOTE, 16)?;
     let behavior = engine.get_enums(A_ENGINE_BEHAVIOR_NOTE, T_BEHAVIOR_NOTE, 16)?;
-    let tf32 = spec.dtype == DType::F32 && notes.iter().any(|&n| n == NOTE_TENSOR_CORE || n == NOTE_DOWN_CONVERT_INPUTS);
-    if (tf32 && !spec.tf32) || behavior.contains(&BEHAVIOR_RUNTIME_COMPILATION) {
+    // As PyTorch: never engines that convert the inputs to a narrower type; for f32 tensor-core
+    // (TF32) engines only where TF32 is allowed.
+    let tf32 = spec.dtype == DType::F32 && notes.contains(&NOTE_TENSOR_CORE);
+    if notes.contains(&NOTE_DOWN_CONVERT_INPUTS) || (tf32 && !spec.tf32) || behavior.contains(&BEHAVIOR_RUNTIME_COMPILATION) {
         return Ok(None);
     }
     let plan = Descriptor::new(D_EXECUTION_PLAN)?;
