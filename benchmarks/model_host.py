@@ -87,7 +87,7 @@ def main():
         print(f"== {desc} {'train' if train else 'inference'}{', mode ' + a.mode if a.mode else ''}", flush=True)
         for spec in a.backends.split(","):
             be, *opts = spec.split(":")
-            options = dict(o.split("=", 1) for o in opts)
+            options = {k: {"true": True, "false": False}.get(v.lower(), v) for k, v in (o.split("=", 1) for o in opts)}
             model = copy.deepcopy(base)
             opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True) if train else None
             torch._dynamo.reset()

@@ -551,6 +551,43 @@ def test_channels_last_batch_of_one(device, relayouts):
     assert rec["status"] == "compiled" and rec["kind"] == "inference"
 
 
+@pytest.mark.parametrize("model_layout", ["contiguous", "channels_last"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_library_convolutions(device, dtype, model_layout, relayouts):
+    """On the GPU channels_last convolutions are braze's own `conv` op, run by cuDNN inside
+    braze's runs ([Note: library convolutions]): no ATen convolution is called, whatever the
+    stride, padding, dilation, groups (depthwise included) or bias, in a contiguous model
+    laid out channels_last by braze or a channels_last one, and the results are eager's,
+    in eager's strides. With cudnn_convs=False the same graph calls ATen's convolution."""
+    if device != "cuda":
+        pytest.skip("library convolutions run on the GPU")
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(
+        torch.nn.Conv2d(3, 96, 3, stride=2, padding=1, bias=False), torch.nn.BatchNorm2d(96), torch.nn.ReLU(),
+        torch.nn.Conv2d(96, 96, 3, padding=2, dilation=2, groups=96), torch.nn.ReLU(),
+        torch.nn.Conv2d(96, 128, 1), torch.nn.Hardswish(),
+        torch.nn.Conv2d(128, 128, (3, 5), stride=(1, 2), padding=(1, 0)),
+    ).to(device).eval()
+    x = torch.randn(4, 3, 33, 31, device=device)
+    if model_layout == "channels_last":
+        m, x = m.to(memory_format=torch.channels_last), x.to(memory_format=torch.channels_last)
+    tol = {torch.float32: 1e-4, torch.bfloat16: 3e-2, torch.float16: 5e-3}[dtype]
+    for cudnn_convs in (True, False):
+        torch._dynamo.reset()
+        n0 = len(braze.stats.records)
+        c = compiled(m, options={"on_unsupported": "error", "conv_layout": "channels_last", "cudnn_convs": cudnn_convs})
+        with torch.no_grad(), torch.autocast("cuda", dtype=dtype, enabled=dtype != torch.float32), \
+                torch.backends.cudnn.flags(enabled=True, allow_tf32=False):
+            for _ in range(3):  # the third call replays the run as a CUDA graph
+                out, ref = c(x), m(x)
+                torch.testing.assert_close(out, ref, rtol=tol, atol=tol)
+                assert out.stride() == ref.stride()
+        (rec,) = braze.stats.records[n0:]
+        convs = [k for k in rec["externs"] if "convolution" in k]
+        assert bool(convs) != cudnn_convs, rec["externs"]
+    assert relayouts == []
+
+
 def _traced(model, x):
     from torch.fx.experimental.proxy_tensor import make_fx
     return make_fx(lambda x: model(x), pre_dispatch=False)(x)
@@ -983,6 +1020,9 @@ def test_cuda_graphs_option_and_mode(how, device, compiled_graphs):
     from braze.config import Config
     assert Config.make(kw.get("mode"), kw.get("options")).cuda_graphs is False
     assert Config.make(None, {"matmul_tune": False}).matmul_tune is False
+    assert Config.make(None, {"cudnn_convs": False}).cudnn_convs is False and Config.make().cudnn_convs is True
+    with pytest.raises(braze.BrazeConfigError, match="cudnn_convs"):
+        Config.make(None, {"cudnn_convs": 1})
     with pytest.raises(braze.BrazeConfigError, match="cuda_graphs"):
         Config.make(None, {"cuda_graphs": "no"})
 

@@ -65,10 +65,22 @@ def compile_fx_graph(gm: torch.fx.GraphModule, example_inputs, *, cfg: Config, k
     t0 = time.perf_counter()
     record = {"name": name, "kind": kind, "fx_nodes": len(gm.graph.nodes)}
     try:
-        lowered = lower_graph(gm, name, functools.partial(_compile_subgraph, cfg=cfg), _static_inputs(kind) if cfg.freeze_weights else (),
-                              _saved_strides(gm) if kind == "backward" else None, _conv_layout(kind, cfg), _saved_from(kind))
+        def lower(library_convs):
+            return lower_graph(gm, name, functools.partial(_compile_subgraph, cfg=cfg), _static_inputs(kind) if cfg.freeze_weights else (),
+                               _saved_strides(gm) if kind == "backward" else None, _conv_layout(kind, cfg), _saved_from(kind),
+                               library_convs=library_convs)
+        lowered = lower(cfg.cudnn_convs)
         t1 = time.perf_counter()
-        compiled = _build(lowered, cfg)
+        try:
+            compiled = _build(lowered, cfg)
+        except (_core.InternalError, _core.EnvironmentError_) as e:
+            # cuDNN refused a convolution (no algorithm, a failed query): the graph's
+            # convolutions go back to ATen rather than the whole graph to eager.
+            if not (cfg.cudnn_convs and "cuDNN" in str(e)):
+                raise
+            warnings.warn(f"braze: graph {name}: {e}; its convolutions run through ATen", stacklevel=2)
+            lowered = lower(False)
+            compiled = _build(lowered, cfg)
         t2 = time.perf_counter()
         fn = CompiledGraph(compiled, lowered, name)
         if kind == "forward":
@@ -204,7 +216,7 @@ def _build(lowered, cfg: Config):
         # Under whole-graph replay the runs of kernels are captured with the rest: no replay
         # of their own.
         return lowered.builder.compile(device=target, cuda_graphs=cfg.cuda_graphs and not cfg.whole_graph_replay, matmul_tune=cfg.matmul_tune, arena_externs=arena_externs,
-                                        elide_layouts=lowered.conv_channels_last)
+                                        elide_layouts=lowered.conv_channels_last or lowered.library_convs > 0)
     check = os.environ.get("BRAZE_CHECK_CUDA") == "1" and cuda.nvrtc_available()
     return lowered.builder.compile(device="cpu", check_cuda=check, arena_externs=arena_externs)
 

@@ -40,6 +40,9 @@ OPTIONS = {
                    "it pays: on the GPU graphs whose convolutions are not grouped across channels, inference and "
                    "training; on the CPU inference graphs whose activations outweigh their weights), 'channels_last' (always), 'eager' (eager's layouts). "
                    "Outputs keep eager's strides either way (default 'auto')",
+    "cudnn_convs": "bool: on the GPU, channels_last 2-d convolutions run through cuDNN from braze's own runs of "
+                   "kernels (no ATen call per convolution; replayed with them as CUDA graphs) (default True; False: "
+                   "ATen's convolution)",
     "direct_autograd": "bool: run graphs without mutation, aliasing, subclasses or RNG state through braze's own "
                        "autograd.Function instead of AOTAutograd's runtime wrappers (default True)",
 }
@@ -61,6 +64,7 @@ class Config:
     matmul_tune: bool = True
     whole_graph_replay: bool = False
     conv_layout: str = "auto"
+    cudnn_convs: bool = True
 
     @staticmethod
     def make(mode=None, options=None) -> "Config":
@@ -94,7 +98,7 @@ class Config:
         if conv_layout not in ("auto", "channels_last", "eager"):
             raise BrazeConfigError("braze: option 'conv_layout' must be 'auto', 'channels_last' or 'eager'")
         flags = {}
-        for name, default in (("cuda_graphs", mode != "max-autotune-no-cudagraphs"), ("matmul_tune", True),
+        for name, default in (("cuda_graphs", mode != "max-autotune-no-cudagraphs"), ("matmul_tune", True), ("cudnn_convs", True),
                               ("whole_graph_replay", mode in ("reduce-overhead", "max-autotune"))):
             flags[name] = options.get(name, default)
             if not isinstance(flags[name], bool):

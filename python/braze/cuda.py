@@ -102,6 +102,34 @@ def cublaslt_ready() -> bool:
         return False
 
 
+def find_cudnn():
+    """cuDNN's library in PyTorch's NVIDIA wheels (the copy PyTorch itself loads), or None."""
+    roots = list(site.getsitepackages()) + [p for p in sys.path if p.endswith("site-packages")]
+    for r in roots:
+        libs = sorted(glob.glob(os.path.join(r, "nvidia/cudnn/lib/libcudnn.so.*")))
+        if libs:
+            return libs[0]
+    return None
+
+
+@functools.lru_cache(None)
+def cudnn_ready() -> bool:
+    """Loads cuDNN (PyTorch's copy) for library convolutions ([Note: library convolutions]);
+    False when it cannot, or when PyTorch's cuDNN is turned off."""
+    import torch
+
+    if not torch.backends.cudnn.enabled or not torch.backends.cudnn.is_available() or cuda_ready() is not None:
+        return False
+    path = find_cudnn()
+    if path is None:
+        return False
+    try:
+        _core.cudnn_init(path)
+        return True
+    except Exception:
+        return False
+
+
 _warm_up_started = set()
 
 

@@ -158,14 +158,20 @@ class Lowered:
     islands: dict = field(default_factory=dict)
     # Whether the graph's convolutions run channels_last ([Note: convolution layout]).
     conv_channels_last: bool = False
+    # How many convolutions are braze's `conv` op ([Note: library convolutions]).
+    library_convs: int = 0
 
 
 class Lowerer:
     """Walks one FX graph into a GraphBuilder."""
 
     def __init__(self, gm: torch.fx.GraphModule, name: str, subcompile=None, static_inputs=(), input_strides=None,
-                 conv_layout="auto", saved_from=None):
+                 conv_layout="auto", saved_from=None, library_convs=True):
         self.gm = gm
+        # Channels_last convolutions on the GPU as braze's `conv` op, run by cuDNN from braze's
+        # runs (option cudnn_convs); else ATen calls.
+        self.library_convs = library_convs
+        self.n_library_convs = 0
         # The conv_layout option, or for a backward the forward's choice (True / False)
         # ([Note: convolution layout]).
         self.conv_layout = conv_layout
@@ -401,7 +407,7 @@ class Lowerer:
                        self.device or torch.device("cpu"), passthrough, constants=self.constants, bugs=self.bugs,
                        islands=self.islands, n_host=self.n_host, host_inputs=self.host_inputs,
                        cpu_linears=[spec for spec, _ in self.cpu_linears.values()], mutations=mutations,
-                       conv_channels_last=self.conv_cl)
+                       conv_channels_last=self.conv_cl, library_convs=self.n_library_convs)
 
     def lower_node(self, node: torch.fx.Node):
         target = node.target
@@ -1684,10 +1690,15 @@ def _convolution(L, node, x, weight, bias, stride, padding, dilation, transposed
     """A 2-d convolution channels_last where the graph's convolutions run so ([Note:
     convolution layout]); elsewhere ATen's with eager's layouts."""
     src, val = x.meta["val"], node.meta["val"]
+    wv = weight.meta.get("val")
+    # A convolution that is channels_last in eager already (a channels_last model) needs no
+    # layout decision: on the GPU it is a library convolution as it is.
+    if (L.device.type == "cuda" and L.library_convs and _conv_info(node) is not None and src.dtype.is_floating_point
+            and _is_cl(src) and _is_cl(val) and isinstance(weight, torch.fx.Node) and is_tensor_meta(wv) and wv.dtype == src.dtype):
+        return _library_conv(L, node, x, weight, bias, stride, padding, dilation, groups, _cl_weight_differs(wv))
     if (not L.conv_cl or _conv_info(node) is None or not src.dtype.is_floating_point
             or not src.is_contiguous() or not val.is_contiguous()):
         raise Unsupported("convolution runs with eager's layout")
-    wv = weight.meta.get("val")
     if (L.device.type == "cpu" and isinstance(weight, torch.fx.Node) and weight.op == "placeholder"
             and L.arg_index.get(weight) in L.static_inputs and is_tensor_meta(wv) and wv.dim() == 4 and wv.is_contiguous()):
         # A parameter's channels_last copy made once ([Note: CPU convolutions]).
@@ -1699,7 +1710,40 @@ def _convolution(L, node, x, weight, bias, stride, padding, dilation, transposed
     # oneDNN reorders a weight into its blocked format anyway, and a channels_last copy first
     # made ResNet-18 b8 inference 153 -> 183 ms.)
     cl_weight = L.device.type == "cuda" and isinstance(weight, torch.fx.Node) and _cl_weight_differs(wv)
+    if L.device.type == "cuda" and L.library_convs and isinstance(weight, torch.fx.Node) and is_tensor_meta(wv) and wv.dtype == src.dtype:
+        return _library_conv(L, node, x, weight, bias, stride, padding, dilation, groups, cl_weight)
     return _cl_extern(L, node, (x, weight) if cl_weight else (x,), [()])
+
+
+def _is_cl(t) -> bool:
+    """Whether tensor meta `t` is a dense 4-d channels_last tensor."""
+    return is_tensor_meta(t) and t.dim() == 4 and t.is_contiguous(memory_format=torch.channels_last)
+
+
+def _library_conv(L, node, x, weight, bias, stride, padding, dilation, groups, cl_weight):
+    """A channels_last 2-d convolution as braze's own `conv` op, run by cuDNN inside braze's
+    runs ([Note: library convolutions] in braze-runtime): the input and weight channels_last
+    (laid out by braze kernels where they are not), the result channels_last, a bias added
+    by the kernel that reads the result."""
+    from . import cuda
+
+    val = node.meta["val"]
+    if not cuda.cudnn_ready() or val.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise Unsupported("convolution through ATen (no cuDNN)")
+    xi = _cl_operand(L, x)
+    wi = _cl_operand(L, weight) if cl_weight else L.tensor(weight)
+    if not (cl_weight or weight.meta["val"].is_contiguous(memory_format=torch.channels_last)):
+        raise Unsupported("convolution weight neither contiguous nor channels_last")
+    tf32 = "true" if val.dtype == torch.float32 and torch.backends.cudnn.allow_tf32 else "false"
+    pair = lambda v: ", ".join(str(int(a)) for a in pool_pair(v))  # noqa: E731
+    out_strides = ", ".join(map(str, _channels_last_strides(list(val.shape))))
+    L.n_library_convs += 1
+    r = L.op(f"conv stride=[{pair(stride)}] padding=[{pair(padding)}] dilation=[{pair(dilation)}] groups={int(groups)} tf32={tf32} strides=[{out_strides}]", xi, wi)
+    if bias is not None:
+        b = L.tensor(bias, val.dtype)
+        r = L.op("add", r, L.op(f"reshape shape=[{val.shape[1]}, 1, 1]", b))
+    L.relaid[r] = list(val.stride())
+    return r
 
 
 @register(A("convolution_backward"))
@@ -1958,10 +2002,10 @@ for _op, _fn in (("cond", _lower_cond), ("while_loop", _lower_while), ("invoke_s
 
 
 def lower_graph(gm: torch.fx.GraphModule, name: str, subcompile=None, static_inputs=(), input_strides=None,
-                conv_layout="auto", saved_from=None) -> Lowered:
+                conv_layout="auto", saved_from=None, library_convs=True) -> Lowered:
     # AOTAutograd calls its compilers with its fake mode active; the graph's constants are
     # real tensors and are read (item(), detach()) as such.
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
     with unset_fake_temporarily():
-        return Lowerer(gm, name, subcompile, static_inputs, input_strides, conv_layout, saved_from).run()
+        return Lowerer(gm, name, subcompile, static_inputs, input_strides, conv_layout, saved_from, library_convs).run()

@@ -182,8 +182,8 @@ fn lifetimes(sched: &braze_sched::Schedule) -> (Vec<usize>, Vec<usize>) {
     for (s, st) in sched.steps.iter().enumerate() {
         match st {
             Step::Kernel(k) => sched.kernels[*k].bufs.iter().for_each(|b| touch(b.id as usize, s)),
-            Step::Matmul { out, .. } => {
-                for x in st.matmul_operands() {
+            Step::Matmul { out, .. } | Step::Conv { out, .. } => {
+                for x in st.library_operands() {
                     touch(x.buf as usize, s);
                 }
                 touch(*out as usize, s);

@@ -7,6 +7,7 @@
 
 use braze_ir::{Expr, Graph, Op};
 use braze_runtime::cpu::{CpuItem, CpuModule};
+use braze_runtime::cudnn::ConvSpec;
 use braze_runtime::matmul::{MatmulExprs, MatmulSpec, OperandExprs};
 use braze_runtime::cuda::{CudaModule, Item};
 use braze_runtime::RuntimeError;
@@ -236,6 +237,45 @@ fn matmul_spec(g: &Graph, sched: &braze_sched::Schedule, step: &Step) -> Result<
     matmul_exprs(g, sched, step)?.eval(&[]).ok_or_else(|| unsupported("matmul with symbolic sizes"))
 }
 
+/// A convolution step as cuDNN takes it ([Note: library convolutions] in braze-runtime): whole
+/// buffers with static sizes, the filter packed channels_last.
+fn conv_spec(g: &Graph, sched: &braze_sched::Schedule, step: &Step) -> Result<ConvSpec, DriverError> {
+    let Step::Conv { node, x, w, out } = step else { return Err(DriverError::Internal("not a convolution step".into())) };
+    let Op::Conv { stride, padding, dilation, groups, tf32, .. } = &g.node(*node).op else { return Err(DriverError::Internal("not a convolution".into())) };
+    let four = |v: &[Expr]| -> Result<[i64; 4], DriverError> {
+        let c: Vec<i64> = v.iter().map(Expr::as_const).collect::<Option<_>>().ok_or_else(|| unsupported("convolution with symbolic sizes"))?;
+        c.try_into().map_err(|_| DriverError::Internal("convolution operand of rank != 4".into()))
+    };
+    if x.view.is_some() || w.view.is_some() {
+        return Err(DriverError::Internal("convolution operand is a view".into()));
+    }
+    let (xb, wb, ob) = (&sched.buffers[x.buf as usize], &sched.buffers[w.buf as usize], &sched.buffers[*out as usize]);
+    let (w_shape, w_strides) = (four(&wb.shape)?, four(&wb.strides)?);
+    // cuDNN's NHWC filter: packed (O, kH, kW, C) memory; strides of size-1 dims do not matter.
+    let packed = braze_ir::memory_order::dense_strides(&wb.shape, &[0, 2, 3, 1]);
+    if (0..4).any(|d| w_shape[d] != 1 && Some(w_strides[d]) != packed[d].as_const()) {
+        return Err(DriverError::Internal(format!("convolution filter strides {w_strides:?} are not channels_last")));
+    }
+    let pair = |v: &[i64]| -> Result<[i64; 2], DriverError> { v.try_into().map_err(|_| DriverError::Internal("convolution parameters of rank != 2".into())) };
+    Ok(ConvSpec {
+        name: format!("braze_conv_{}", node.0),
+        dtype: xb.dtype,
+        tf32: *tf32,
+        x: x.buf,
+        x_shape: four(&xb.shape)?,
+        x_strides: four(&xb.strides)?,
+        w: w.buf,
+        w_shape,
+        out: *out,
+        out_shape: four(&ob.shape)?,
+        out_strides: four(&ob.strides)?,
+        stride: pair(stride)?,
+        padding: pair(padding)?,
+        dilation: pair(dilation)?,
+        groups: *groups,
+    })
+}
+
 /// Per-graph choices of the user's options (`braze.compile(..., options=...)`).
 #[derive(Clone, Debug)]
 pub struct Options {
@@ -313,6 +353,7 @@ pub fn compile_with(g: Graph, target: Target, check_cuda: bool, check_arch: &str
                 match st {
                     Step::Kernel(k) => items.push(CpuItem::Kernel(*k)),
                     Step::Matmul { .. } => items.push(CpuItem::Matmul(Box::new(braze_runtime::cpu_blas::prepare(matmul_exprs(&opt, &sched, st)?).map_err(DriverError::from)?))),
+                    Step::Conv { .. } => return Err(unsupported("library convolutions run on the GPU only")),
                     Step::Extern { .. } => {}
                 }
             }
@@ -347,10 +388,16 @@ pub fn compile_with(g: Graph, target: Target, check_cuda: bool, check_arch: &str
                         let spec = matmul_spec(&opt, &sched, st)?;
                         items.push(Item::Matmul(Box::new(braze_runtime::cublaslt::prepare(spec, opts.matmul_tune.then_some(ordinal)).map_err(DriverError::from)?)))
                     }
+                    Step::Conv { .. } => {
+                        let spec = conv_spec(&opt, &sched, st)?;
+                        // Any refusal is the environment's (the Python side then runs the graph's
+                        // convolutions through ATen).
+                        items.push(Item::Conv(Box::new(braze_runtime::cudnn::prepare(spec, opts.matmul_tune.then_some(ordinal)).map_err(|e| DriverError::Environment(e.to_string()))?)))
+                    }
                     Step::Extern { .. } => {}
                 }
             }
-            lap("cublaslt", &mut times);
+            lap("libraries", &mut times);
             let m = if items.is_empty() {
                 None
             } else {
@@ -408,12 +455,12 @@ pub fn compile_with(g: Graph, target: Target, check_cuda: bool, check_arch: &str
     for (s, st) in sched.steps.iter().enumerate() {
         let touched: Vec<u32> = match st {
             Step::Kernel(k) => sched.kernels[*k].bufs.iter().map(|b| b.id).collect(),
-            Step::Matmul { out, .. } => st.matmul_operands().map(|x| x.buf).chain([*out]).collect(),
+            Step::Matmul { out, .. } | Step::Conv { out, .. } => st.library_operands().map(|x| x.buf).chain([*out]).collect(),
             Step::Extern { .. } => Vec::new(),
         };
         let writes = match st {
             Step::Kernel(k) => Some(sched.kernels[*k].bufs.iter().filter(|b| b.written).map(|b| b.id).collect::<Vec<_>>()),
-            Step::Matmul { out, .. } => Some(vec![*out]),
+            Step::Matmul { out, .. } | Step::Conv { out, .. } => Some(vec![*out]),
             Step::Extern { .. } => None,
         };
         if let Some(w) = writes {
@@ -473,7 +520,7 @@ pub fn compile_with(g: Graph, target: Target, check_cuda: bool, check_arch: &str
     for e in &tab.0 {
         e.syms(&mut syms);
     }
-    for v in sched.steps.iter().flat_map(Step::matmul_operands).filter_map(|x| x.view.as_ref()) {
+    for v in sched.steps.iter().flat_map(Step::library_operands).filter_map(|x| x.view.as_ref()) {
         for e in v.sizes.iter().chain(&v.strides).chain([&v.offset]) {
             e.syms(&mut syms);
         }

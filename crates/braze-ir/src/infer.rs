@@ -200,6 +200,25 @@ pub fn infer(op: &Op, ins: &[&TensorTy]) -> Result<Option<TensorTy>, Error> {
             }
             t(a.dtype, s)
         }
+        Op::Conv { stride, padding, dilation, groups, strides, .. } => {
+            let (x, w) = (ins[0], ins[1]);
+            if x.rank() != 4 || w.rank() != 4 || x.dtype != w.dtype || !x.dtype.is_float() || strides.len() != 4 {
+                return Err(bad("conv takes float x [N, C, H, W] and w [O, C / groups, kH, kW] of one dtype, and 4 strides".into()));
+            }
+            let xs: Option<Vec<i64>> = x.shape.iter().map(Expr::as_const).collect();
+            let ws: Option<Vec<i64>> = w.shape.iter().map(Expr::as_const).collect();
+            let (Some(xs), Some(ws)) = (xs, ws) else { return Err(bad("conv needs static sizes".into())) };
+            let params_ok = [stride, padding, dilation].iter().all(|p| p.len() == 2) && stride.iter().chain(dilation).all(|&v| v > 0) && padding.iter().all(|&v| v >= 0);
+            if !params_ok || *groups < 1 || xs[1] != ws[1] * groups || ws[0] % groups != 0 {
+                return Err(bad("conv parameters do not match its operands".into()));
+            }
+            let out = |d: usize| (xs[2 + d] + 2 * padding[d] - dilation[d] * (ws[2 + d] - 1) - 1) / stride[d] + 1;
+            let (ho, wo) = (out(0), out(1));
+            if ho < 1 || wo < 1 {
+                return Err(bad("conv result is empty".into()));
+            }
+            t(x.dtype, vec![Expr::from(xs[0]), Expr::from(ws[0]), Expr::from(ho), Expr::from(wo)])
+        }
         Op::Pad { pads, .. } => {
             let x = ins[0];
             if pads.len() != x.rank() || pads.iter().any(|&(a, b)| a < 0 || b < 0) {

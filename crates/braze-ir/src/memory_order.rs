@@ -33,7 +33,7 @@ fn walk(g: &Graph, id: NodeId, depth: usize, seen: &mut HashSet<NodeId>) -> Opti
     }
     let n = g.node(id);
     match &n.op {
-        Op::Input { strides, .. } | Op::ExternOut { strides, .. } | Op::Layout { strides } => from_strides(&g.ty(id).shape, strides),
+        Op::Input { strides, .. } | Op::ExternOut { strides, .. } | Op::Layout { strides } | Op::Conv { strides, .. } => from_strides(&g.ty(id).shape, strides),
         Op::Unary(_) | Op::Cast(_) if depth < MAX_DEPTH => walk(g, n.inputs[0], depth + 1, seen),
         // A slice or pad keeps its operand's dims (a max pool's windows of a channels_last value).
         Op::Slice { .. } | Op::Pad { .. } if depth < MAX_DEPTH => walk(g, n.inputs[0], depth + 1, seen),

@@ -173,6 +173,13 @@ pub enum Op {
     /// vendor-library call (cuBLASLt), with bias, residual and activation fused. `tf32`
     /// allows TF32 arithmetic for f32 operands.
     Matmul { epilogue: Epilogue, tf32: bool, residual: bool },
+    /// A 2-d convolution (cross-correlation, as PyTorch's) by the vendor library (cuDNN):
+    /// operands (x: [N, C, H, W], w: [O, C / groups, kH, kW]), static sizes, one float dtype.
+    /// `stride`, `padding` and `dilation` are per spatial dim; the result is laid out with
+    /// `strides` (channels_last where braze emits it). The operands must be in memory: x
+    /// densely in any order, w packed channels_last. No bias (a following add fuses it).
+    /// `tf32` allows TF32 arithmetic for f32 operands.
+    Conv { stride: Vec<i64>, padding: Vec<i64>, dilation: Vec<i64>, groups: i64, tf32: bool, strides: Vec<Expr> },
     /// A call of the ATen op `target` (by name) on the operands; `outputs` results, each
     /// taken by an `ExternOut`. The runtime (Python) holds the non-tensor arguments.
     /// `effect`: the call must run even when nothing reads its results (random ops, asserts,
@@ -209,6 +216,7 @@ impl Op {
             Op::Cat { .. } => "cat",
             Op::Pad { .. } => "pad",
             Op::Matmul { .. } => "matmul",
+            Op::Conv { .. } => "conv",
             Op::Extern { .. } => "extern",
             Op::ExternOut { .. } => "extern_out",
             Op::Layout { .. } => "layout",
@@ -248,7 +256,7 @@ impl Op {
             Op::Input { .. } | Op::Scalar { .. } | Op::Iota { .. } | Op::Size { .. } => 0,
             Op::Unary(_) | Op::Cast(_) | Op::Reduce { .. } | Op::Pad { .. } | Op::ExternOut { .. } | Op::Layout { .. } => 1,
             Op::Permute(_) | Op::Expand(_) | Op::Reshape(_) | Op::Slice { .. } | Op::Select { .. } => 1,
-            Op::Binary(_) | Op::IndexSelect { .. } | Op::Gather { .. } => 2,
+            Op::Binary(_) | Op::IndexSelect { .. } | Op::Gather { .. } | Op::Conv { .. } => 2,
             Op::Where => 3,
             Op::Cat { .. } | Op::Extern { .. } | Op::Matmul { .. } => return None,
         })

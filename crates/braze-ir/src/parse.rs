@@ -299,6 +299,10 @@ fn build_op(name: &str, a: &BTreeMap<String, String>) -> Result<Op, String> {
             tf32: boolean("tf32")?,
             residual: if a.contains_key("residual") { boolean("residual")? } else { false },
         },
+        "conv" => {
+            let ints = |k: &str| -> Result<Vec<i64>, String> { Ok(dims(k)?.into_iter().map(|d| d as i64).collect()) };
+            Op::Conv { stride: ints("stride")?, padding: ints("padding")?, dilation: ints("dilation")?, groups: int("groups")?, tf32: boolean("tf32")?, strides: exprs("strides")? }
+        }
         "extern" => Op::Extern {
             target: get("target")?.to_string(),
             outputs: int("outputs")? as u32,

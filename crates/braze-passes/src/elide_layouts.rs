@@ -16,7 +16,7 @@ pub fn elide_layouts(g: &Graph) -> Graph {
         let x = g.node(id).inputs[0];
         let same = !g.fixed_layout_output(id)
             && match &g.node(x).op {
-                Op::Input { strides: s, .. } | Op::ExternOut { strides: s, .. } | Op::Layout { strides: s } => s == strides,
+                Op::Input { strides: s, .. } | Op::ExternOut { strides: s, .. } | Op::Layout { strides: s } | Op::Conv { strides: s, .. } => s == strides,
                 _ => inherited_order(g, x).is_some_and(|o| Some(o) == from_strides(&g.ty(x).shape, strides)),
             };
         same.then(|| map[x.index()])

@@ -151,6 +151,13 @@ fn cuda_init(nvrtc: &str, builtins: Option<&str>, driver: Option<&str>, cublaslt
     braze_runtime::cuda::nvrtc_version().map_err(runtime_err)
 }
 
+/// Loads cuDNN from `path` for library convolutions ([Note: library convolutions] in
+/// braze-runtime).
+#[pyfunction]
+fn cudnn_init(path: &str) -> PyResult<()> {
+    braze_runtime::cudnn::init(path).map_err(runtime_err)
+}
+
 /// Whether f32 matmuls on the CPU can run as plan items through the BLAS of the loaded
 /// PyTorch ([Note: CPU matmuls] in braze-runtime).
 #[pyfunction]
@@ -455,6 +462,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<ScalarFn>()?;
     m.add_class::<SymVals>()?;
     m.add_function(wrap_pyfunction!(cuda_init, m)?)?;
+    m.add_function(wrap_pyfunction!(cudnn_init, m)?)?;
     m.add_function(wrap_pyfunction!(nvrtc_compile, m)?)?;
     m.add_function(wrap_pyfunction!(nvrtc_warm_up, m)?)?;
     m.add_function(wrap_pyfunction!(cpu_id, m)?)?;

@@ -88,7 +88,7 @@ fn tuned() -> &'static Mutex<HashMap<String, Algo>> {
 }
 
 /// Timing is on unless `BRAZE_MATMUL_TUNE=0`.
-fn tuning_enabled() -> bool {
+pub(crate) fn tuning_enabled() -> bool {
     std::env::var("BRAZE_MATMUL_TUNE").map(|v| v != "0").unwrap_or(true)
 }
 

@@ -384,10 +384,12 @@ pub fn time_candidates(
 /// What a kernel takes and how it is launched, as the CUDA emitter described it.
 pub use braze_codegen::cuda::Launch as LaunchSpec;
 
-/// One thing a CUDA module runs, in order: a generated kernel or a library matmul.
+/// One thing a CUDA module runs, in order: a generated kernel, a library matmul or a library
+/// convolution.
 pub enum Item {
     Kernel(usize),
     Matmul(Box<crate::cublaslt::Prepared>),
+    Conv(Box<crate::cudnn::Prepared>),
 }
 
 pub struct CudaModule {
@@ -464,7 +466,8 @@ impl Drop for CudaModule {
     }
 }
 
-/// cuBLASLt's workspace: one device allocation for the process.
+/// The library workspace: one device allocation for the process, used by cuBLASLt's matmuls
+/// and cuDNN's convolutions (runs are serial on one stream).
 fn workspace() -> Result<usize, RuntimeError> {
     static WS: OnceLock<Result<usize, String>> = OnceLock::new();
     let d = driver()?;
@@ -626,6 +629,7 @@ impl CudaModule {
                     let ws = workspace()?;
                     m.run(ptrs, stream, ws)?
                 }
+                Item::Conv(c) => c.run(ptrs, stream, workspace()?)?,
             }
         }
         Ok(())

@@ -48,6 +48,7 @@ pub mod cpu;
 pub mod cpu_blas;
 pub mod cublaslt;
 pub mod cuda;
+pub mod cudnn;
 pub mod matmul;
 
 #[derive(Debug, thiserror::Error)]

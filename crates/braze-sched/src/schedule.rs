@@ -63,21 +63,37 @@ pub enum Step {
     Kernel(usize),
     /// A matrix product by the vendor library: `out = epilogue(a @ b + bias)`.
     Matmul { node: NodeId, a: Access, b: Access, bias: Option<Access>, residual: Option<Access>, out: BufId },
+    /// A 2-d convolution by the vendor library: `out = conv(x, w)` (conv node `node`).
+    Conv { node: NodeId, x: Access, w: Access, out: BufId },
     /// Call ATen op `target` (extern node `node`) on `args`; its results fill `outs`
     /// (`UNUSED` for results nothing reads).
     Extern { node: NodeId, target: String, args: Vec<Access>, outs: Vec<BufId> },
 }
 
 impl Step {
-    /// A matmul step's operands (a, b, then bias and residual where present); none for
-    /// other steps.
-    pub fn matmul_operands(&self) -> impl Iterator<Item = &Access> {
+    /// A library step's operands (a matmul's a, b, then bias and residual where present; a
+    /// convolution's x and w); none for other steps.
+    pub fn library_operands(&self) -> impl Iterator<Item = &Access> {
         let ops = match self {
             Step::Matmul { a, b, bias, residual, .. } => [Some(a), Some(b), bias.as_ref(), residual.as_ref()],
+            Step::Conv { x, w, .. } => [Some(x), Some(w), None, None],
             _ => [None, None, None, None],
         };
         ops.into_iter().flatten()
     }
+
+    /// The buffer a library step (matmul or convolution) writes.
+    pub fn library_out(&self) -> Option<BufId> {
+        match self {
+            Step::Matmul { out, .. } | Step::Conv { out, .. } => Some(*out),
+            _ => None,
+        }
+    }
+}
+
+/// Ops run by a vendor library as a step of their own (stored, never fused).
+fn is_library(op: &Op) -> bool {
+    matches!(op, Op::Matmul { .. } | Op::Conv { .. })
 }
 
 #[derive(Clone, Debug, Default)]
@@ -167,8 +183,14 @@ pub fn schedule(g: &Graph) -> Result<Schedule, SchedError> {
     let any_view: fn(&View) -> bool = |_| true;
     for id in g.ids() {
         let node = g.node(id);
-        if node.op.is_buffer() || matches!(node.op, Op::Matmul { .. }) {
+        if node.op.is_buffer() || is_library(&node.op) {
             stored[id.index()] = true;
+        }
+        if let Op::Conv { .. } = node.op {
+            // cuDNN reads whole tensors: the operands themselves are stored.
+            for &i in &node.inputs {
+                need_access(&mut stored, i, |_| false);
+            }
         }
         if matches!(node.op, Op::Extern { .. }) {
             for &i in &node.inputs {
@@ -191,7 +213,7 @@ pub fn schedule(g: &Graph) -> Result<Schedule, SchedError> {
         need_access(&mut stored, o, any_view);
     }
     for id in g.ids() {
-        if let Op::Extern { .. } | Op::Matmul { .. } = g.node(id).op {
+        if matches!(g.node(id).op, Op::Extern { .. }) || is_library(&g.node(id).op) {
             continue;
         }
         if !is_compute(&g.node(id).op) && !g.node(id).op.is_buffer() {
@@ -358,6 +380,9 @@ pub fn schedule(g: &Graph) -> Result<Schedule, SchedError> {
             let n = ins.len() - usize::from(residual);
             let residual = residual.then(|| access(ins[n]));
             steps.push(Step::Matmul { node: e, a: access(ins[0]), b: access(ins[1]), bias: ins[..n].get(2).map(|&b| access(b)), residual, out: buf_of[e.index()].unwrap() });
+        } else if let Some(e) = e.filter(|&e| matches!(g.node(e).op, Op::Conv { .. })) {
+            let ins = &g.node(e).inputs;
+            steps.push(Step::Conv { node: e, x: access(ins[0]), w: access(ins[1]), out: buf_of[e.index()].unwrap() });
         } else if let Some(e) = e {
             let Op::Extern { target, outputs, .. } = &g.node(e).op else { unreachable!() };
             let mut outs = vec![UNUSED; *outputs as usize];
@@ -404,7 +429,7 @@ fn matmul_operand_ok(v: &View) -> bool {
 /// ([`braze_ir::memory_order::inherited_order`]); row-major otherwise.
 fn base_strides(g: &Graph, base: NodeId) -> Vec<Expr> {
     match &g.node(base).op {
-        Op::Input { strides, .. } | Op::ExternOut { strides, .. } | Op::Layout { strides } => strides.clone(),
+        Op::Input { strides, .. } | Op::ExternOut { strides, .. } | Op::Layout { strides } | Op::Conv { strides, .. } => strides.clone(),
         _ => match braze_ir::memory_order::inherited_order(g, base) {
             Some(order) => braze_ir::memory_order::dense_strides(&g.ty(base).shape, &order),
             None => contiguous_strides(&g.ty(base).shape),
@@ -432,7 +457,7 @@ fn fuse(g: &Graph, stored: &[bool], log: &mut Vec<String>) -> Result<Fused, Sche
     let dummy = |id: NodeId| if stored[id.index()] || matches!(g.node(id).op, Op::Reduce { .. }) { Some((id.0, contiguous_strides(&g.ty(id).shape))) } else { None };
     for id in g.ids() {
         let node = g.node(id);
-        if let Op::Extern { .. } | Op::Matmul { .. } = node.op {
+        if matches!(node.op, Op::Extern { .. }) || is_library(&node.op) {
             externs.push((next_order, id));
             step_of[id.index()] = Some(next_order);
             next_order += 1;
@@ -442,7 +467,7 @@ fn fuse(g: &Graph, stored: &[bool], log: &mut Vec<String>) -> Result<Fused, Sche
             step_of[id.index()] = step_of[node.inputs[0].index()];
             continue;
         }
-        let is_root = matches!(node.op, Op::Reduce { .. }) || (stored[id.index()] && !node.op.is_buffer() && !matches!(node.op, Op::Matmul { .. }));
+        let is_root = matches!(node.op, Op::Reduce { .. }) || (stored[id.index()] && !node.op.is_buffer() && !is_library(&node.op));
         if !is_root {
             continue;
         }
@@ -526,7 +551,7 @@ fn drop_dead_stores(buffers: &[Buffer], kernels: &mut [Kernel], steps: &[Step], 
     for st in steps {
         match st {
             Step::Kernel(_) => {}
-            Step::Matmul { .. } => st.matmul_operands().for_each(|x| read[x.buf as usize] = true),
+            Step::Matmul { .. } | Step::Conv { .. } => st.library_operands().for_each(|x| read[x.buf as usize] = true),
             Step::Extern { args, .. } => args.iter().for_each(|a| read[a.buf as usize] = true),
         }
     }
@@ -566,8 +591,8 @@ fn plan_frees(buffers: &[Buffer], kernels: &[Kernel], steps: &[Step], outputs: &
                     last[b.id as usize] = Some(s);
                 }
             }
-            Step::Matmul { out, .. } => {
-                for x in st.matmul_operands() {
+            Step::Matmul { out, .. } | Step::Conv { out, .. } => {
+                for x in st.library_operands() {
                     last[x.buf as usize] = Some(s);
                 }
                 if last[*out as usize].is_none() {
