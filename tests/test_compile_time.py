@@ -77,8 +77,8 @@ def stage_times(n_layers, monkeypatch):
     seen = []
     lower = backend.lower_graph
 
-    def keep(gm, name, *rest):
-        lowered = lower(gm, name, *rest)
+    def keep(gm, name, *rest, **kw):
+        lowered = lower(gm, name, *rest, **kw)
         seen.append((gm, name, lowered))
         return lowered
 

@@ -10,13 +10,16 @@
 //! allocation); ResNet-50 inference makes 53 of them per call and was bound by its host
 //! side. Here the output is a buffer of the plan (in the arena), the workspace is the one
 //! the matmuls use (runs are serial on one stream), and the engine is chosen at compile time:
-//! the first of cuDNN's heuristic configurations that builds, or the fastest of the first
-//! few timed on the device when tuning is on (as for matmuls). The graph API, as PyTorch
-//! uses it, and not the legacy `cudnnConvolutionForward`: on the H100 the legacy API's
-//! algorithms took 1.1–10× the time of PyTorch's engines on ResNet-50's bf16 channels_last
-//! convolutions (3.29 against 1.92 ms per call summed over them). Plans are built in the
-//! heuristic's order only until enough are built (one, or the few timed when tuning): an
-//! engine may compile its kernels with NVRTC when its plan is built.
+//! the first of cuDNN's heuristic configurations (mode INSTANT, as PyTorch's) that builds,
+//! or the fastest of the first few timed on the device when tuning is on (as for matmuls);
+//! cuDNN's fallback engines where none is usable. A graph of convolutions and braze kernels
+//! is then one run: MobileNet-v3-small fp32 b32 inference on the H100 took 2.29 ms per call
+//! against 4.6 in eager and Inductor (host 0.46 ms), its training step 10.5 ms against 18.3
+//! and 21.8 (first measured through the legacy API). Plans are built in the heuristic's
+//! order only until enough are built (one, or the few timed when tuning): an engine may
+//! compile its kernels with NVRTC when its plan is built. Without such run-time compiled
+//! engines ResNet-50's bf16 channels_last convolutions, summed over one call, took 3.06 ms
+//! of GPU time against 1.91 through ATen (the legacy `cudnnConvolutionForward` API: 3.29).
 
 use crate::RuntimeError;
 use braze_ir::DType;
