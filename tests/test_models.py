@@ -588,6 +588,52 @@ def test_library_convolutions(device, dtype, model_layout, relayouts):
     assert relayouts == []
 
 
+@pytest.mark.parametrize("model_layout", ["contiguous", "channels_last"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_library_convolution_training(device, dtype, model_layout):
+    """A training step's convolutions and their gradients are braze's own ops on the GPU
+    ([Note: library convolutions]): no ATen convolution or convolution_backward in either
+    graph; outputs, every gradient (input, weights, biases) and BatchNorm's statistics are
+    eager's."""
+    if device != "cuda":
+        pytest.skip("library convolutions run on the GPU")
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(
+        torch.nn.Conv2d(3, 96, 3, stride=2, padding=1, bias=False), torch.nn.BatchNorm2d(96), torch.nn.ReLU(),
+        torch.nn.Conv2d(96, 96, 3, padding=2, dilation=2, groups=96), torch.nn.ReLU(),
+        torch.nn.Conv2d(96, 128, 1), torch.nn.Hardswish(),
+        torch.nn.Conv2d(128, 64, (3, 5), stride=(1, 2), padding=(1, 0)),
+    ).to(device)
+    x = torch.randn(4, 3, 33, 31, device=device)
+    if model_layout == "channels_last":
+        m, x = m.to(memory_format=torch.channels_last), x.to(memory_format=torch.channels_last)
+    ref = copy.deepcopy(m)
+    x.requires_grad_(True)
+    xr = x.detach().clone().requires_grad_(True)
+    n0 = len(braze.stats.records)
+    c = compiled(m, options={"on_unsupported": "error", "conv_layout": "channels_last"})
+    tol = {torch.float32: 1e-4, torch.bfloat16: 5e-2}[dtype]
+    with torch.autocast("cuda", dtype=dtype, enabled=dtype != torch.float32), torch.backends.cudnn.flags(enabled=True, allow_tf32=False):
+        for _ in range(2):
+            for mod in (m, ref):
+                mod.zero_grad(set_to_none=True)
+            x.grad = xr.grad = None
+            out, r = c(x), ref(xr)
+            out.float().square().mean().backward()
+            r.float().square().mean().backward()
+            torch.testing.assert_close(out, r, rtol=tol, atol=tol)
+    torch.testing.assert_close(x.grad, xr.grad, rtol=tol, atol=tol)
+    for (name, a), b in zip(m.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(a.grad, b.grad, rtol=tol, atol=tol, msg=name)
+        assert a.grad.stride() == b.grad.stride(), name
+    for a, b in zip(m.buffers(), ref.buffers()):
+        torch.testing.assert_close(a, b, rtol=tol, atol=tol)
+    recs = braze.stats.records[n0:]
+    assert [r["kind"] for r in recs] == ["forward", "backward"]
+    for r in recs:
+        assert not [k for k in r["externs"] if "convolution" in k], r["externs"]
+
+
 def _traced(model, x):
     from torch.fx.experimental.proxy_tensor import make_fx
     return make_fx(lambda x: model(x), pre_dispatch=False)(x)

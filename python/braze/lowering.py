@@ -1753,6 +1753,12 @@ def _convolution_backward(L, node, grad_out, x, weight, bias_sizes, stride, padd
     gradient declared channels_last. Elsewhere ATen's with eager's layouts."""
     val = node.meta.get("val")
     gv, xv = grad_out.meta.get("val"), x.meta.get("val")
+    wv = weight.meta.get("val") if isinstance(weight, torch.fx.Node) else None
+    if (L.device.type == "cuda" and L.library_convs and _conv_info(node) is not None and isinstance(val, (list, tuple))
+            and is_tensor_meta(wv) and gv.dtype == xv.dtype == wv.dtype and xv.dtype in (torch.float32, torch.float16, torch.bfloat16)
+            and ((L.conv_cl and gv.is_contiguous() and xv.is_contiguous() and (val[0] is None or val[0].is_contiguous()))
+                 or (_is_cl(gv) and _is_cl(xv) and (val[0] is None or _is_cl(val[0]))))):
+        return _library_conv_backward(L, node, grad_out, x, weight, stride, padding, dilation, groups, mask)
     if (not L.conv_cl or _conv_info(node) is None or not xv.dtype.is_floating_point or not gv.is_contiguous()
             or not isinstance(val, (list, tuple)) or (val[0] is not None and not val[0].is_contiguous())):
         raise Unsupported("convolution_backward runs with eager's layouts")
@@ -1762,6 +1768,42 @@ def _convolution_backward(L, node, grad_out, x, weight, bias_sizes, stride, padd
     args = (grad_out,) + ((x,) if xv.is_contiguous() else ()) + ((weight,) if cl_weight else ())
     results = [p for p, on in (((0,), True), ((1,), cl_weight)) if on and is_tensor_meta(val[p[0]])]
     return _cl_extern(L, node, args, results)
+
+
+def _library_conv_backward(L, node, grad_out, x, weight, stride, padding, dilation, groups, mask):
+    """The gradients of a library convolution ([Note: library convolutions] in braze-runtime),
+    each braze's own op: the input's (`conv dir=data`) and the weight's (`conv dir=filter`)
+    run by cuDNN inside braze's runs, channels_last (graph outputs get eager's strides back),
+    and the bias's a reduction of the output gradient over N, H, W."""
+    from . import cuda
+
+    if not cuda.cudnn_ready():
+        raise Unsupported("convolution_backward through ATen (no cuDNN)")
+    val = node.meta["val"]
+    xv, wv = x.meta["val"], weight.meta["val"]
+    gi = _cl_operand(L, grad_out)
+    tf32 = "true" if xv.dtype == torch.float32 and torch.backends.cudnn.allow_tf32 else "false"
+    pair = lambda v: ", ".join(str(int(a)) for a in pool_pair(v))  # noqa: E731
+    common = f"stride=[{pair(stride)}] padding=[{pair(padding)}] dilation=[{pair(dilation)}] groups={int(groups)} tf32={tf32}"
+    strides = lambda shape: ", ".join(map(str, _channels_last_strides(list(shape))))  # noqa: E731
+    dx = dw = db = None
+    if mask[0] and val[0] is not None:
+        if _cl_weight_differs(wv):
+            wi = _cl_operand(L, weight)
+        elif wv.is_contiguous(memory_format=torch.channels_last):
+            wi = L.tensor(weight)
+        else:
+            raise Unsupported("convolution weight neither contiguous nor channels_last")
+        dx = L.op(f"conv dir=data spatial=[{xv.shape[2]}, {xv.shape[3]}] {common} strides=[{strides(xv.shape)}]", gi, wi)
+        L.relaid[dx] = list(val[0].stride())
+        L.n_library_convs += 1
+    if mask[1] and val[1] is not None:
+        dw = L.op(f"conv dir=filter spatial=[{wv.shape[2]}, {wv.shape[3]}] {common} strides=[{strides(wv.shape)}]", _cl_operand(L, x), gi)
+        L.relaid[dw] = list(val[1].stride())
+        L.n_library_convs += 1
+    if mask[2] and val[2] is not None:
+        db = L.op("sum dims=[0, 2, 3] keepdim=false", gi)
+    return (dx, dw, db)
 
 
 @register(A("max_pool2d_with_indices_backward"))

@@ -5,7 +5,7 @@
 //! returns the [`Plan`] the Python runtime follows and the loaded [`Module`]. The Python
 //! binding (braze-py) only converts these to Python objects.
 
-use braze_ir::{Expr, Graph, Op};
+use braze_ir::{ConvDir, Expr, Graph, Op};
 use braze_runtime::cpu::{CpuItem, CpuModule};
 use braze_runtime::cudnn::ConvSpec;
 use braze_runtime::matmul::{MatmulExprs, MatmulSpec, OperandExprs};
@@ -238,37 +238,47 @@ fn matmul_spec(g: &Graph, sched: &braze_sched::Schedule, step: &Step) -> Result<
 }
 
 /// A convolution step as cuDNN takes it ([Note: library convolutions] in braze-runtime): whole
-/// buffers with static sizes, the filter packed channels_last.
+/// buffers with static sizes by role (x, w, y: which are operands and which the result
+/// depends on the direction), the filter packed channels_last.
 fn conv_spec(g: &Graph, sched: &braze_sched::Schedule, step: &Step) -> Result<ConvSpec, DriverError> {
-    let Step::Conv { node, x, w, out } = step else { return Err(DriverError::Internal("not a convolution step".into())) };
-    let Op::Conv { stride, padding, dilation, groups, tf32, .. } = &g.node(*node).op else { return Err(DriverError::Internal("not a convolution".into())) };
+    let Step::Conv { node, a, b, out } = step else { return Err(DriverError::Internal("not a convolution step".into())) };
+    let Op::Conv { dir, stride, padding, dilation, groups, tf32, .. } = &g.node(*node).op else { return Err(DriverError::Internal("not a convolution".into())) };
+    if a.view.is_some() || b.view.is_some() {
+        return Err(DriverError::Internal("convolution operand is a view".into()));
+    }
     let four = |v: &[Expr]| -> Result<[i64; 4], DriverError> {
         let c: Vec<i64> = v.iter().map(Expr::as_const).collect::<Option<_>>().ok_or_else(|| unsupported("convolution with symbolic sizes"))?;
         c.try_into().map_err(|_| DriverError::Internal("convolution operand of rank != 4".into()))
     };
-    if x.view.is_some() || w.view.is_some() {
-        return Err(DriverError::Internal("convolution operand is a view".into()));
-    }
-    let (xb, wb, ob) = (&sched.buffers[x.buf as usize], &sched.buffers[w.buf as usize], &sched.buffers[*out as usize]);
-    let (w_shape, w_strides) = (four(&wb.shape)?, four(&wb.strides)?);
+    let role = |buf: u32| -> Result<(u32, [i64; 4], [i64; 4]), DriverError> {
+        let b = &sched.buffers[buf as usize];
+        Ok((buf, four(&b.shape)?, four(&b.strides)?))
+    };
+    let (x, w, y) = match dir {
+        ConvDir::Forward => (role(a.buf)?, role(b.buf)?, role(*out)?),
+        ConvDir::Data => (role(*out)?, role(b.buf)?, role(a.buf)?),
+        ConvDir::Filter => (role(a.buf)?, role(*out)?, role(b.buf)?),
+    };
     // cuDNN's NHWC filter: packed (O, kH, kW, C) memory; strides of size-1 dims do not matter.
-    let packed = braze_ir::memory_order::dense_strides(&wb.shape, &[0, 2, 3, 1]);
-    if (0..4).any(|d| w_shape[d] != 1 && Some(w_strides[d]) != packed[d].as_const()) {
+    let (_, w_shape, w_strides) = w;
+    let packed = [w_shape[1] * w_shape[2] * w_shape[3], 1, w_shape[3] * w_shape[1], w_shape[1]];
+    if (0..4).any(|d| w_shape[d] != 1 && w_strides[d] != packed[d]) {
         return Err(DriverError::Internal(format!("convolution filter strides {w_strides:?} are not channels_last")));
     }
     let pair = |v: &[i64]| -> Result<[i64; 2], DriverError> { v.try_into().map_err(|_| DriverError::Internal("convolution parameters of rank != 2".into())) };
     Ok(ConvSpec {
         name: format!("braze_conv_{}", node.0),
-        dtype: xb.dtype,
+        dir: *dir,
+        dtype: sched.buffers[a.buf as usize].dtype,
         tf32: *tf32,
-        x: x.buf,
-        x_shape: four(&xb.shape)?,
-        x_strides: four(&xb.strides)?,
-        w: w.buf,
+        x: x.0,
+        x_shape: x.1,
+        x_strides: x.2,
+        w: w.0,
         w_shape,
-        out: *out,
-        out_shape: four(&ob.shape)?,
-        out_strides: four(&ob.strides)?,
+        y: y.0,
+        y_shape: y.1,
+        y_strides: y.2,
         stride: pair(stride)?,
         padding: pair(padding)?,
         dilation: pair(dilation)?,

@@ -200,24 +200,47 @@ pub fn infer(op: &Op, ins: &[&TensorTy]) -> Result<Option<TensorTy>, Error> {
             }
             t(a.dtype, s)
         }
-        Op::Conv { stride, padding, dilation, groups, strides, .. } => {
-            let (x, w) = (ins[0], ins[1]);
-            if x.rank() != 4 || w.rank() != 4 || x.dtype != w.dtype || !x.dtype.is_float() || strides.len() != 4 {
-                return Err(bad("conv takes float x [N, C, H, W] and w [O, C / groups, kH, kW] of one dtype, and 4 strides".into()));
+        Op::Conv { dir, stride, padding, dilation, groups, spatial, strides, .. } => {
+            use crate::op::ConvDir;
+            let (a, b) = (ins[0], ins[1]);
+            if a.rank() != 4 || b.rank() != 4 || a.dtype != b.dtype || !a.dtype.is_float() || strides.len() != 4 {
+                return Err(bad("conv takes two float 4-d operands of one dtype, and 4 strides".into()));
             }
-            let xs: Option<Vec<i64>> = x.shape.iter().map(Expr::as_const).collect();
-            let ws: Option<Vec<i64>> = w.shape.iter().map(Expr::as_const).collect();
-            let (Some(xs), Some(ws)) = (xs, ws) else { return Err(bad("conv needs static sizes".into())) };
+            let consts = |t: &TensorTy| -> Option<Vec<i64>> { t.shape.iter().map(Expr::as_const).collect() };
+            let (Some(sa), Some(sb)) = (consts(a), consts(b)) else { return Err(bad("conv needs static sizes".into())) };
             let params_ok = [stride, padding, dilation].iter().all(|p| p.len() == 2) && stride.iter().chain(dilation).all(|&v| v > 0) && padding.iter().all(|&v| v >= 0);
-            if !params_ok || *groups < 1 || xs[1] != ws[1] * groups || ws[0] % groups != 0 {
-                return Err(bad("conv parameters do not match its operands".into()));
+            if !params_ok || *groups < 1 || spatial.len() != if *dir == ConvDir::Forward { 0 } else { 2 } {
+                return Err(bad("conv parameters do not match its direction".into()));
             }
-            let out = |d: usize| (xs[2 + d] + 2 * padding[d] - dilation[d] * (ws[2 + d] - 1) - 1) / stride[d] + 1;
-            let (ho, wo) = (out(0), out(1));
-            if ho < 1 || wo < 1 {
-                return Err(bad("conv result is empty".into()));
+            // (x, w, y) shapes: two from the operands, the third computed.
+            let out = |hw: &[i64], k: &[i64], d: usize| (hw[d] + 2 * padding[d] - dilation[d] * (k[d] - 1) - 1) / stride[d] + 1;
+            let (x, w, y) = match dir {
+                ConvDir::Forward => {
+                    let y = vec![sa[0], sb[0], out(&sa[2..], &sb[2..], 0), out(&sa[2..], &sb[2..], 1)];
+                    (sa, sb, y)
+                }
+                ConvDir::Data => (vec![sa[0], sb[1] * groups, spatial[0], spatial[1]], sb, sa),
+                ConvDir::Filter => {
+                    let w = vec![sb[1], sa[1] / groups, spatial[0], spatial[1]];
+                    (sa, w, sb)
+                }
+            };
+            let consistent = x[1] == w[1] * groups
+                && w[0] % groups == 0
+                && y[0] == x[0]
+                && y[1] == w[0]
+                && y[2] == out(&x[2..], &w[2..], 0)
+                && y[3] == out(&x[2..], &w[2..], 1)
+                && y.iter().chain(&x).chain(&w).all(|&n| n >= 1);
+            if !consistent {
+                return Err(bad("conv operands do not match its parameters".into()));
             }
-            t(x.dtype, vec![Expr::from(xs[0]), Expr::from(ws[0]), Expr::from(ho), Expr::from(wo)])
+            let result = match dir {
+                ConvDir::Forward => y,
+                ConvDir::Data => x,
+                ConvDir::Filter => w,
+            };
+            t(a.dtype, result.into_iter().map(Expr::from).collect())
         }
         Op::Pad { pads, .. } => {
             let x = ins[0];

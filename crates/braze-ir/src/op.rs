@@ -94,6 +94,18 @@ named_enum! {
 }
 
 named_enum! {
+    /// What a `conv` op computes: the convolution, or one of its gradients.
+    ConvDir {
+        /// `y = conv(x, w)`; operands (x, w).
+        Forward = "forward",
+        /// The input's gradient `dx` from (dy, w).
+        Data = "data",
+        /// The weight's gradient `dw` from (x, dy).
+        Filter = "filter",
+    }
+}
+
+named_enum! {
     /// Reductions over a set of dims.
     ReduceKind {
         Sum = "sum", Prod = "prod",
@@ -173,13 +185,16 @@ pub enum Op {
     /// vendor-library call (cuBLASLt), with bias, residual and activation fused. `tf32`
     /// allows TF32 arithmetic for f32 operands.
     Matmul { epilogue: Epilogue, tf32: bool, residual: bool },
-    /// A 2-d convolution (cross-correlation, as PyTorch's) by the vendor library (cuDNN):
-    /// operands (x: [N, C, H, W], w: [O, C / groups, kH, kW]), static sizes, one float dtype.
-    /// `stride`, `padding` and `dilation` are per spatial dim; the result is laid out with
-    /// `strides` (channels_last where braze emits it). The operands must be in memory: x
-    /// densely in any order, w packed channels_last. No bias (a following add fuses it).
+    /// A 2-d convolution (cross-correlation, as PyTorch's) or one of its gradients (`dir`) by
+    /// the vendor library (cuDNN), static sizes, one float dtype: forward (x: [N, C, H, W],
+    /// w: [O, C / groups, kH, kW]) -> y; data (dy, w) -> dx; filter (x, dy) -> dw. `stride`,
+    /// `padding` and `dilation` are per spatial dim; `spatial` is the result's spatial size
+    /// where the operands do not tell it (dx's H, W; dw's kH, kW; empty for forward). The
+    /// result is laid out with `strides` (channels_last; a weight gradient packed so). The
+    /// operands must be in memory: activations densely in any order, a weight packed
+    /// channels_last. No bias (a following add fuses it; its gradient is a reduction).
     /// `tf32` allows TF32 arithmetic for f32 operands.
-    Conv { stride: Vec<i64>, padding: Vec<i64>, dilation: Vec<i64>, groups: i64, tf32: bool, strides: Vec<Expr> },
+    Conv { dir: ConvDir, stride: Vec<i64>, padding: Vec<i64>, dilation: Vec<i64>, groups: i64, spatial: Vec<i64>, tf32: bool, strides: Vec<Expr> },
     /// A call of the ATen op `target` (by name) on the operands; `outputs` results, each
     /// taken by an `ExternOut`. The runtime (Python) holds the non-tensor arguments.
     /// `effect`: the call must run even when nothing reads its results (random ops, asserts,

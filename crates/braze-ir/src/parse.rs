@@ -301,7 +301,9 @@ fn build_op(name: &str, a: &BTreeMap<String, String>) -> Result<Op, String> {
         },
         "conv" => {
             let ints = |k: &str| -> Result<Vec<i64>, String> { Ok(dims(k)?.into_iter().map(|d| d as i64).collect()) };
-            Op::Conv { stride: ints("stride")?, padding: ints("padding")?, dilation: ints("dilation")?, groups: int("groups")?, tf32: boolean("tf32")?, strides: exprs("strides")? }
+            let dir = if a.contains_key("dir") { crate::op::ConvDir::from_name(get("dir")?).ok_or("unknown conv dir")? } else { crate::op::ConvDir::Forward };
+            let spatial = if a.contains_key("spatial") { ints("spatial")? } else { Vec::new() };
+            Op::Conv { dir, stride: ints("stride")?, padding: ints("padding")?, dilation: ints("dilation")?, groups: int("groups")?, spatial, tf32: boolean("tf32")?, strides: exprs("strides")? }
         }
         "extern" => Op::Extern {
             target: get("target")?.to_string(),

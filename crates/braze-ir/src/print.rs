@@ -64,8 +64,9 @@ pub fn op_attrs(op: &Op) -> String {
         Op::Matmul { epilogue, tf32, residual } => {
             format!("epilogue={} tf32={tf32}{}", epilogue.name(), if *residual { " residual=true" } else { "" })
         }
-        Op::Conv { stride, padding, dilation, groups, tf32, strides } => {
-            format!("stride={} padding={} dilation={} groups={groups} tf32={tf32} strides={}", list(stride), list(padding), list(dilation), list(strides))
+        Op::Conv { dir, stride, padding, dilation, groups, spatial, tf32, strides } => {
+            let d = if *dir == crate::op::ConvDir::Forward { String::new() } else { format!("dir={} spatial={} ", dir.name(), list(spatial)) };
+            format!("{d}stride={} padding={} dilation={} groups={groups} tf32={tf32} strides={}", list(stride), list(padding), list(dilation), list(strides))
         }
         Op::Extern { target, outputs, effect } => format!("target=\"{target}\" outputs={outputs}{}", if *effect { " effect=true" } else { "" }),
         Op::ExternOut { index, strides } => format!("index={index} strides={}", list(strides)),

@@ -22,7 +22,7 @@
 //! of GPU time against 1.91 through ATen (the legacy `cudnnConvolutionForward` API: 3.29).
 
 use crate::RuntimeError;
-use braze_ir::DType;
+use braze_ir::{ConvDir, DType};
 use libloading::Library;
 use std::collections::HashMap;
 use std::ffi::{c_char, c_int, c_void, CStr};
@@ -59,6 +59,8 @@ const D_ENGINECFG: c_int = 3;
 const D_ENGINEHEUR: c_int = 4;
 const D_EXECUTION_PLAN: c_int = 5;
 const D_OP_CONV_FORWARD: c_int = 10;
+const D_OP_CONV_BWD_FILTER: c_int = 11;
+const D_OP_CONV_BWD_DATA: c_int = 12;
 const D_OPERATIONGRAPH: c_int = 15;
 const D_VARIANT_PACK: c_int = 16;
 const D_TENSOR: c_int = 17;
@@ -93,6 +95,18 @@ const A_FWD_CONV_DESC: c_int = 702;
 const A_FWD_W: c_int = 703;
 const A_FWD_X: c_int = 704;
 const A_FWD_Y: c_int = 705;
+const A_BWD_DATA_ALPHA: c_int = 706;
+const A_BWD_DATA_BETA: c_int = 707;
+const A_BWD_DATA_CONV_DESC: c_int = 708;
+const A_BWD_DATA_W: c_int = 709;
+const A_BWD_DATA_DX: c_int = 710;
+const A_BWD_DATA_DY: c_int = 711;
+const A_BWD_FILTER_ALPHA: c_int = 712;
+const A_BWD_FILTER_BETA: c_int = 713;
+const A_BWD_FILTER_CONV_DESC: c_int = 714;
+const A_BWD_FILTER_DW: c_int = 715;
+const A_BWD_FILTER_X: c_int = 716;
+const A_BWD_FILTER_DY: c_int = 717;
 const A_GRAPH_HANDLE: c_int = 800;
 const A_GRAPH_OPS: c_int = 801;
 const A_TENSOR_BYTE_ALIGNMENT: c_int = 900;
@@ -224,11 +238,13 @@ impl Drop for Descriptor {
     }
 }
 
-/// One convolution with static sizes, as cuDNN takes it: `out = conv(x, w)`, each operand a
-/// whole buffer of the plan. `w` is packed channels_last.
+/// One convolution or gradient with static sizes, as cuDNN takes it: its x, w and y by role
+/// (forward: y from x and w; data: x from y and w; filter: w from x and y), each a whole
+/// buffer of the plan. `w` is packed channels_last.
 #[derive(Clone, Debug, PartialEq)]
 pub struct ConvSpec {
     pub name: String,
+    pub dir: ConvDir,
     pub dtype: DType,
     /// TF32 allowed for f32 operands (`torch.backends.cudnn.allow_tf32`).
     pub tf32: bool,
@@ -237,9 +253,9 @@ pub struct ConvSpec {
     pub x_strides: [i64; 4],
     pub w: u32,
     pub w_shape: [i64; 4],
-    pub out: u32,
-    pub out_shape: [i64; 4],
-    pub out_strides: [i64; 4],
+    pub y: u32,
+    pub y_shape: [i64; 4],
+    pub y_strides: [i64; 4],
     pub stride: [i64; 2],
     pub padding: [i64; 2],
     pub dilation: [i64; 2],
@@ -302,7 +318,7 @@ pub fn prepare(spec: ConvSpec, tune_on: Option<i32>) -> Result<Prepared, Runtime
     let ty = data_type(spec.dtype)?;
     let x = tensor(UID_X, ty, &spec.x_shape, &spec.x_strides)?;
     let w = tensor(UID_W, ty, &spec.w_shape, &spec.w_strides())?;
-    let y = tensor(UID_Y, ty, &spec.out_shape, &spec.out_strides)?;
+    let y = tensor(UID_Y, ty, &spec.y_shape, &spec.y_strides)?;
     let conv = Descriptor::new(D_CONVOLUTION)?;
     // f32 arithmetic whatever the data type, as PyTorch's.
     conv.set(A_CONV_COMP_TYPE, T_DATA_TYPE, &[DATA_FLOAT])?;
@@ -313,13 +329,19 @@ pub fn prepare(spec: ConvSpec, tune_on: Option<i32>) -> Result<Prepared, Runtime
     conv.set(A_CONV_PRE_PADDINGS, T_INT64, &spec.padding)?;
     conv.set(A_CONV_POST_PADDINGS, T_INT64, &spec.padding)?;
     conv.finalize("convolution descriptor")?;
-    let op = Descriptor::new(D_OP_CONV_FORWARD)?;
-    op.set(A_FWD_X, T_BACKEND_DESCRIPTOR, &[x.0])?;
-    op.set(A_FWD_W, T_BACKEND_DESCRIPTOR, &[w.0])?;
-    op.set(A_FWD_Y, T_BACKEND_DESCRIPTOR, &[y.0])?;
-    op.set(A_FWD_CONV_DESC, T_BACKEND_DESCRIPTOR, &[conv.0])?;
-    op.set(A_FWD_ALPHA, T_FLOAT, &[1.0f32])?;
-    op.set(A_FWD_BETA, T_FLOAT, &[0.0f32])?;
+    // (operation type, attributes for x, w, y, the convolution, alpha, beta).
+    let (kind, [ax, aw, ay, aconv, aalpha, abeta]) = match spec.dir {
+        ConvDir::Forward => (D_OP_CONV_FORWARD, [A_FWD_X, A_FWD_W, A_FWD_Y, A_FWD_CONV_DESC, A_FWD_ALPHA, A_FWD_BETA]),
+        ConvDir::Data => (D_OP_CONV_BWD_DATA, [A_BWD_DATA_DX, A_BWD_DATA_W, A_BWD_DATA_DY, A_BWD_DATA_CONV_DESC, A_BWD_DATA_ALPHA, A_BWD_DATA_BETA]),
+        ConvDir::Filter => (D_OP_CONV_BWD_FILTER, [A_BWD_FILTER_X, A_BWD_FILTER_DW, A_BWD_FILTER_DY, A_BWD_FILTER_CONV_DESC, A_BWD_FILTER_ALPHA, A_BWD_FILTER_BETA]),
+    };
+    let op = Descriptor::new(kind)?;
+    op.set(ax, T_BACKEND_DESCRIPTOR, &[x.0])?;
+    op.set(aw, T_BACKEND_DESCRIPTOR, &[w.0])?;
+    op.set(ay, T_BACKEND_DESCRIPTOR, &[y.0])?;
+    op.set(aconv, T_BACKEND_DESCRIPTOR, &[conv.0])?;
+    op.set(aalpha, T_FLOAT, &[1.0f32])?;
+    op.set(abeta, T_FLOAT, &[0.0f32])?;
     op.finalize("convolution operation")?;
     let graph = Descriptor::new(D_OPERATIONGRAPH)?;
     graph.set(A_GRAPH_HANDLE, T_HANDLE, &[h])?;
@@ -406,7 +428,7 @@ fn plan_of(h: Handle, cfg: &Descriptor, spec: &ConvSpec) -> Result<Option<(Descr
 /// The index of the fastest of the first `TUNE_PLANS` plans on device `ordinal` (remembered per
 /// spec); 0 when timing is not possible.
 fn fastest(ordinal: i32, s: &ConvSpec, plans: &[(Descriptor, usize)]) -> usize {
-    let key = format!("{:?} {} {:?} {:?} {:?} {:?} {:?} {:?} {:?} {}", s.dtype, s.tf32, s.x_shape, s.x_strides, s.w_shape, s.out_strides, s.stride, s.padding, s.dilation, s.groups);
+    let key = format!("{:?} {:?} {} {:?} {:?} {:?} {:?} {:?} {:?} {:?} {}", s.dir, s.dtype, s.tf32, s.x_shape, s.x_strides, s.w_shape, s.y_strides, s.stride, s.padding, s.dilation, s.groups);
     if let Some(&i) = tuned().lock().unwrap().get(&key) {
         if i < plans.len() {
             return i;
@@ -414,7 +436,7 @@ fn fastest(ordinal: i32, s: &ConvSpec, plans: &[(Descriptor, usize)]) -> usize {
     }
     let es = s.dtype.size();
     let bytes = |shape: &[i64; 4], strides: &[i64; 4]| (shape.iter().zip(strides).map(|(&n, &st)| (n - 1) * st).sum::<i64>() + 1) as usize * es;
-    let sizes = [bytes(&s.x_shape, &s.x_strides), bytes(&s.w_shape, &s.w_strides()), bytes(&s.out_shape, &s.out_strides), crate::cublaslt::WORKSPACE];
+    let sizes = [bytes(&s.x_shape, &s.x_strides), bytes(&s.w_shape, &s.w_strides()), bytes(&s.y_shape, &s.y_strides), crate::cublaslt::WORKSPACE];
     let n = plans.len().min(TUNE_PLANS);
     let timed = crate::cuda::time_candidates(ordinal, &sizes, n, &mut |i, ptrs, stream| execute(&plans[i].0, [ptrs[0], ptrs[1], ptrs[2]], stream, ptrs[3]));
     let Ok(times) = timed else { return 0 };
@@ -448,6 +470,6 @@ impl Prepared {
     /// Runs the convolution on `stream` with buffer pointers by id.
     pub fn run(&self, ptrs: &[usize], stream: usize, workspace: usize) -> Result<(), RuntimeError> {
         let s = &self.spec;
-        execute(&self.plan, [ptrs[s.x as usize], ptrs[s.w as usize], ptrs[s.out as usize]], stream, workspace)
+        execute(&self.plan, [ptrs[s.x as usize], ptrs[s.w as usize], ptrs[s.y as usize]], stream, workspace)
     }
 }

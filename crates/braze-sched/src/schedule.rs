@@ -63,8 +63,9 @@ pub enum Step {
     Kernel(usize),
     /// A matrix product by the vendor library: `out = epilogue(a @ b + bias)`.
     Matmul { node: NodeId, a: Access, b: Access, bias: Option<Access>, residual: Option<Access>, out: BufId },
-    /// A 2-d convolution by the vendor library: `out = conv(x, w)` (conv node `node`).
-    Conv { node: NodeId, x: Access, w: Access, out: BufId },
+    /// A 2-d convolution or one of its gradients by the vendor library (conv node `node`):
+    /// `out = conv(a, b)`, the operands in the op's order.
+    Conv { node: NodeId, a: Access, b: Access, out: BufId },
     /// Call ATen op `target` (extern node `node`) on `args`; its results fill `outs`
     /// (`UNUSED` for results nothing reads).
     Extern { node: NodeId, target: String, args: Vec<Access>, outs: Vec<BufId> },
@@ -72,11 +73,11 @@ pub enum Step {
 
 impl Step {
     /// A library step's operands (a matmul's a, b, then bias and residual where present; a
-    /// convolution's x and w); none for other steps.
+    /// convolution's two); none for other steps.
     pub fn library_operands(&self) -> impl Iterator<Item = &Access> {
         let ops = match self {
             Step::Matmul { a, b, bias, residual, .. } => [Some(a), Some(b), bias.as_ref(), residual.as_ref()],
-            Step::Conv { x, w, .. } => [Some(x), Some(w), None, None],
+            Step::Conv { a, b, .. } => [Some(a), Some(b), None, None],
             _ => [None, None, None, None],
         };
         ops.into_iter().flatten()
@@ -382,7 +383,7 @@ pub fn schedule(g: &Graph) -> Result<Schedule, SchedError> {
             steps.push(Step::Matmul { node: e, a: access(ins[0]), b: access(ins[1]), bias: ins[..n].get(2).map(|&b| access(b)), residual, out: buf_of[e.index()].unwrap() });
         } else if let Some(e) = e.filter(|&e| matches!(g.node(e).op, Op::Conv { .. })) {
             let ins = &g.node(e).inputs;
-            steps.push(Step::Conv { node: e, x: access(ins[0]), w: access(ins[1]), out: buf_of[e.index()].unwrap() });
+            steps.push(Step::Conv { node: e, a: access(ins[0]), b: access(ins[1]), out: buf_of[e.index()].unwrap() });
         } else if let Some(e) = e {
             let Op::Extern { target, outputs, .. } = &g.node(e).op else { unreachable!() };
             let mut outs = vec![UNUSED; *outputs as usize];
