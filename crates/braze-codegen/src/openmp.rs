@@ -427,6 +427,12 @@ fn emit_loops(k: &Kernel, e: &Emitter, out: &mut String, serial: bool, depth: us
     if !reduction_kernel {
         // Pointwise: parallel over all dims but the last, vectorized over the last.
         let body = &k.passes[0].body;
+        if n_outer == 0 {
+            for s in body {
+                writeln!(out, "{}{}", pad(depth), e.stmt(s)?).unwrap();
+            }
+            return Ok(());
+        }
         for (i, size) in k.outer.iter().enumerate().take(n_outer.saturating_sub(1)) {
             if i == 0 {
                 let pragma = if n_outer > 2 { format!("#pragma omp parallel for collapse({}) schedule(static)", n_outer - 1) } else { "#pragma omp parallel for schedule(static)".to_string() };
