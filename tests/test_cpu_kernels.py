@@ -361,3 +361,33 @@ def test_steady_masked_loads(dtype, hw):
     torch.testing.assert_close(compiled(pad, dynamic=False)(y), pad(y))
     src = "\n".join(r["source"] for r in braze.stats.records[n1:] if r.get("source"))
     assert "bz_zeros;" not in src[src.index("void braze_"):], src
+
+
+@pytest.mark.parametrize("window", [(3, 2, 1), (2, 2, 0), (3, 1, 1), (5, 3, 2)])
+@pytest.mark.parametrize("hw", [(37, 29), (4, 3)])
+def test_interior_rows(window, hw):
+    """A max pool over NCHW tensors in training (its window's maximum and the argmax offsets
+    the backward reads) splits each output row into its border and its interior ([Note:
+    interior rows]): in the interior the taps' masks and the argmax's window comparisons
+    are known true, so the taps walk their rows without gathers. Values, the input's
+    gradient (through the offsets) and NaN/-inf handling match eager, for windows that
+    overlap, tile, and reach past both borders, down to rows shorter than the window."""
+    k, s, p = window
+    f = lambda x: F.max_pool2d(torch.relu(x), k, s, p)
+    x = torch.randn(2, 8, *hw)
+    x.view(-1)[::13] = float("nan")
+    x.view(-1)[5::17] = float("-inf")
+    xr = x.clone().requires_grad_(True)
+    x.requires_grad_(True)
+    n0 = len(braze.stats.records)
+    out = compiled(f, dynamic=False)(x)
+    ref = f(xr)
+    torch.testing.assert_close(out, ref, equal_nan=True)
+    g = torch.randn_like(ref)
+    out.backward(g)
+    ref.backward(g)
+    torch.testing.assert_close(x.grad, xr.grad, equal_nan=True)
+    src = "\n".join(r["source"] for r in braze.stats.records[n0:] if r.get("source"))
+    wo = ref.shape[-1]
+    if wo >= 8 and p > 0:  # a row long enough to have an interior, and a border to split off
+        assert "for (int64_t i2 = 1; i2 <" in src or "for (int64_t i3 = 1; i3 <" in src, src

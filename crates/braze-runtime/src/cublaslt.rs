@@ -119,11 +119,7 @@ pub fn init(path: &str) -> Result<(), RuntimeError> {
 }
 
 fn lt() -> Result<&'static Lt, RuntimeError> {
-    match LT.get() {
-        Some(Ok(l)) => Ok(l),
-        Some(Err(e)) => Err(RuntimeError::Environment(e.clone())),
-        None => Err(RuntimeError::Environment("cuBLASLt not loaded".into())),
-    }
+    crate::loaded(&LT, "cuBLASLt")
 }
 
 fn handle() -> Result<Handle, RuntimeError> {

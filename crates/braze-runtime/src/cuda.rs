@@ -142,19 +142,11 @@ pub fn init_driver(path: &str) -> Result<(), RuntimeError> {
 }
 
 fn nvrtc() -> Result<&'static Nvrtc, RuntimeError> {
-    match NVRTC.get() {
-        Some(Ok(n)) => Ok(n),
-        Some(Err(e)) => Err(RuntimeError::Environment(e.clone())),
-        None => Err(RuntimeError::Environment("NVRTC not loaded".into())),
-    }
+    crate::loaded(&NVRTC, "NVRTC")
 }
 
 fn driver() -> Result<&'static Driver, RuntimeError> {
-    match DRIVER.get() {
-        Some(Ok(d)) => Ok(d),
-        Some(Err(e)) => Err(RuntimeError::Environment(e.clone())),
-        None => Err(RuntimeError::Environment("CUDA driver not loaded".into())),
-    }
+    crate::loaded(&DRIVER, "CUDA driver")
 }
 
 fn check(d: &Driver, rc: CuResult, what: &str) -> Result<(), RuntimeError> {

@@ -156,11 +156,7 @@ pub fn init(path: &str) -> Result<(), RuntimeError> {
 }
 
 fn dnn() -> Result<&'static Dnn, RuntimeError> {
-    match DNN.get() {
-        Some(Ok(l)) => Ok(l),
-        Some(Err(e)) => Err(RuntimeError::Environment(e.clone())),
-        None => Err(RuntimeError::Environment("cuDNN not loaded".into())),
-    }
+    crate::loaded(&DNN, "cuDNN")
 }
 
 /// The process's cuDNN handle (made in the current context: the primary one, as PyTorch's),

@@ -18,6 +18,16 @@ fn open_library(path: &str) -> Result<libloading::Library, String> {
     unsafe { libloading::Library::new(path) }.map_err(|e| format!("cannot load {path}: {e}"))
 }
 
+/// The library `cell` holds once its `init` ran: the loaded entry points, or why loading
+/// failed; an error naming `what` before any `init`.
+fn loaded<'a, T>(cell: &'a std::sync::OnceLock<Result<T, String>>, what: &str) -> Result<&'a T, RuntimeError> {
+    match cell.get() {
+        Some(Ok(l)) => Ok(l),
+        Some(Err(e)) => Err(RuntimeError::Environment(e.clone())),
+        None => Err(RuntimeError::Environment(format!("{what} not loaded"))),
+    }
+}
+
 /// `f(0), ..., f(n-1)` on up to as many threads as the machine has cores (the compiler
 /// invocations of a module's units, see braze-codegen's [Note: units]); results in order.
 pub fn parallel_map<T: Send>(n: usize, f: impl Fn(usize) -> T + Sync) -> Vec<T> {
