@@ -304,7 +304,9 @@ def main(argv=None):
             print("[bench models] gpt2 train under FSDP2 ...", flush=True)
             fsdp_rows = run_fsdp(device, backends[::-1], args.reps or (20 if device.type == "cuda" else 5))
             for r in fsdp_rows:
-                print(f"  {r['backend']:9s} {r['median_ms']:9.3f} ms  {r['speedup']:5.2f}x  first {r['first_call_s']:6.1f} s", flush=True)
+                runs = r.get("runs_per_step")
+                runs = f"  runs per step: {runs[0]} replayed, {runs[1]} captured, {runs[2]} launched item by item" if runs else ""
+                print(f"  {r['backend']:9s} {r['median_ms']:9.3f} ms  {r['speedup']:5.2f}x  first {r['first_call_s']:6.1f} s{runs}", flush=True)
             rows += fsdp_rows
         if args.plot:
             plot_models(rows, args.plot, f"braze {braze.__version__} | torch {torch.__version__} | {card}")

@@ -67,15 +67,18 @@ def main():
         for _ in range(2):
             st()
     times = {be: [] for be in steps}
+    runs = {be: [0, 0, 0] for be in steps}  # braze's runs replayed, captured, launched item by item
     for _ in range(max(1, reps // 5)):
         for be, st in steps.items():
             for _ in range(5):
                 dist.barrier()
+                before = braze._core.run_counts()
                 t = time.perf_counter()
                 st()
                 if gpu:
                     torch.cuda.synchronize()
                 times[be].append((time.perf_counter() - t) * 1e3)
+                runs[be] = [r + b - a for r, a, b in zip(runs[be], before, braze._core.run_counts())]
     med = {be: statistics.median(v) for be, v in times.items()}
     if rank == 0:
         for be in steps:
@@ -83,7 +86,8 @@ def main():
                 "workload": f"gpt2 train FSDP2 x{world}", "shape": f"GPT-2 b{b} s{s} per rank, {world} ranks", "backend": be,
                 "median_ms": med[be], "speedup": med["eager"] / med[be], "first_call_s": first[be] if be != "eager" else 0.0,
                 "max_err": None, "peak_gib": None, "eager_graphs": eager_graphs if be == "braze" else None,
-                "kernels": None, "compile_stages_s": None}), flush=True)
+                "kernels": None, "compile_stages_s": None,
+                "runs_per_step": None if be == "eager" else [round(r / len(times[be]), 1) for r in runs[be]]}), flush=True)
     dist.destroy_process_group()
 
 

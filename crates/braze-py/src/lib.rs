@@ -151,6 +151,13 @@ fn cuda_init(nvrtc: &str, builtins: Option<&str>, driver: Option<&str>, cublaslt
     braze_runtime::cuda::nvrtc_version().map_err(runtime_err)
 }
 
+/// Process-wide counts of runs of kernels replayed as CUDA graphs, captured, and launched
+/// item by item ([Note: replay] in braze-runtime).
+#[pyfunction]
+fn run_counts() -> (usize, usize, usize) {
+    braze_runtime::cuda::run_counts()
+}
+
 /// Loads cuDNN from `path` for library convolutions ([Note: library convolutions] in
 /// braze-runtime).
 #[pyfunction]
@@ -463,6 +470,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<SymVals>()?;
     m.add_function(wrap_pyfunction!(cuda_init, m)?)?;
     m.add_function(wrap_pyfunction!(cudnn_init, m)?)?;
+    m.add_function(wrap_pyfunction!(run_counts, m)?)?;
     m.add_function(wrap_pyfunction!(nvrtc_compile, m)?)?;
     m.add_function(wrap_pyfunction!(nvrtc_warm_up, m)?)?;
     m.add_function(wrap_pyfunction!(cpu_id, m)?)?;

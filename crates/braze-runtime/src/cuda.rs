@@ -437,6 +437,20 @@ struct RunReplays {
 /// e.g. gradients kept across steps, still replays).
 const MAX_REPLAYS: usize = 4;
 
+/// Process-wide counts of runs of two or more items ([Note: replay]): (launched as a
+/// captured graph, captured, launched item by item), for benchmarks that ask whether a loop
+/// settles into replays (FSDP's all-gathered parameters may move between steps).
+static RUN_COUNTS: [std::sync::atomic::AtomicUsize; 3] = [const { std::sync::atomic::AtomicUsize::new(0) }; 3];
+
+pub fn run_counts() -> (usize, usize, usize) {
+    let n = |i: usize| RUN_COUNTS[i].load(std::sync::atomic::Ordering::Relaxed);
+    (n(0), n(1), n(2))
+}
+
+fn count_run(kind: usize) {
+    RUN_COUNTS[kind].fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+}
+
 fn replay_enabled() -> bool {
     static ON: OnceLock<bool> = OnceLock::new();
     *ON.get_or_init(|| std::env::var("BRAZE_CUDA_GRAPHS").map(|v| v != "0").unwrap_or(true))
@@ -527,10 +541,16 @@ impl CudaModule {
             Some(exec) => {
                 let d = driver()?;
                 self.replays.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                count_run(0);
                 // SAFETY: the graph was captured from these items with exactly these pointers.
                 unsafe { check(d, (d.graph_launch)(exec as CuGraphExec, stream as CuStream), "cuGraphLaunch") }
             }
-            None => self.launch_items(lo, hi, ptrs, syms, stream),
+            None => {
+                if hi - lo >= 2 {
+                    count_run(2);
+                }
+                self.launch_items(lo, hi, ptrs, syms, stream)
+            }
         }
     }
 
@@ -572,6 +592,7 @@ impl CudaModule {
                 return None;
             }
         }
+        count_run(1);
         let Ok(exec) = self.capture(&mut r, lo, hi, ptrs, syms) else {
             r.off = true;
             return None;
