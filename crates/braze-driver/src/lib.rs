@@ -402,7 +402,7 @@ pub fn compile_with(g: Graph, target: Target, check_cuda: bool, check_arch: &str
                         let spec = conv_spec(&opt, &sched, st)?;
                         // Any refusal is the environment's (the Python side then runs the graph's
                         // convolutions through ATen).
-                        items.push(Item::Conv(Box::new(braze_runtime::cudnn::prepare(spec, opts.matmul_tune.then_some(ordinal)).map_err(|e| DriverError::Environment(e.to_string()))?)))
+                        items.push(Item::Conv(Box::new(braze_runtime::cudnn::prepare(spec, ordinal, opts.matmul_tune).map_err(|e| DriverError::Environment(e.to_string()))?)))
                     }
                     Step::Extern { .. } => {}
                 }

@@ -179,6 +179,19 @@ unsafe fn make_primary_current(d: &Driver, ordinal: i32) -> Result<(CuContext, C
     Ok((ctx, prev))
 }
 
+/// `f()` with device `ordinal`'s primary context current on this thread (the one PyTorch
+/// uses), the thread's previous context restored after.
+pub(crate) fn on_device<T>(ordinal: i32, f: impl FnOnce() -> T) -> Result<T, RuntimeError> {
+    let d = driver()?;
+    // SAFETY: driver calls only; the previous context is restored.
+    unsafe {
+        let (_, prev) = make_primary_current(d, ordinal)?;
+        let r = f();
+        (d.ctx_set)(prev);
+        Ok(r)
+    }
+}
+
 /// Makes `ctx` current on this thread if none is (a thread PyTorch never used CUDA on).
 ///
 /// # Safety

@@ -133,7 +133,8 @@ const UID_W: i64 = 2;
 const UID_Y: i64 = 3;
 
 static DNN: OnceLock<Result<Dnn, String>> = OnceLock::new();
-static HANDLE: OnceLock<Result<usize, String>> = OnceLock::new();
+/// The handle and the device it belongs to.
+static HANDLE: OnceLock<Result<(usize, i32), String>> = OnceLock::new();
 
 /// Loads cuDNN from `path`.
 pub fn init(path: &str) -> Result<(), RuntimeError> {
@@ -159,18 +160,34 @@ fn dnn() -> Result<&'static Dnn, RuntimeError> {
     crate::loaded(&DNN, "cuDNN")
 }
 
-/// The process's cuDNN handle (made in the current context: the primary one, as PyTorch's),
-/// with the lock that a call holds from setting its stream until the call is issued.
+/// The process's cuDNN handle, with the lock that a call holds from setting its stream until
+/// the call is issued. A cuDNN handle belongs to the device it was made on: the handle is
+/// made by the first convolution prepared (`handle_on`), in that device's primary context
+/// (PyTorch's), and convolutions prepared for another device are refused (they run through
+/// ATen): one device per process, as under DDP and FSDP.
 fn handle() -> Result<(Handle, &'static Mutex<()>), RuntimeError> {
     static CALL: Mutex<()> = Mutex::new(());
+    match HANDLE.get() {
+        Some(Ok((h, _))) => Ok((*h as Handle, &CALL)),
+        Some(Err(e)) => Err(RuntimeError::Environment(e.clone())),
+        None => Err(RuntimeError::Environment("no cuDNN handle yet".into())),
+    }
+}
+
+/// The handle for convolutions on device `ordinal` (made there on first use).
+fn handle_on(ordinal: i32) -> Result<Handle, RuntimeError> {
     let l = dnn()?;
-    let h = HANDLE.get_or_init(|| {
+    let made = HANDLE.get_or_init(|| {
         let mut h: Handle = std::ptr::null_mut();
-        // SAFETY: creates a library handle.
-        let st = unsafe { (l.create)(&mut h) };
-        if st != 0 { Err(format!("cudnnCreate failed ({})", message(l, st))) } else { Ok(h as usize) }
+        // SAFETY: creates a library handle in the device's primary context.
+        let st = crate::cuda::on_device(ordinal, || unsafe { (l.create)(&mut h) }).map_err(|e| e.to_string())?;
+        if st != 0 { Err(format!("cudnnCreate failed ({})", message(l, st))) } else { Ok((h as usize, ordinal)) }
     });
-    h.as_ref().map(|h| (*h as Handle, &CALL)).map_err(|e| RuntimeError::Environment(e.clone()))
+    match made {
+        Ok((h, dev)) if *dev == ordinal => Ok(*h as Handle),
+        Ok((_, dev)) => Err(RuntimeError::Environment(format!("cuDNN's handle is on device {dev}, not {ordinal}"))),
+        Err(e) => Err(RuntimeError::Environment(e.clone())),
+    }
 }
 
 fn message(l: &Dnn, st: Status) -> String {
@@ -306,11 +323,11 @@ fn tuned() -> &'static Mutex<HashMap<String, usize>> {
     T.get_or_init(|| Mutex::new(HashMap::new()))
 }
 
-/// Builds the operation graph of one convolution and its execution plan: the first of cuDNN's
-/// heuristic engine configurations that builds and fits the workspace, or with `tune_on` (a
-/// device ordinal) the fastest of the first few timed there.
-pub fn prepare(spec: ConvSpec, tune_on: Option<i32>) -> Result<Prepared, RuntimeError> {
-    let (h, _) = handle()?;
+/// Builds the operation graph of one convolution on device `ordinal` and its execution plan:
+/// the first of cuDNN's heuristic engine configurations that builds and fits the workspace,
+/// or with `tune` the fastest of the first few timed there.
+pub fn prepare(spec: ConvSpec, ordinal: i32, tune: bool) -> Result<Prepared, RuntimeError> {
+    let h = handle_on(ordinal)?;
     let ty = data_type(spec.dtype)?;
     let x = tensor(UID_X, ty, &spec.x_shape, &spec.x_strides)?;
     let w = tensor(UID_W, ty, &spec.w_shape, &spec.w_strides())?;
@@ -345,7 +362,7 @@ pub fn prepare(spec: ConvSpec, tune_on: Option<i32>) -> Result<Prepared, Runtime
     graph.finalize("operation graph")?;
     // The heuristic's ranked configurations; where none of them is usable (f32 without TF32:
     // the fast engines all use tensor cores), cuDNN's fallback engines.
-    let tune = tune_on.is_some() && crate::cublaslt::tuning_enabled();
+    let tune = tune && crate::cublaslt::tuning_enabled();
     let wanted = if tune { TUNE_PLANS } else { 1 };
     let mut plans: Vec<(Descriptor, usize)> = Vec::new();
     let mut built_from = vec![];
@@ -380,10 +397,7 @@ pub fn prepare(spec: ConvSpec, tune_on: Option<i32>) -> Result<Prepared, Runtime
     if plans.is_empty() {
         return Err(RuntimeError::Environment(format!("cuDNN has no engine for {} ({why})", spec.name)));
     }
-    let i = match tune_on {
-        Some(ordinal) if tune && plans.len() > 1 => fastest(ordinal, &spec, &plans),
-        _ => 0,
-    };
+    let i = if tune && plans.len() > 1 { fastest(ordinal, &spec, &plans) } else { 0 };
     let (plan, _) = plans.swap_remove(i);
     built_from.extend([x, w, y, conv, op, graph]);
     Ok(Prepared { spec, plan, _built_from: built_from })
