@@ -250,14 +250,8 @@ fn conv_spec(g: &Graph, sched: &braze_sched::Schedule, step: &Step) -> Result<Co
         return Err(DriverError::Internal("convolution operand is a view".into()));
     }
     let (xb, wb, ob) = (&sched.buffers[x.buf as usize], &sched.buffers[w.buf as usize], &sched.buffers[*out as usize]);
-    let (w_shape, w_strides) = (four(&wb.shape)?, four(&wb.strides)?);
-    // cuDNN's NHWC filter: packed (O, kH, kW, C) memory; strides of size-1 dims do not matter.
-    let packed = braze_ir::memory_order::dense_strides(&wb.shape, &[0, 2, 3, 1]);
-    if (0..4).any(|d| w_shape[d] != 1 && Some(w_strides[d]) != packed[d].as_const()) {
-        return Err(DriverError::Internal(format!("convolution filter strides {w_strides:?} are not channels_last")));
-    }
     let pair = |v: &[i64]| -> Result<[i64; 2], DriverError> { v.try_into().map_err(|_| DriverError::Internal("convolution parameters of rank != 2".into())) };
-    Ok(ConvSpec {
+    let spec = ConvSpec {
         name: format!("braze_conv_{}", node.0),
         dtype: xb.dtype,
         tf32: *tf32,
@@ -265,7 +259,7 @@ fn conv_spec(g: &Graph, sched: &braze_sched::Schedule, step: &Step) -> Result<Co
         x_shape: four(&xb.shape)?,
         x_strides: four(&xb.strides)?,
         w: w.buf,
-        w_shape,
+        w_shape: four(&wb.shape)?,
         out: *out,
         out_shape: four(&ob.shape)?,
         out_strides: four(&ob.strides)?,
@@ -273,7 +267,13 @@ fn conv_spec(g: &Graph, sched: &braze_sched::Schedule, step: &Step) -> Result<Co
         padding: pair(padding)?,
         dilation: pair(dilation)?,
         groups: *groups,
-    })
+    };
+    // cuDNN's NHWC filter: packed (O, kH, kW, C) memory; strides of size-1 dims do not matter.
+    let (w_strides, packed) = (four(&wb.strides)?, spec.w_strides());
+    if (0..4).any(|d| spec.w_shape[d] != 1 && w_strides[d] != packed[d]) {
+        return Err(DriverError::Internal(format!("convolution filter strides {w_strides:?} are not channels_last")));
+    }
+    Ok(spec)
 }
 
 /// Per-graph choices of the user's options (`braze.compile(..., options=...)`).
