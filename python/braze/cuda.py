@@ -16,7 +16,8 @@ import threading
 from . import _core
 
 
-def _candidates():
+def _roots():
+    """Site-packages directories, the one the imported PyTorch lives in first."""
     roots = list(site.getsitepackages()) + [site.getusersitepackages()] + [p for p in sys.path if p.endswith("site-packages")]
     try:
         import torch
@@ -24,8 +25,12 @@ def _candidates():
         roots.insert(0, os.path.dirname(os.path.dirname(torch.__file__)))
     except ImportError:
         pass
+    return roots
+
+
+def _candidates():
     seen = []
-    for r in roots:
+    for r in _roots():
         for sub in ("nvidia/cu13/lib", "nvidia/cuda_nvrtc/lib", "nvidia/cu12/lib"):
             d = os.path.join(r, sub)
             if os.path.isdir(d) and d not in seen:
@@ -104,8 +109,7 @@ def cublaslt_ready() -> bool:
 
 def find_cudnn():
     """cuDNN's library in PyTorch's NVIDIA wheels (the copy PyTorch itself loads), or None."""
-    roots = list(site.getsitepackages()) + [p for p in sys.path if p.endswith("site-packages")]
-    for r in roots:
+    for r in _roots():
         libs = sorted(glob.glob(os.path.join(r, "nvidia/cudnn/lib/libcudnn.so.*")))
         if libs:
             return libs[0]

@@ -1691,10 +1691,11 @@ def _convolution(L, node, x, weight, bias, stride, padding, dilation, transposed
     convolution layout]); elsewhere ATen's with eager's layouts."""
     src, val = x.meta["val"], node.meta["val"]
     wv = weight.meta.get("val")
-    # A convolution that is channels_last in eager already (a channels_last model) needs no
-    # layout decision: on the GPU it is a library convolution as it is.
-    if (L.device.type == "cuda" and L.library_convs and _conv_info(node) is not None and src.dtype.is_floating_point
-            and _is_cl(src) and _is_cl(val) and isinstance(weight, torch.fx.Node) and is_tensor_meta(wv) and wv.dtype == src.dtype):
+    # On the GPU a library convolution ([Note: library convolutions]) where the option allows;
+    # one channels_last in eager already (a channels_last model) needs no layout decision.
+    library = (L.device.type == "cuda" and L.library_convs and _conv_info(node) is not None and src.dtype.is_floating_point
+               and isinstance(weight, torch.fx.Node) and is_tensor_meta(wv) and wv.dtype == src.dtype)
+    if library and _is_cl(src) and _is_cl(val):
         return _library_conv(L, node, x, weight, bias, stride, padding, dilation, groups, _cl_weight_differs(wv))
     if (not L.conv_cl or _conv_info(node) is None or not src.dtype.is_floating_point
             or not src.is_contiguous() or not val.is_contiguous()):
@@ -1710,7 +1711,7 @@ def _convolution(L, node, x, weight, bias, stride, padding, dilation, transposed
     # oneDNN reorders a weight into its blocked format anyway, and a channels_last copy first
     # made ResNet-18 b8 inference 153 -> 183 ms.)
     cl_weight = L.device.type == "cuda" and isinstance(weight, torch.fx.Node) and _cl_weight_differs(wv)
-    if L.device.type == "cuda" and L.library_convs and isinstance(weight, torch.fx.Node) and is_tensor_meta(wv) and wv.dtype == src.dtype:
+    if library:
         return _library_conv(L, node, x, weight, bias, stride, padding, dilation, groups, cl_weight)
     return _cl_extern(L, node, (x, weight) if cl_weight else (x,), [()])
 

@@ -259,14 +259,8 @@ fn conv_spec(g: &Graph, sched: &braze_sched::Schedule, step: &Step) -> Result<Co
         ConvDir::Data => (role(*out)?, role(b.buf)?, role(a.buf)?),
         ConvDir::Filter => (role(a.buf)?, role(*out)?, role(b.buf)?),
     };
-    // cuDNN's NHWC filter: packed (O, kH, kW, C) memory; strides of size-1 dims do not matter.
-    let (_, w_shape, w_strides) = w;
-    let packed = [w_shape[1] * w_shape[2] * w_shape[3], 1, w_shape[3] * w_shape[1], w_shape[1]];
-    if (0..4).any(|d| w_shape[d] != 1 && w_strides[d] != packed[d]) {
-        return Err(DriverError::Internal(format!("convolution filter strides {w_strides:?} are not channels_last")));
-    }
     let pair = |v: &[i64]| -> Result<[i64; 2], DriverError> { v.try_into().map_err(|_| DriverError::Internal("convolution parameters of rank != 2".into())) };
-    Ok(ConvSpec {
+    let spec = ConvSpec {
         name: format!("braze_conv_{}", node.0),
         dir: *dir,
         dtype: sched.buffers[a.buf as usize].dtype,
@@ -275,7 +269,7 @@ fn conv_spec(g: &Graph, sched: &braze_sched::Schedule, step: &Step) -> Result<Co
         x_shape: x.1,
         x_strides: x.2,
         w: w.0,
-        w_shape,
+        w_shape: w.1,
         y: y.0,
         y_shape: y.1,
         y_strides: y.2,
@@ -283,7 +277,13 @@ fn conv_spec(g: &Graph, sched: &braze_sched::Schedule, step: &Step) -> Result<Co
         padding: pair(padding)?,
         dilation: pair(dilation)?,
         groups: *groups,
-    })
+    };
+    // cuDNN's NHWC filter: packed (O, kH, kW, C) memory; strides of size-1 dims do not matter.
+    let (w_strides, packed) = (w.2, spec.w_strides());
+    if (0..4).any(|d| spec.w_shape[d] != 1 && w_strides[d] != packed[d]) {
+        return Err(DriverError::Internal(format!("convolution filter strides {w_strides:?} are not channels_last")));
+    }
+    Ok(spec)
 }
 
 /// Per-graph choices of the user's options (`braze.compile(..., options=...)`).

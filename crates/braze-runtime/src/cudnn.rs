@@ -277,7 +277,7 @@ pub struct ConvSpec {
 
 impl ConvSpec {
     /// The filter's strides: packed channels_last (O, kH, kW, C / groups in memory).
-    fn w_strides(&self) -> [i64; 4] {
+    pub fn w_strides(&self) -> [i64; 4] {
         let [_, c, kh, kw] = self.w_shape;
         [kh * kw * c, 1, kw * c, c]
     }

@@ -82,14 +82,6 @@ impl Step {
         };
         ops.into_iter().flatten()
     }
-
-    /// The buffer a library step (matmul or convolution) writes.
-    pub fn library_out(&self) -> Option<BufId> {
-        match self {
-            Step::Matmul { out, .. } | Step::Conv { out, .. } => Some(*out),
-            _ => None,
-        }
-    }
 }
 
 /// Ops run by a vendor library as a step of their own (stored, never fused).
