@@ -74,6 +74,7 @@ const T_CONVOLUTION_MODE: c_int = 7;
 const T_HEUR_MODE: c_int = 8;
 const T_NUMERICAL_NOTE: c_int = 11;
 const T_BACKEND_DESCRIPTOR: c_int = 15;
+const T_BEHAVIOR_NOTE: c_int = 19;
 // Attribute names.
 const A_CONV_COMP_TYPE: c_int = 100;
 const A_CONV_MODE: c_int = 101;
@@ -118,9 +119,11 @@ const A_PACK_UNIQUE_IDS: c_int = 1000;
 const A_PACK_DATA_POINTERS: c_int = 1001;
 const A_PACK_WORKSPACE: c_int = 1003;
 const A_ENGINE_NUMERICAL_NOTE: c_int = 1303;
+const A_ENGINE_BEHAVIOR_NOTE: c_int = 1305;
 // Notes.
 const NOTE_TENSOR_CORE: i32 = 0;
 const NOTE_DOWN_CONVERT_INPUTS: i32 = 1;
+const BEHAVIOR_RUNTIME_COMPILATION: i32 = 0;
 
 /// Heuristic configurations asked for; how many plans are built (and timed) when tuning:
 /// building one may compile its kernels (engines compiled at run time, with NVRTC), so only as
@@ -378,14 +381,22 @@ pub fn prepare(spec: ConvSpec, ordinal: i32, tune: bool) -> Result<Prepared, Run
         let l = dnn()?;
         // SAFETY: `raw` holds HEUR_CONFIGS engine-config descriptors for cuDNN to fill.
         ok(unsafe { (l.get_attr)(heur.0, A_HEUR_RESULTS, T_BACKEND_DESCRIPTOR, raw.len() as i64, &mut n, raw.as_mut_ptr() as *mut c_void) }, "heuristic results")?;
-        for cfg in cfgs.iter().take(n.clamp(0, HEUR_CONFIGS as i64) as usize) {
-            if plans.len() == wanted {
-                break;
+        // Engines whose kernels are built in (precompiled) first; those that compile their
+        // kernels with NVRTC when their plan is built only where none of those builds.
+        let ranked = &cfgs[..n.clamp(0, HEUR_CONFIGS as i64) as usize];
+        for rtc in [false, true] {
+            for cfg in ranked {
+                if plans.len() == wanted {
+                    break;
+                }
+                match plan_of(h, cfg, &spec, rtc) {
+                    Ok(Some(p)) => plans.push(p),
+                    Ok(None) => {}
+                    Err(e) => why = e.to_string(),
+                }
             }
-            match plan_of(h, cfg, &spec) {
-                Ok(Some(p)) => plans.push(p),
-                Ok(None) => {}
-                Err(e) => why = e.to_string(),
+            if !plans.is_empty() {
+                break;
             }
         }
         built_from.push(heur);
@@ -404,9 +415,10 @@ pub fn prepare(spec: ConvSpec, ordinal: i32, tune: bool) -> Result<Prepared, Run
 }
 
 /// The execution plan of engine configuration `cfg` with its workspace bytes; None where the
-/// engine is not wanted (narrowed inputs, TF32 where not allowed), does not build, or needs a
-/// larger workspace than the one the libraries share.
-fn plan_of(h: Handle, cfg: &Descriptor, spec: &ConvSpec) -> Result<Option<(Descriptor, usize)>, RuntimeError> {
+/// engine is not wanted (narrowed inputs, TF32 where not allowed, compiled at run time or not
+/// as `rtc` asks), does not build, or needs a larger workspace than the one the libraries
+/// share.
+fn plan_of(h: Handle, cfg: &Descriptor, spec: &ConvSpec, rtc: bool) -> Result<Option<(Descriptor, usize)>, RuntimeError> {
     let engine = Descriptor::new(D_ENGINE)?;
     let l = dnn()?;
     let mut n: i64 = 0;
@@ -417,7 +429,8 @@ fn plan_of(h: Handle, cfg: &Descriptor, spec: &ConvSpec) -> Result<Option<(Descr
     // As PyTorch: never engines that convert the inputs to a narrower type; for f32 tensor-core
     // (TF32) engines only where TF32 is allowed.
     let tf32 = spec.dtype == DType::F32 && notes.contains(&NOTE_TENSOR_CORE);
-    if notes.contains(&NOTE_DOWN_CONVERT_INPUTS) || (tf32 && !spec.tf32) {
+    let behavior = engine.get_enums(A_ENGINE_BEHAVIOR_NOTE, T_BEHAVIOR_NOTE, 16)?;
+    if notes.contains(&NOTE_DOWN_CONVERT_INPUTS) || (tf32 && !spec.tf32) || behavior.contains(&BEHAVIOR_RUNTIME_COMPILATION) != rtc {
         return Ok(None);
     }
     let plan = Descriptor::new(D_EXECUTION_PLAN)?;
