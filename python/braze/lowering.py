@@ -1835,7 +1835,7 @@ def _library_conv_backward(L, node, grad_out, x, weight, stride, padding, dilati
         L.n_library_convs += 1
     if mask[1] and val[1] is not None:
         xi = _channels_padded(L, x, c_to) if c_to else _cl_operand(L, x)
-        shape = [wv.shape[0], c_to or c, wv.shape[2], wv.shape[3]]
+        shape = [wv.shape[0], c_to or wv.shape[1], wv.shape[2], wv.shape[3]]
         dw = unpad(L.op(f"conv dir=filter spatial=[{wv.shape[2]}, {wv.shape[3]}] {common} strides=[{strides(shape)}]", xi, gi))
         L.relaid[dw] = list(val[1].stride())
         L.n_library_convs += 1
