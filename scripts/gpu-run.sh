@@ -6,6 +6,9 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/braze-out}
 mkdir -p "$OUT"
+# pip --target keeps a package already there: a warm machine would go on running the wheel
+# of an earlier call.
+rm -rf /tmp/site /tmp/site-*
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl .braze-wheel/*.whl || exit 1
 # Wheels of other refs (gpu-prepare.sh's BRAZE_AB), each in its own site directory.
 for w in .braze-wheel/ab/*/*.whl .braze-wheel/ab/*/*/*.whl; do

@@ -16,10 +16,15 @@
 //! is then one run: MobileNet-v3-small fp32 b32 inference on the H100 took 2.29 ms per call
 //! against 4.6 in eager and Inductor (host 0.46 ms), its training step 10.5 ms against 18.3
 //! and 21.8 (first measured through the legacy API). Plans are built in the heuristic's
-//! order only until enough are built (one, or the few timed when tuning): an engine may
-//! compile its kernels with NVRTC when its plan is built. Without such run-time compiled
-//! engines ResNet-50's bf16 channels_last convolutions, summed over one call, took 3.06 ms
-//! of GPU time against 1.91 through ATen (the legacy `cudnnConvolutionForward` API: 3.29).
+//! order only until enough are built (one, or the few timed when tuning), precompiled
+//! engines first: an engine compiled at run time builds its kernels with NVRTC when its plan
+//! is built, and allowing them first changed no convolution's time on the H100 (ResNet-50's
+//! bf16 convolutions, MobileNet-v3 and ResNet-18 training) but cost MobileNet-v3-small's
+//! training step 7.8 s of first call. They are used where no precompiled engine builds.
+//! Measured per convolution, ResNet-50's engines are ATen's but for its 7x7 stem over 3
+//! channels, where the heuristic's first engine is a generic one (0.77 ms at b64 bf16
+//! against 0.44): the lowering pads such 16-bit inputs to 8 channels (`_padded_channels`
+//! in lowering.py), which takes a tensor-core engine (0.46 ms).
 
 use crate::RuntimeError;
 use braze_ir::{ConvDir, DType};
