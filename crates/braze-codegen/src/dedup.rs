@@ -9,11 +9,12 @@
 /// of the first kernel with the same key (whose function it calls; `i` itself when it is the
 /// first) and the translation unit defining that function. Distinct kernels fill units in
 /// order, `per_unit` each, or as many as [`crate::units::kernels_per_unit`] gives for the
-/// number of distinct kernels (what the compiler runs on), when `per_unit` is `None`.
+/// number of distinct kernels (what the compiler runs on) and NVRTC's minimum, when
+/// `per_unit` is `None`.
 pub(crate) fn assign(keys: &[String], per_unit: Option<usize>) -> Vec<(usize, usize)> {
     let mut first: std::collections::HashMap<&str, usize> = std::collections::HashMap::new();
     let owner: Vec<usize> = keys.iter().enumerate().map(|(i, k)| *first.entry(k.as_str()).or_insert(i)).collect();
-    let per = per_unit.unwrap_or_else(|| crate::units::kernels_per_unit(first.len())).max(1);
+    let per = per_unit.unwrap_or_else(|| crate::units::kernels_per_unit(first.len(), crate::units::MIN_KERNELS_PER_NVRTC_UNIT)).max(1);
     let mut unit_of = vec![0; keys.len()];
     let mut n = 0;
     for (i, &o) in owner.iter().enumerate() {

@@ -178,7 +178,7 @@ impl CpuModule {
             })
             .collect();
         let misses: Vec<usize> = (0..distinct.len()).filter(|&k| found[k].is_none()).collect();
-        let per = braze_codegen::units::kernels_per_unit(misses.len());
+        let per = braze_codegen::units::kernels_per_unit(misses.len(), braze_codegen::units::MIN_KERNELS_PER_UNIT);
         let units: Vec<(String, &[usize])> = misses.chunks(per.max(1)).map(|ks| (module_source_of(distinct, ks), ks)).collect();
         let built = crate::parallel_map(units.len(), |u| build(&units[u].0, version)).into_iter().collect::<Result<Vec<_>, _>>()?;
         for ((so, _), (_, ks)) in built.iter().zip(&units) {
