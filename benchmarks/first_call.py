@@ -1,0 +1,80 @@
+"""First calls of the `--suite models` workloads, each in its own process (issue 12):
+Dynamo + AOTAutograd alone (`aot_eager`: the same tracing and partitioning, graphs run by
+eager), braze with a cold cache, braze again with that cache warm, and optionally Inductor
+(its caches off). Prints seconds, braze's own stages, and the ratios the issue's targets
+name: cold braze / Inductor (<= 0.5) and warm braze / Dynamo + AOTAutograd (<= 1.2).
+
+    python benchmarks/first_call.py gpt2:train bert:inf ... [--inductor] [--device cuda]
+
+A first call is the model's first step (forward, and in training the backward and the
+optimizer step) from a fresh process with the model built and moved to the device.
+"""
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+CHILD = r'''
+import json, os, sys, time
+import torch
+from braze.bench_models import _make_step, autocast_of, prepared
+backend, work, device = sys.argv[1], sys.argv[2], torch.device(sys.argv[3])
+name, mode = work.split(":")
+train = mode == "train"
+model, inputs, _ = prepared(name, train, device)
+opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda") if train else None
+if backend == "braze":
+    import braze
+    fn = torch.compile(model, backend="braze", options={"on_unsupported": "error"})
+else:
+    fn = torch.compile(model, backend=backend)
+step = _make_step(model, fn, inputs, train, device, opt, autocast_of(name))
+if device.type == "cuda":
+    torch.cuda.synchronize()
+t = time.perf_counter()
+step()
+if device.type == "cuda":
+    torch.cuda.synchronize()
+wall = time.perf_counter() - t
+stages = {}
+if backend == "braze":
+    for r in braze.stats.records:
+        for k, v in r.get("times", {}).items():
+            stages[k] = round(stages.get(k, 0) + v, 3)
+print(json.dumps({"wall": wall, "stages": stages}))
+'''
+
+
+def child(backend, work, device, env):
+    r = subprocess.run([sys.executable, "-c", CHILD, backend, work, device], env=env, capture_output=True, text=True)
+    lines = r.stdout.strip().splitlines()
+    if r.returncode != 0 or not lines:
+        raise RuntimeError(f"{backend} {work} failed:\n{r.stderr[-3000:]}")
+    return json.loads(lines[-1])
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("work", nargs="+", help="workload:inf or workload:train (bench_models names)")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--inductor", action="store_true")
+    a = ap.parse_args()
+    for work in a.work:
+        cache = tempfile.mkdtemp(prefix="braze-first-call-")
+        env = dict(os.environ, BRAZE_CACHE_DIR=cache, TORCHINDUCTOR_FORCE_DISABLE_CACHES="1")
+        # Dynamo + AOTAutograd first, so the cold braze call does not pay the process's
+        # first-import costs alone (each child is a fresh process anyway).
+        aot = child("aot_eager", work, a.device, env)
+        cold = child("braze", work, a.device, env)
+        warm = child("braze", work, a.device, env)
+        row = f"{work:18s} Dynamo+AOT {aot['wall']:6.2f} s | braze cold {cold['wall']:6.2f} s (stages {cold['stages'].get('total', 0):5.2f}) | warm {warm['wall']:6.2f} s (stages {warm['stages'].get('total', 0):5.2f}, {warm['wall'] / aot['wall']:.2f}x Dynamo+AOT)"
+        if a.inductor:
+            ind = child("inductor", work, a.device, env)
+            row += f" | Inductor {ind['wall']:6.2f} s (cold braze {cold['wall'] / ind['wall']:.2f}x)"
+        print(row, flush=True)
+
+
+if __name__ == "__main__":
+    main()
