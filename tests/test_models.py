@@ -551,6 +551,23 @@ def test_channels_last_batch_of_one(device, relayouts):
     assert rec["status"] == "compiled" and rec["kind"] == "inference"
 
 
+def _conv_stack(device, model_layout, out_channels):
+    """A stack of convolutions of every kind the library convolutions take (stride and a
+    3-channel stem, dilation and depthwise groups, 1x1 with bias, rectangular kernels) with
+    BatchNorm and activations between, and its input, both in `model_layout`."""
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(
+        torch.nn.Conv2d(3, 96, 3, stride=2, padding=1, bias=False), torch.nn.BatchNorm2d(96), torch.nn.ReLU(),
+        torch.nn.Conv2d(96, 96, 3, padding=2, dilation=2, groups=96), torch.nn.ReLU(),
+        torch.nn.Conv2d(96, 128, 1), torch.nn.Hardswish(),
+        torch.nn.Conv2d(128, out_channels, (3, 5), stride=(1, 2), padding=(1, 0)),
+    ).to(device)
+    x = torch.randn(4, 3, 33, 31, device=device)
+    if model_layout == "channels_last":
+        m, x = m.to(memory_format=torch.channels_last), x.to(memory_format=torch.channels_last)
+    return m, x
+
+
 @pytest.mark.parametrize("model_layout", ["contiguous", "channels_last"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_library_convolutions(device, dtype, model_layout, relayouts):
@@ -561,16 +578,8 @@ def test_library_convolutions(device, dtype, model_layout, relayouts):
     in eager's strides. With cudnn_convs=False the same graph calls ATen's convolution."""
     if device != "cuda":
         pytest.skip("library convolutions run on the GPU")
-    torch.manual_seed(0)
-    m = torch.nn.Sequential(
-        torch.nn.Conv2d(3, 96, 3, stride=2, padding=1, bias=False), torch.nn.BatchNorm2d(96), torch.nn.ReLU(),
-        torch.nn.Conv2d(96, 96, 3, padding=2, dilation=2, groups=96), torch.nn.ReLU(),
-        torch.nn.Conv2d(96, 128, 1), torch.nn.Hardswish(),
-        torch.nn.Conv2d(128, 128, (3, 5), stride=(1, 2), padding=(1, 0)),
-    ).to(device).eval()
-    x = torch.randn(4, 3, 33, 31, device=device)
-    if model_layout == "channels_last":
-        m, x = m.to(memory_format=torch.channels_last), x.to(memory_format=torch.channels_last)
+    m, x = _conv_stack(device, model_layout, 128)
+    m.eval()
     tol = {torch.float32: 1e-4, torch.bfloat16: 3e-2, torch.float16: 5e-3}[dtype]
     for cudnn_convs in (True, False):
         torch._dynamo.reset()
@@ -597,16 +606,7 @@ def test_library_convolution_training(device, dtype, model_layout):
     eager's."""
     if device != "cuda":
         pytest.skip("library convolutions run on the GPU")
-    torch.manual_seed(0)
-    m = torch.nn.Sequential(
-        torch.nn.Conv2d(3, 96, 3, stride=2, padding=1, bias=False), torch.nn.BatchNorm2d(96), torch.nn.ReLU(),
-        torch.nn.Conv2d(96, 96, 3, padding=2, dilation=2, groups=96), torch.nn.ReLU(),
-        torch.nn.Conv2d(96, 128, 1), torch.nn.Hardswish(),
-        torch.nn.Conv2d(128, 64, (3, 5), stride=(1, 2), padding=(1, 0)),
-    ).to(device)
-    x = torch.randn(4, 3, 33, 31, device=device)
-    if model_layout == "channels_last":
-        m, x = m.to(memory_format=torch.channels_last), x.to(memory_format=torch.channels_last)
+    m, x = _conv_stack(device, model_layout, 64)
     ref = copy.deepcopy(m)
     x.requires_grad_(True)
     xr = x.detach().clone().requires_grad_(True)

@@ -475,8 +475,86 @@ fn emit_stmt(e: &Emitter, s: &Stmt, guard: Option<&str>) -> Result<String, Codeg
     })
 }
 
-/// Emits one kernel; returns its launch facts.
+/// Emits one kernel; returns its launch facts. Its buffer parameters are in the order the
+/// body first uses them, not by buffer id: the same code over inputs numbered the other way
+/// round (another graph's, a layer whose operands were created in another order) is then the
+/// same text up to names, so it is deduplicated and found in the per-kernel cache
+/// ([Note: kernel dedup], [Note: per-kernel CUDA cache] in braze-runtime).
 pub fn emit_kernel(k: &Kernel, sms: u32, out: &mut String) -> Result<Launch, CodegenError> {
+    let mut text = String::new();
+    let mut launch = emit_kernel_by_id(k, sms, &mut text)?;
+    let body_at = text.find(") {\n").map_or(0, |i| i + 4);
+    let order = first_use_order(&text[body_at..], &launch.bufs);
+    if order != launch.bufs {
+        text = reorder_params(&text, &order);
+        if let Some(f) = &mut launch.fallback {
+            f.source = reorder_params(&f.source, &order);
+        }
+        launch.bufs = order;
+    }
+    out.push_str(&text);
+    Ok(launch)
+}
+
+/// The buffer ids of `bufs` in the order `body` first names them (`b<id>`); any it never
+/// names last, by id.
+fn first_use_order(body: &str, bufs: &[u32]) -> Vec<u32> {
+    let mut order: Vec<u32> = Vec::with_capacity(bufs.len());
+    let b = body.as_bytes();
+    let mut i = 0;
+    while i < b.len() {
+        let starts = b[i] == b'b' && (i == 0 || !(b[i - 1].is_ascii_alphanumeric() || b[i - 1] == b'_'));
+        if starts {
+            let mut j = i + 1;
+            while j < b.len() && b[j].is_ascii_digit() {
+                j += 1;
+            }
+            let ends = j > i + 1 && (j == b.len() || !(b[j].is_ascii_alphanumeric() || b[j] == b'_'));
+            if ends {
+                if let Ok(id) = body[i + 1..j].parse::<u32>() {
+                    if bufs.contains(&id) && !order.contains(&id) {
+                        order.push(id);
+                    }
+                }
+            }
+            i = j;
+        } else {
+            i += 1;
+        }
+    }
+    let unused: Vec<u32> = bufs.iter().copied().filter(|id| !order.contains(id)).collect();
+    order.extend(unused);
+    order
+}
+
+/// `source` with the buffer parameters of each kernel signature in it (`extern "C" ...
+/// NAME(params) {`) put in `order`; size parameters stay last.
+fn reorder_params(source: &str, order: &[u32]) -> String {
+    let mut out = String::with_capacity(source.len());
+    for line in source.split_inclusive('\n') {
+        let sig = line.starts_with("extern \"C\" __global__");
+        let (Some(open), Some(close)) = (line.rfind('('), line.rfind(") {")) else {
+            out.push_str(line);
+            continue;
+        };
+        if !sig || close < open {
+            out.push_str(line);
+            continue;
+        }
+        let params: Vec<&str> = line[open + 1..close].split(", ").collect();
+        let id_of = |p: &str| p.rsplit_once(" b").and_then(|(_, id)| id.parse::<u32>().ok());
+        let mut bufs: Vec<&str> = params.iter().copied().filter(|p| id_of(p).is_some()).collect();
+        bufs.sort_by_key(|p| order.iter().position(|&o| Some(o) == id_of(p)).unwrap_or(usize::MAX));
+        let rest = params.iter().copied().filter(|p| id_of(p).is_none());
+        let joined: Vec<&str> = bufs.into_iter().chain(rest).collect();
+        out.push_str(&line[..open + 1]);
+        out.push_str(&joined.join(", "));
+        out.push_str(&line[close..]);
+    }
+    out
+}
+
+fn emit_kernel_by_id(k: &Kernel, sms: u32, out: &mut String) -> Result<Launch, CodegenError> {
     let d = Cuda;
     let e = Emitter { k, d: &d };
     let mut bufs = k.bufs.clone();
@@ -928,6 +1006,44 @@ pub fn emit_module(kernels: &[Kernel], sms: u32) -> Result<(String, Vec<Launch>)
     Ok((units.pop().unwrap_or_else(|| format!("{}\n", Cuda.prelude())), launches))
 }
 
+/// The CUDA prelude every translation unit starts with.
+pub fn prelude() -> &'static str {
+    Cuda.prelude()
+}
+
+/// A distinct kernel of a graph's CUDA module: its function's name, the key it is
+/// deduplicated and cached by (its code up to its name and buffer ids, [Note: kernel dedup]),
+/// and its text (without the prelude).
+#[derive(Clone, Debug)]
+pub struct CudaKernel {
+    pub name: String,
+    pub key: String,
+    pub text: String,
+}
+
+/// The distinct kernels of a graph, in kernel order, and the launches of all kernels in
+/// order. A launch's `name` is its distinct kernel's function and its `unit` the index of
+/// that kernel in the distinct list, until the runtime places the kernels in cubins
+/// (`braze_runtime::cuda::compile_kernels`, [Note: per-kernel CUDA cache]).
+pub fn emit_kernels(kernels: &[Kernel], sms: u32) -> Result<(Vec<CudaKernel>, Vec<Launch>), CodegenError> {
+    let mut distinct: Vec<CudaKernel> = Vec::new();
+    let mut launches = Vec::with_capacity(kernels.len());
+    let mut first: std::collections::HashMap<String, usize> = std::collections::HashMap::new();
+    for k in kernels {
+        let mut text = String::new();
+        let mut launch = emit_kernel(k, sms, &mut text)?;
+        let key = crate::dedup::canonical(&text, &k.name, &launch.bufs);
+        let d = *first.entry(key.clone()).or_insert_with(|| {
+            distinct.push(CudaKernel { name: k.name.clone(), key, text });
+            distinct.len() - 1
+        });
+        launch.name = distinct[d].name.clone();
+        launch.unit = d;
+        launches.push(launch);
+    }
+    Ok((distinct, launches))
+}
+
 /// The module as translation units of distinct kernels, in kernel order, each with the
 /// prelude (see [`crate::units`]; `per_unit` kernels each, or by the machine's cores when
 /// `None`); the launches of all kernels, in order.
@@ -958,4 +1074,20 @@ pub fn emit_units(kernels: &[Kernel], sms: u32, per_unit: Option<usize>) -> Resu
         launches[i].unit = unit;
     }
     Ok((units, launches))
+}
+
+#[cfg(test)]
+mod param_order_tests {
+    use super::{first_use_order, reorder_params};
+
+    #[test]
+    fn parameters_in_first_use_order() {
+        let src = "/* k: stores %3 */\nextern \"C\" __global__ void __launch_bounds__(256) k(const float* __restrict__ b0, const float* __restrict__ b1, float* __restrict__ b4, long long s0) {\n  b4[0] = b1[0] + b0[s0];\n}\n";
+        let body = &src[src.find(") {\n").unwrap() + 4..];
+        let order = first_use_order(body, &[0, 1, 4]);
+        assert_eq!(order, vec![4, 1, 0]);
+        let out = reorder_params(src, &order);
+        assert!(out.contains("k(float* __restrict__ b4, const float* __restrict__ b1, const float* __restrict__ b0, long long s0) {\n"), "{out}");
+        assert!(out.ends_with("  b4[0] = b1[0] + b0[s0];\n}\n"));
+    }
 }

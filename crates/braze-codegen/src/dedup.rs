@@ -27,7 +27,8 @@ pub(crate) fn assign(keys: &[String], per_unit: Option<usize>) -> Vec<(usize, us
 }
 
 /// A kernel's code with its name, its leading comment and its buffer parameters' ids
-/// (`b17` -> `p0`, in parameter order) taken out: equal keys mean interchangeable functions.
+/// (`b17` -> `p0`, in parameter order; also in the CUDA staging arrays' names, `s3_17` ->
+/// `s3_p0`) taken out: equal keys mean interchangeable functions.
 pub(crate) fn canonical(text: &str, name: &str, bufs: &[u32]) -> String {
     let body = text.split_once('\n').map_or(text, |(first, rest)| if first.starts_with("/*") { rest } else { text });
     let body = body.replace(name, "K");
@@ -52,8 +53,44 @@ pub(crate) fn canonical(text: &str, name: &str, bufs: &[u32]) -> String {
                 }
             }
         }
+        // A staging array `s<value>_<buffer id>` (CUDA wide stores).
+        let starts_staging = c == b's' && (i == 0 || !(bytes[i - 1].is_ascii_alphanumeric() || bytes[i - 1] == b'_'));
+        if starts_staging {
+            let mut j = i + 1;
+            while j < bytes.len() && bytes[j].is_ascii_digit() {
+                j += 1;
+            }
+            if j > i + 1 && j < bytes.len() && bytes[j] == b'_' {
+                let mut e = j + 1;
+                while e < bytes.len() && bytes[e].is_ascii_digit() {
+                    e += 1;
+                }
+                let ends = e == bytes.len() || !(bytes[e].is_ascii_alphanumeric() || bytes[e] == b'_');
+                if e > j + 1 && ends {
+                    if let Some(p) = body[j + 1..e].parse::<u32>().ok().and_then(|b| pos.get(&b)) {
+                        out.push_str(&format!("{}_p{p}", &body[i..j]));
+                        i = e;
+                        continue;
+                    }
+                }
+            }
+        }
         out.push(c as char);
         i += 1;
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::canonical;
+
+    #[test]
+    fn names_buffer_ids_and_staging_arrays_taken_out() {
+        let a = "/* k_3: stores %9 */\nvoid k_3(float* b7, float* b2) { float s0_2[4]; s0_2[0] = b7[0]; b2[0] = s0_2[0]; }";
+        let b = "/* k_8: stores %4 */\nvoid k_8(float* b1, float* b5) { float s0_5[4]; s0_5[0] = b1[0]; b5[0] = s0_5[0]; }";
+        assert_eq!(canonical(a, "k_3", &[7, 2]), canonical(b, "k_8", &[1, 5]));
+        // The same code with its parameters the other way round is another function.
+        assert_ne!(canonical(a, "k_3", &[7, 2]), canonical(b, "k_8", &[5, 1]));
+    }
 }

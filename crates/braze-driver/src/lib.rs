@@ -240,6 +240,15 @@ fn matmul_spec(g: &Graph, sched: &braze_sched::Schedule, step: &Step) -> Result<
 /// A convolution step as cuDNN takes it ([Note: library convolutions] in braze-runtime): whole
 /// buffers with static sizes by role (x, w, y: which are operands and which the result
 /// depends on the direction), the filter packed channels_last.
+/// A graph's CUDA code as one readable module: the prelude, then each distinct kernel.
+fn module_text(distinct: &[braze_codegen::cuda::CudaKernel]) -> String {
+    let mut s = format!("{}\n", braze_codegen::cuda::prelude());
+    for k in distinct {
+        s.push_str(&k.text);
+    }
+    s
+}
+
 fn conv_spec(g: &Graph, sched: &braze_sched::Schedule, step: &Step) -> Result<ConvSpec, DriverError> {
     let Step::Conv { node, a, b, out } = step else { return Err(DriverError::Internal("not a convolution step".into())) };
     let Op::Conv { dir, stride, padding, dilation, groups, tf32, .. } = &g.node(*node).op else { return Err(DriverError::Internal("not a convolution".into())) };
@@ -369,13 +378,13 @@ pub fn compile_with(g: Graph, target: Target, check_cuda: bool, check_arch: &str
             }
             let (distinct, entries) = braze_codegen::openmp::emit_kernels(&sched.kernels).map_err(unsupported)?;
             if check_cuda && !names.is_empty() {
-                let (cu, launches) = braze_codegen::cuda::emit_units(&sched.kernels, 132, None).map_err(unsupported)?;
+                let (distinct, launches) = braze_codegen::cuda::emit_kernels(&sched.kernels, 132).map_err(unsupported)?;
                 // The scalar fallbacks too ([Note: lazy scalar fallback]): the GPU compiles one
                 // only when a call's pointers are unaligned, so check them all here.
                 let fallbacks: Vec<String> = launches.iter().filter_map(|l| l.fallback.as_ref().map(|f| f.source.clone())).collect();
-                braze_runtime::cuda::compile_cubins(&cu, check_arch, version).map_err(DriverError::from)?;
+                braze_runtime::cuda::compile_kernels(&distinct, check_arch, version).map_err(DriverError::from)?;
                 braze_runtime::cuda::compile_cubins(&fallbacks, check_arch, version).map_err(DriverError::from)?;
-                cuda_source = cu.concat() + &fallbacks.concat();
+                cuda_source = module_text(&distinct) + &fallbacks.concat();
             }
             lap("codegen", &mut times);
             let m = if items.is_empty() {
@@ -388,7 +397,7 @@ pub fn compile_with(g: Graph, target: Target, check_cuda: bool, check_arch: &str
         }
         Target::Cuda(ordinal) => {
             let (arch, sms) = braze_runtime::cuda::device_info(ordinal).map_err(DriverError::from)?;
-            let (units, launches) = braze_codegen::cuda::emit_units(&sched.kernels, sms as u32, None).map_err(unsupported)?;
+            let (distinct, mut launches) = braze_codegen::cuda::emit_kernels(&sched.kernels, sms as u32).map_err(unsupported)?;
             lap("codegen", &mut times);
             let mut items = Vec::new();
             for st in &sched.steps {
@@ -411,14 +420,18 @@ pub fn compile_with(g: Graph, target: Target, check_cuda: bool, check_arch: &str
             let m = if items.is_empty() {
                 None
             } else {
-                let (cubins, cached) = if names.is_empty() { (Vec::new(), false) } else { braze_runtime::cuda::compile_cubins(&units, &arch, version).map_err(DriverError::from)? };
+                let placed = braze_runtime::cuda::compile_kernels(&distinct, &arch, version).map_err(DriverError::from)?;
                 lap("nvrtc", &mut times);
-                let mut cm = CudaModule::load(&cubins, ordinal, launches, items, cached, version).map_err(DriverError::from)?;
+                for l in &mut launches {
+                    (l.unit, l.name) = placed.places[l.unit].clone();
+                }
+                let cached = placed.cached && !names.is_empty();
+                let mut cm = CudaModule::load(&placed.cubins, ordinal, launches, items, cached, version).map_err(DriverError::from)?;
                 cm.replay = opts.cuda_graphs;
                 Some(Module::Cuda(cm))
             };
             lap("load", &mut times);
-            (if units.is_empty() { braze_codegen::cuda::emit_module(&[], sms as u32).map_err(unsupported)?.0 } else { units.concat() }, m)
+            (module_text(&distinct), m)
         }
     };
     let cached = match &module {

@@ -158,6 +158,13 @@ fn run_counts() -> (usize, usize, usize) {
     braze_runtime::cuda::run_counts()
 }
 
+/// How many graph kernels NVRTC has compiled in this process, cache hits not counted
+/// ([Note: per-kernel CUDA cache] in braze-runtime).
+#[pyfunction]
+fn nvrtc_kernels_compiled() -> usize {
+    braze_runtime::cuda::kernels_compiled()
+}
+
 /// Loads cuDNN from `path` for library convolutions ([Note: library convolutions] in
 /// braze-runtime).
 #[pyfunction]
@@ -471,6 +478,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(cuda_init, m)?)?;
     m.add_function(wrap_pyfunction!(cudnn_init, m)?)?;
     m.add_function(wrap_pyfunction!(run_counts, m)?)?;
+    m.add_function(wrap_pyfunction!(nvrtc_kernels_compiled, m)?)?;
     m.add_function(wrap_pyfunction!(nvrtc_compile, m)?)?;
     m.add_function(wrap_pyfunction!(nvrtc_warm_up, m)?)?;
     m.add_function(wrap_pyfunction!(cpu_id, m)?)?;

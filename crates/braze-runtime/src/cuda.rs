@@ -227,13 +227,19 @@ fn nvrtc_options(arch: &str) -> Vec<String> {
 
 /// Compiles CUDA C `source` to a cubin for `arch` (e.g. `sm_90`), through the disk cache.
 pub fn compile_cubin(source: &str, arch: &str, version: &str) -> Result<(Vec<u8>, bool), RuntimeError> {
+    compile_cubin_file(source, arch, version).map(|(_, cubin, cached)| (cubin, cached))
+}
+
+/// `compile_cubin`, with the cubin's file name in the cache directory's `cuda/`.
+fn compile_cubin_file(source: &str, arch: &str, version: &str) -> Result<(String, Vec<u8>, bool), RuntimeError> {
     let (va, vb) = nvrtc_version()?;
     let opts = nvrtc_options(arch);
     let k = key(&[source, arch, &format!("nvrtc{va}.{vb}"), &opts.join(" "), version]);
+    let file = format!("{k}.cubin");
     let dir = cache_dir().join("cuda");
-    let path = dir.join(format!("{k}.cubin"));
+    let path = dir.join(&file);
     if let Ok(bytes) = std::fs::read(&path) {
-        return Ok((bytes, true));
+        return Ok((file, bytes, true));
     }
     let cubin = nvrtc_build(source, &opts, arch)?;
     let _ = std::fs::create_dir_all(&dir);
@@ -241,7 +247,100 @@ pub fn compile_cubin(source: &str, arch: &str, version: &str) -> Result<(Vec<u8>
     if std::fs::write(&tmp, &cubin).is_ok() {
         let _ = std::fs::rename(&tmp, &path);
     }
-    Ok((cubin, false))
+    Ok((file, cubin, false))
+}
+
+/// Kernels NVRTC compiled in this process (graph kernels, not cache hits; scalar fallbacks
+/// not counted).
+static KERNELS_COMPILED: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+/// How many graph kernels NVRTC has compiled in this process ([Note: per-kernel CUDA cache]).
+pub fn kernels_compiled() -> usize {
+    KERNELS_COMPILED.load(std::sync::atomic::Ordering::Relaxed)
+}
+
+/// The cubins holding a graph's distinct kernels, where each kernel is in them (cubin index,
+/// function name), and whether none was compiled.
+pub struct PlacedKernels {
+    pub cubins: Vec<Vec<u8>>,
+    pub places: Vec<(usize, String)>,
+    pub cached: bool,
+}
+
+/// [Note: per-kernel CUDA cache] A graph's distinct kernels are found in the disk cache one
+/// by one, as the CPU's are ([Note: per-kernel cache] in cpu.rs): an index entry
+/// `cuda/k/<hash>` (the hash of the kernel's canonical text, the prelude, the architecture,
+/// NVRTC's version and options, and braze's version) names the cubin holding it and its
+/// function there, whichever graph's unit that cubin was built from. Only the kernels not
+/// found are compiled, as units sized by their number (braze-codegen's [Note: units]), in
+/// parallel, and indexed. A graph that shares most kernels with one compiled before (the
+/// same model at another depth, a recompile after a guard failed) compiles only the rest;
+/// with units cached whole, one kernel more or less shifted every later unit's contents and
+/// recompiled them all. Cache writes that fail only cost a later compile.
+pub fn compile_kernels(kernels: &[braze_codegen::cuda::CudaKernel], arch: &str, version: &str) -> Result<PlacedKernels, RuntimeError> {
+    let (va, vb) = nvrtc_version()?;
+    let opts = nvrtc_options(arch).join(" ");
+    let nvrtc = format!("nvrtc{va}.{vb}");
+    let prelude = braze_codegen::cuda::prelude();
+    let dir = cache_dir().join("cuda");
+    let kdir = dir.join("k");
+    let _ = std::fs::create_dir_all(&kdir);
+    let hashes: Vec<String> = kernels.iter().map(|k| key(&[&k.key, prelude, arch, &nvrtc, &opts, version])).collect();
+    let mut found: Vec<Option<(String, String)>> = hashes
+        .iter()
+        .map(|h| {
+            let text = std::fs::read_to_string(kdir.join(h)).ok()?;
+            let (file, sym) = text.split_once('\n')?;
+            dir.join(file).exists().then(|| (file.to_string(), sym.trim().to_string()))
+        })
+        .collect();
+    let misses: Vec<usize> = (0..kernels.len()).filter(|&k| found[k].is_none()).collect();
+    let per = braze_codegen::units::kernels_per_unit(misses.len(), braze_codegen::units::MIN_KERNELS_PER_NVRTC_UNIT).max(1);
+    let units: Vec<(String, &[usize])> = misses
+        .chunks(per)
+        .map(|ks| {
+            let mut src = format!("{prelude}\n");
+            for &k in ks {
+                src.push_str(&kernels[k].text);
+            }
+            (src, ks)
+        })
+        .collect();
+    let built = crate::parallel_map(units.len(), |u| compile_cubin_file(&units[u].0, arch, version)).into_iter().collect::<Result<Vec<_>, _>>()?;
+    let compiled: usize = built.iter().zip(&units).filter(|((_, _, cached), _)| !cached).map(|(_, (_, ks))| ks.len()).sum();
+    KERNELS_COMPILED.fetch_add(compiled, std::sync::atomic::Ordering::Relaxed);
+    let mut bytes_of: HashMap<String, Vec<u8>> = HashMap::new();
+    for ((file, cubin, _), (_, ks)) in built.into_iter().zip(&units) {
+        for &k in *ks {
+            let tmp = kdir.join(format!("{}.{}.tmp", hashes[k], std::process::id()));
+            if std::fs::write(&tmp, format!("{file}\n{}\n", kernels[k].name)).is_ok() {
+                let _ = std::fs::rename(&tmp, kdir.join(&hashes[k]));
+            }
+            found[k] = Some((file.clone(), kernels[k].name.clone()));
+        }
+        bytes_of.insert(file, cubin);
+    }
+    // Each cubin once, then each kernel's place in them.
+    let mut index_of: HashMap<String, usize> = HashMap::new();
+    let mut cubins = Vec::new();
+    let mut places = Vec::with_capacity(kernels.len());
+    for f in found {
+        let (file, sym) = f.expect("every kernel found or built");
+        let i = match index_of.get(&file) {
+            Some(&i) => i,
+            None => {
+                let bytes = match bytes_of.remove(&file) {
+                    Some(b) => b,
+                    None => std::fs::read(dir.join(&file)).map_err(|e| RuntimeError::Environment(format!("cached cubin {file}: {e}")))?,
+                };
+                cubins.push(bytes);
+                index_of.insert(file, cubins.len() - 1);
+                cubins.len() - 1
+            }
+        };
+        places.push((i, sym));
+    }
+    Ok(PlacedKernels { cubins, places, cached: misses.is_empty() })
 }
 
 /// Compiles each translation unit (braze-codegen's [Note: units]) through the disk cache, in
