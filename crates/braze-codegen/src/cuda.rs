@@ -484,7 +484,7 @@ pub fn emit_kernel(k: &Kernel, sms: u32, out: &mut String) -> Result<Launch, Cod
     let mut text = String::new();
     let mut launch = emit_kernel_by_id(k, sms, &mut text)?;
     let body_at = text.find(") {\n").map_or(0, |i| i + 4);
-    let order = first_use_order(&text[body_at..], &launch.bufs);
+    let order = crate::dedup::first_use_order(&text[body_at..], &launch.bufs);
     if order != launch.bufs {
         text = reorder_params(&text, &order);
         if let Some(f) = &mut launch.fallback {
@@ -494,37 +494,6 @@ pub fn emit_kernel(k: &Kernel, sms: u32, out: &mut String) -> Result<Launch, Cod
     }
     out.push_str(&text);
     Ok(launch)
-}
-
-/// The buffer ids of `bufs` in the order `body` first names them (`b<id>`); any it never
-/// names last, by id.
-fn first_use_order(body: &str, bufs: &[u32]) -> Vec<u32> {
-    let mut order: Vec<u32> = Vec::with_capacity(bufs.len());
-    let b = body.as_bytes();
-    let mut i = 0;
-    while i < b.len() {
-        let starts = b[i] == b'b' && (i == 0 || !(b[i - 1].is_ascii_alphanumeric() || b[i - 1] == b'_'));
-        if starts {
-            let mut j = i + 1;
-            while j < b.len() && b[j].is_ascii_digit() {
-                j += 1;
-            }
-            let ends = j > i + 1 && (j == b.len() || !(b[j].is_ascii_alphanumeric() || b[j] == b'_'));
-            if ends {
-                if let Ok(id) = body[i + 1..j].parse::<u32>() {
-                    if bufs.contains(&id) && !order.contains(&id) {
-                        order.push(id);
-                    }
-                }
-            }
-            i = j;
-        } else {
-            i += 1;
-        }
-    }
-    let unused: Vec<u32> = bufs.iter().copied().filter(|id| !order.contains(id)).collect();
-    order.extend(unused);
-    order
 }
 
 /// `source` with the buffer parameters of each kernel signature in it (`extern "C" ...
@@ -1078,7 +1047,8 @@ pub fn emit_units(kernels: &[Kernel], sms: u32, per_unit: Option<usize>) -> Resu
 
 #[cfg(test)]
 mod param_order_tests {
-    use super::{first_use_order, reorder_params};
+    use super::reorder_params;
+    use crate::dedup::first_use_order;
 
     #[test]
     fn parameters_in_first_use_order() {

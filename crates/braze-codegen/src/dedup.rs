@@ -81,6 +81,37 @@ pub(crate) fn canonical(text: &str, name: &str, bufs: &[u32]) -> String {
     out
 }
 
+/// The buffer ids of `bufs` in the order `body` first names them (`b<id>`); any it never
+/// names last, by id.
+pub(crate) fn first_use_order(body: &str, bufs: &[u32]) -> Vec<u32> {
+    let mut order: Vec<u32> = Vec::with_capacity(bufs.len());
+    let b = body.as_bytes();
+    let mut i = 0;
+    while i < b.len() {
+        let starts = b[i] == b'b' && (i == 0 || !(b[i - 1].is_ascii_alphanumeric() || b[i - 1] == b'_'));
+        if starts {
+            let mut j = i + 1;
+            while j < b.len() && b[j].is_ascii_digit() {
+                j += 1;
+            }
+            let ends = j > i + 1 && (j == b.len() || !(b[j].is_ascii_alphanumeric() || b[j] == b'_'));
+            if ends {
+                if let Ok(id) = body[i + 1..j].parse::<u32>() {
+                    if bufs.contains(&id) && !order.contains(&id) {
+                        order.push(id);
+                    }
+                }
+            }
+            i = j;
+        } else {
+            i += 1;
+        }
+    }
+    let unused: Vec<u32> = bufs.iter().copied().filter(|id| !order.contains(id)).collect();
+    order.extend(unused);
+    order
+}
+
 #[cfg(test)]
 mod tests {
     use super::canonical;

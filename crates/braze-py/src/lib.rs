@@ -165,6 +165,13 @@ fn nvrtc_kernels_compiled() -> usize {
     braze_runtime::cuda::kernels_compiled()
 }
 
+/// How many kernels the C compiler has compiled in this process, cache hits not counted
+/// ([Note: per-kernel cache] in braze-runtime).
+#[pyfunction]
+fn cc_kernels_compiled() -> usize {
+    braze_runtime::cpu::kernels_compiled()
+}
+
 /// Loads cuDNN from `path` for library convolutions ([Note: library convolutions] in
 /// braze-runtime).
 #[pyfunction]
@@ -479,6 +486,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(cudnn_init, m)?)?;
     m.add_function(wrap_pyfunction!(run_counts, m)?)?;
     m.add_function(wrap_pyfunction!(nvrtc_kernels_compiled, m)?)?;
+    m.add_function(wrap_pyfunction!(cc_kernels_compiled, m)?)?;
     m.add_function(wrap_pyfunction!(nvrtc_compile, m)?)?;
     m.add_function(wrap_pyfunction!(nvrtc_warm_up, m)?)?;
     m.add_function(wrap_pyfunction!(cpu_id, m)?)?;

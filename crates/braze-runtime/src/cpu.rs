@@ -143,6 +143,14 @@ fn build(source: &str, version: &str) -> Result<(std::path::PathBuf, bool), Runt
     Ok((so, false))
 }
 
+/// Kernels compiled by the C compiler in this process (cache hits not counted).
+static KERNELS_COMPILED: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+/// How many kernels the C compiler has compiled in this process ([Note: per-kernel cache]).
+pub fn kernels_compiled() -> usize {
+    KERNELS_COMPILED.load(std::sync::atomic::Ordering::Relaxed)
+}
+
 /// A translation unit of the distinct kernels `ks`.
 fn module_source_of(distinct: &[KernelSource], ks: &[usize]) -> String {
     let chosen: Vec<KernelSource> = ks.iter().map(|&k| distinct[k].clone()).collect();
@@ -178,6 +186,7 @@ impl CpuModule {
             })
             .collect();
         let misses: Vec<usize> = (0..distinct.len()).filter(|&k| found[k].is_none()).collect();
+        KERNELS_COMPILED.fetch_add(misses.len(), std::sync::atomic::Ordering::Relaxed);
         let per = braze_codegen::units::kernels_per_unit(misses.len(), braze_codegen::units::MIN_KERNELS_PER_UNIT);
         let units: Vec<(String, &[usize])> = misses.chunks(per.max(1)).map(|ks| (module_source_of(distinct, ks), ks)).collect();
         let built = crate::parallel_map(units.len(), |u| build(&units[u].0, version)).into_iter().collect::<Result<Vec<_>, _>>()?;
