@@ -380,8 +380,14 @@ pub fn compile_with(g: Graph, target: Target, check_cuda: bool, check_arch: &str
             if check_cuda && !names.is_empty() {
                 let (distinct, launches) = braze_codegen::cuda::emit_kernels(&sched.kernels, 132).map_err(unsupported)?;
                 // The scalar fallbacks too ([Note: lazy scalar fallback]): the GPU compiles one
-                // only when a call's pointers are unaligned, so check them all here.
-                let fallbacks: Vec<String> = launches.iter().filter_map(|l| l.fallback.as_ref().map(|f| f.source.clone())).collect();
+                // only when a call's pointers are unaligned, so check them here, those of
+                // distinct kernels (a deduplicated kernel's is its first copy's up to names).
+                let fallbacks: Vec<String> = launches
+                    .iter()
+                    .zip(&sched.kernels)
+                    .filter(|(l, k)| l.name == k.name)
+                    .filter_map(|(l, _)| l.fallback.as_ref().map(|f| f.source.clone()))
+                    .collect();
                 braze_runtime::cuda::compile_kernels(&distinct, check_arch, version).map_err(DriverError::from)?;
                 braze_runtime::cuda::compile_cubins(&fallbacks, check_arch, version).map_err(DriverError::from)?;
                 cuda_source = module_text(&distinct) + &fallbacks.concat();
