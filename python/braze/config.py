@@ -40,7 +40,7 @@ OPTIONS = {
                    "it pays: on the GPU graphs whose convolutions are not grouped across channels, inference and "
                    "training; on the CPU inference graphs whose activations outweigh their weights), 'channels_last' (always), 'eager' (eager's layouts). "
                    "Outputs keep eager's strides either way (default 'auto')",
-    "cudnn_convs": "bool: on the GPU, channels_last 2-d convolutions run through cuDNN from braze's own runs of "
+    "cudnn_convs": "bool: on the GPU, channels_last 2-d convolutions and their gradients run through cuDNN from braze's own runs of "
                    "kernels (no ATen call per convolution; replayed with them as CUDA graphs) (default True; False: "
                    "ATen's convolution)",
     "direct_autograd": "bool: run graphs without mutation, aliasing, subclasses or RNG state through braze's own "
