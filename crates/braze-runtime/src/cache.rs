@@ -24,3 +24,23 @@ pub fn key(parts: &[&str]) -> String {
     }
     h.finalize().to_hex()[..32].to_string()
 }
+
+/// The per-kernel index entry `<dir>/k/<hash>` ([Note: per-kernel cache] in cpu.rs,
+/// [Note: per-kernel CUDA cache] in cuda.rs): the file in `dir` holding the kernel (a
+/// library or a cubin) and its symbol there; None when there is no entry or its file is gone.
+pub fn index_lookup(dir: &std::path::Path, hash: &str) -> Option<(String, String)> {
+    let text = std::fs::read_to_string(dir.join("k").join(hash)).ok()?;
+    let (file, sym) = text.split_once('\n')?;
+    dir.join(file).exists().then(|| (file.to_string(), sym.trim().to_string()))
+}
+
+/// Writes the index entry of `hash`: kernel `sym` is in `file` (in `dir`). Written to a
+/// temporary name and renamed, so a reader never sees half an entry; a failed write only
+/// costs a later compile.
+pub fn index_write(dir: &std::path::Path, hash: &str, file: &str, sym: &str) {
+    let kdir = dir.join("k");
+    let tmp = kdir.join(format!("{hash}.{}.tmp", std::process::id()));
+    if std::fs::write(&tmp, format!("{file}\n{sym}\n")).is_ok() {
+        let _ = std::fs::rename(&tmp, kdir.join(hash));
+    }
+}

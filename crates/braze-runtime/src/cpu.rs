@@ -10,7 +10,7 @@
 //! CPU. Before running kernels, [`CpuModule::run`] sets the OpenMP thread count of the calling
 //! thread to the caller's (PyTorch's `torch.get_num_threads()`).
 
-use crate::cache::{cache_dir, key};
+use crate::cache::{cache_dir, index_lookup, index_write, key};
 use crate::RuntimeError;
 pub use braze_codegen::openmp::{Entry, KernelSource};
 use std::ffi::c_void;
@@ -176,15 +176,7 @@ impl CpuModule {
         std::fs::create_dir_all(&kdir).map_err(|e| RuntimeError::Environment(format!("cache dir {}: {e}", kdir.display())))?;
         let hashes: Vec<String> = distinct.iter().map(|k| key(&[&[k.key.as_str()], &base[..]].concat())).collect();
         // (library, symbol) per distinct kernel, from the index where it is there.
-        let mut found: Vec<Option<(std::path::PathBuf, String)>> = hashes
-            .iter()
-            .map(|h| {
-                let text = std::fs::read_to_string(kdir.join(h)).ok()?;
-                let (lib, sym) = text.split_once('\n')?;
-                let so = dir.join(lib);
-                so.exists().then(|| (so, sym.trim().to_string()))
-            })
-            .collect();
+        let mut found: Vec<Option<(std::path::PathBuf, String)>> = hashes.iter().map(|h| index_lookup(&dir, h).map(|(lib, sym)| (dir.join(lib), sym))).collect();
         let misses: Vec<usize> = (0..distinct.len()).filter(|&k| found[k].is_none()).collect();
         KERNELS_COMPILED.fetch_add(misses.len(), std::sync::atomic::Ordering::Relaxed);
         let per = braze_codegen::units::kernels_per_unit(misses.len(), braze_codegen::units::MIN_KERNELS_PER_UNIT);
@@ -193,11 +185,7 @@ impl CpuModule {
         for ((so, _), (_, ks)) in built.iter().zip(&units) {
             let lib = so.file_name().map(|f| f.to_string_lossy().to_string()).unwrap_or_default();
             for &k in *ks {
-                let tmp = kdir.join(format!("{}.{}.tmp", hashes[k], std::process::id()));
-                // A failed index write only costs a later compile.
-                if std::fs::write(&tmp, format!("{lib}\n{}\n", distinct[k].name)).is_ok() {
-                    let _ = std::fs::rename(&tmp, kdir.join(&hashes[k]));
-                }
+                index_write(&dir, &hashes[k], &lib, &distinct[k].name);
                 found[k] = Some((so.clone(), distinct[k].name.clone()));
             }
         }

@@ -283,17 +283,9 @@ pub fn compile_kernels(kernels: &[braze_codegen::cuda::CudaKernel], arch: &str, 
     let nvrtc = format!("nvrtc{va}.{vb}");
     let prelude = braze_codegen::cuda::prelude();
     let dir = cache_dir().join("cuda");
-    let kdir = dir.join("k");
-    let _ = std::fs::create_dir_all(&kdir);
+    let _ = std::fs::create_dir_all(dir.join("k"));
     let hashes: Vec<String> = kernels.iter().map(|k| key(&[&k.key, prelude, arch, &nvrtc, &opts, version])).collect();
-    let mut found: Vec<Option<(String, String)>> = hashes
-        .iter()
-        .map(|h| {
-            let text = std::fs::read_to_string(kdir.join(h)).ok()?;
-            let (file, sym) = text.split_once('\n')?;
-            dir.join(file).exists().then(|| (file.to_string(), sym.trim().to_string()))
-        })
-        .collect();
+    let mut found: Vec<Option<(String, String)>> = hashes.iter().map(|h| crate::cache::index_lookup(&dir, h)).collect();
     let misses: Vec<usize> = (0..kernels.len()).filter(|&k| found[k].is_none()).collect();
     let per = braze_codegen::units::kernels_per_unit(misses.len(), braze_codegen::units::MIN_KERNELS_PER_NVRTC_UNIT).max(1);
     let units: Vec<(String, &[usize])> = misses
@@ -312,10 +304,7 @@ pub fn compile_kernels(kernels: &[braze_codegen::cuda::CudaKernel], arch: &str, 
     let mut bytes_of: HashMap<String, Vec<u8>> = HashMap::new();
     for ((file, cubin, _), (_, ks)) in built.into_iter().zip(&units) {
         for &k in *ks {
-            let tmp = kdir.join(format!("{}.{}.tmp", hashes[k], std::process::id()));
-            if std::fs::write(&tmp, format!("{file}\n{}\n", kernels[k].name)).is_ok() {
-                let _ = std::fs::rename(&tmp, kdir.join(&hashes[k]));
-            }
+            crate::cache::index_write(&dir, &hashes[k], &file, &kernels[k].name);
             found[k] = Some((file.clone(), kernels[k].name.clone()));
         }
         bytes_of.insert(file, cubin);
