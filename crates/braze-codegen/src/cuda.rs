@@ -969,10 +969,24 @@ fn emit_vector_path(e: &Emitter, k: &Kernel, plan: &VecPlan, out: &mut String) -
     Ok(align)
 }
 
-/// The whole CUDA module of a graph's kernels and their launch facts.
+/// The whole CUDA module of a graph's kernels, as one unit (what the logs show): the prelude
+/// and each distinct kernel ([`module_source`]), and the launches of all kernels, each
+/// naming its function in that one unit.
 pub fn emit_module(kernels: &[Kernel], sms: u32) -> Result<(String, Vec<Launch>), CodegenError> {
-    let (mut units, launches) = emit_units(kernels, sms, Some(usize::MAX))?;
-    Ok((units.pop().unwrap_or_else(|| format!("{}\n", Cuda.prelude())), launches))
+    let (distinct, mut launches) = emit_kernels(kernels, sms)?;
+    for l in &mut launches {
+        l.unit = 0;
+    }
+    Ok((module_source(&distinct), launches))
+}
+
+/// Distinct kernels as one readable module: the prelude, then each kernel.
+pub fn module_source(distinct: &[CudaKernel]) -> String {
+    let mut s = format!("{}\n", Cuda.prelude());
+    for k in distinct {
+        s.push_str(&k.text);
+    }
+    s
 }
 
 /// The CUDA prelude every translation unit starts with.
@@ -995,32 +1009,6 @@ pub struct CudaKernel {
 /// that kernel in the distinct list, until the runtime places the kernels in cubins
 /// (`braze_runtime::cuda::compile_kernels`, [Note: per-kernel CUDA cache]).
 pub fn emit_kernels(kernels: &[Kernel], sms: u32) -> Result<(Vec<CudaKernel>, Vec<Launch>), CodegenError> {
-    let mut distinct: Vec<CudaKernel> = Vec::new();
-    let mut launches = Vec::with_capacity(kernels.len());
-    let mut first: std::collections::HashMap<String, usize> = std::collections::HashMap::new();
-    for k in kernels {
-        let mut text = String::new();
-        let mut launch = emit_kernel(k, sms, &mut text)?;
-        let key = crate::dedup::canonical(&text, &k.name, &launch.bufs);
-        let d = *first.entry(key.clone()).or_insert_with(|| {
-            distinct.push(CudaKernel { name: k.name.clone(), key, text });
-            distinct.len() - 1
-        });
-        launch.name = distinct[d].name.clone();
-        launch.unit = d;
-        launches.push(launch);
-    }
-    Ok((distinct, launches))
-}
-
-/// The module as translation units of distinct kernels, in kernel order, each with the
-/// prelude (see [`crate::units`]; `per_unit` kernels each, or by the machine's cores when
-/// `None`); the launches of all kernels, in order.
-///
-/// A kernel whose code is identical to an earlier one's up to its name and the buffer ids in
-/// its parameter names (the same block in another layer) is not emitted again: its launch
-/// calls the earlier function with its own pointers ([Note: kernel dedup]).
-pub fn emit_units(kernels: &[Kernel], sms: u32, per_unit: Option<usize>) -> Result<(Vec<String>, Vec<Launch>), CodegenError> {
     let mut texts = Vec::with_capacity(kernels.len());
     let mut launches = Vec::with_capacity(kernels.len());
     let mut keys = Vec::with_capacity(kernels.len());
@@ -1031,18 +1019,17 @@ pub fn emit_units(kernels: &[Kernel], sms: u32, per_unit: Option<usize>) -> Resu
         texts.push(text);
         launches.push(launch);
     }
-    let mut units: Vec<String> = Vec::new();
-    for (i, (owner, unit)) in crate::dedup::assign(&keys, per_unit).into_iter().enumerate() {
+    let mut distinct: Vec<CudaKernel> = Vec::new();
+    let mut index = vec![0usize; kernels.len()];
+    for (i, owner) in crate::dedup::owners(&keys).into_iter().enumerate() {
         if owner == i {
-            while units.len() <= unit {
-                units.push(format!("{}\n", Cuda.prelude()));
-            }
-            units[unit].push_str(&texts[i]);
+            index[i] = distinct.len();
+            distinct.push(CudaKernel { name: kernels[i].name.clone(), key: std::mem::take(&mut keys[i]), text: std::mem::take(&mut texts[i]) });
         }
         launches[i].name = kernels[owner].name.clone();
-        launches[i].unit = unit;
+        launches[i].unit = index[owner];
     }
-    Ok((units, launches))
+    Ok((distinct, launches))
 }
 
 #[cfg(test)]

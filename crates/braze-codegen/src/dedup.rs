@@ -5,25 +5,11 @@
 //! (CUDA as kernel parameters, C through a per-kernel pointer array), so a kernel's text
 //! with its buffer ids replaced by their positions is the key.
 
-/// Where each kernel's function is: for kernel `i` with canonical text `keys[i]`, the index
-/// of the first kernel with the same key (whose function it calls; `i` itself when it is the
-/// first) and the translation unit defining that function. Distinct kernels fill units in
-/// order, `per_unit` each, or as many as [`crate::units::kernels_per_unit`] gives for the
-/// number of distinct kernels (what the compiler runs on) and NVRTC's minimum, when
-/// `per_unit` is `None`.
-pub(crate) fn assign(keys: &[String], per_unit: Option<usize>) -> Vec<(usize, usize)> {
+/// For each kernel with canonical text `keys[i]`, the index of the first kernel with the
+/// same key: the one whose function it calls (`i` itself when it is the first).
+pub(crate) fn owners(keys: &[String]) -> Vec<usize> {
     let mut first: std::collections::HashMap<&str, usize> = std::collections::HashMap::new();
-    let owner: Vec<usize> = keys.iter().enumerate().map(|(i, k)| *first.entry(k.as_str()).or_insert(i)).collect();
-    let per = per_unit.unwrap_or_else(|| crate::units::kernels_per_unit(first.len(), crate::units::MIN_KERNELS_PER_NVRTC_UNIT)).max(1);
-    let mut unit_of = vec![0; keys.len()];
-    let mut n = 0;
-    for (i, &o) in owner.iter().enumerate() {
-        if o == i {
-            unit_of[i] = n / per;
-            n += 1;
-        }
-    }
-    owner.iter().map(|&o| (o, unit_of[o])).collect()
+    keys.iter().enumerate().map(|(i, k)| *first.entry(k.as_str()).or_insert(i)).collect()
 }
 
 /// A kernel's code with its name, its leading comment and its buffer parameters' ids
@@ -35,47 +21,28 @@ pub(crate) fn canonical(text: &str, name: &str, bufs: &[u32]) -> String {
     let pos: std::collections::HashMap<u32, usize> = bufs.iter().enumerate().map(|(i, &b)| (b, i)).collect();
     let mut out = String::with_capacity(body.len());
     let bytes = body.as_bytes();
+    let buf_at = |from: usize, to: usize| body[from..to].parse::<u32>().ok().and_then(|b| pos.get(&b));
     let mut i = 0;
     while i < bytes.len() {
-        let c = bytes[i];
-        let starts_ident = c == b'b' && (i == 0 || !(bytes[i - 1].is_ascii_alphanumeric() || bytes[i - 1] == b'_'));
-        if starts_ident {
-            let mut j = i + 1;
-            while j < bytes.len() && bytes[j].is_ascii_digit() {
-                j += 1;
+        if let Some(j) = numbered(bytes, i, b'b').filter(|&j| !continues(bytes, j)) {
+            if let Some(p) = buf_at(i + 1, j) {
+                out.push_str(&format!("p{p}"));
+                i = j;
+                continue;
             }
-            let ends = j == bytes.len() || !(bytes[j].is_ascii_alphanumeric() || bytes[j] == b'_');
-            if j > i + 1 && ends {
-                if let Some(p) = body[i + 1..j].parse::<u32>().ok().and_then(|b| pos.get(&b)) {
-                    out.push_str(&format!("p{p}"));
-                    i = j;
+        }
+        // A staging array `s<value>_<buffer id>` (CUDA wide stores).
+        if let Some(j) = numbered(bytes, i, b's').filter(|&j| bytes.get(j) == Some(&b'_')) {
+            let e = digits_end(bytes, j + 1);
+            if e > j + 1 && !continues(bytes, e) {
+                if let Some(p) = buf_at(j + 1, e) {
+                    out.push_str(&format!("{}_p{p}", &body[i..j]));
+                    i = e;
                     continue;
                 }
             }
         }
-        // A staging array `s<value>_<buffer id>` (CUDA wide stores).
-        let starts_staging = c == b's' && (i == 0 || !(bytes[i - 1].is_ascii_alphanumeric() || bytes[i - 1] == b'_'));
-        if starts_staging {
-            let mut j = i + 1;
-            while j < bytes.len() && bytes[j].is_ascii_digit() {
-                j += 1;
-            }
-            if j > i + 1 && j < bytes.len() && bytes[j] == b'_' {
-                let mut e = j + 1;
-                while e < bytes.len() && bytes[e].is_ascii_digit() {
-                    e += 1;
-                }
-                let ends = e == bytes.len() || !(bytes[e].is_ascii_alphanumeric() || bytes[e] == b'_');
-                if e > j + 1 && ends {
-                    if let Some(p) = body[j + 1..e].parse::<u32>().ok().and_then(|b| pos.get(&b)) {
-                        out.push_str(&format!("{}_p{p}", &body[i..j]));
-                        i = e;
-                        continue;
-                    }
-                }
-            }
-        }
-        out.push(c as char);
+        out.push(bytes[i] as char);
         i += 1;
     }
     out
@@ -88,28 +55,45 @@ pub(crate) fn first_use_order(body: &str, bufs: &[u32]) -> Vec<u32> {
     let b = body.as_bytes();
     let mut i = 0;
     while i < b.len() {
-        let starts = b[i] == b'b' && (i == 0 || !(b[i - 1].is_ascii_alphanumeric() || b[i - 1] == b'_'));
-        if starts {
-            let mut j = i + 1;
-            while j < b.len() && b[j].is_ascii_digit() {
-                j += 1;
-            }
-            let ends = j > i + 1 && (j == b.len() || !(b[j].is_ascii_alphanumeric() || b[j] == b'_'));
-            if ends {
-                if let Ok(id) = body[i + 1..j].parse::<u32>() {
+        match numbered(b, i, b'b') {
+            Some(j) => {
+                if let Some(id) = (!continues(b, j)).then(|| body[i + 1..j].parse::<u32>().ok()).flatten() {
                     if bufs.contains(&id) && !order.contains(&id) {
                         order.push(id);
                     }
                 }
+                i = j;
             }
-            i = j;
-        } else {
-            i += 1;
+            None => i += 1,
         }
     }
     let unused: Vec<u32> = bufs.iter().copied().filter(|id| !order.contains(id)).collect();
     order.extend(unused);
     order
+}
+
+fn ident_char(c: u8) -> bool {
+    c.is_ascii_alphanumeric() || c == b'_'
+}
+
+/// Whether an identifier goes on at byte `j` of `b`.
+fn continues(b: &[u8], j: usize) -> bool {
+    b.get(j).is_some_and(|&c| ident_char(c))
+}
+
+/// The end of the digits of `b` from `from`.
+fn digits_end(b: &[u8], from: usize) -> usize {
+    from + b[from.min(b.len())..].iter().take_while(|c| c.is_ascii_digit()).count()
+}
+
+/// Where an identifier that starts at `i` with `letter` and one or more digits (`b17`,
+/// `s3` of `s3_17`) has its digits end; None when none starts there.
+fn numbered(b: &[u8], i: usize, letter: u8) -> Option<usize> {
+    if b[i] != letter || (i > 0 && ident_char(b[i - 1])) {
+        return None;
+    }
+    let j = digits_end(b, i + 1);
+    (j > i + 1).then_some(j)
 }
 
 #[cfg(test)]

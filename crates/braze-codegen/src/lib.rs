@@ -19,7 +19,7 @@ pub enum CodegenError {
 
 /// [Note: units] A graph's module is emitted as several translation units (consecutive
 /// kernels, each unit with the target's prelude), so the compiler (cc or NVRTC) runs on the
-/// units in parallel, one thread per core, and each unit is cached on its own. One unit of
+/// units in parallel, one thread per core, and each kernel is cached on its own. One unit of
 /// every kernel of a BERT-base backward graph (about 300) took NVRTC 16 s on one core of an
 /// H100 machine; compile time per kernel is about constant, so splitting bounds the longest
 /// compile. Two units per core balance uneven kernels; at least a minimum per unit keeps the

@@ -912,7 +912,7 @@ pub fn emit_kernels(kernels: &[Kernel]) -> Result<(Vec<KernelSource>, Vec<Entry>
     let mut distinct: Vec<KernelSource> = Vec::new();
     let mut index = vec![0usize; kernels.len()];
     let mut entries = Vec::with_capacity(kernels.len());
-    for (i, ((owner, _), p)) in crate::dedup::assign(&keys, Some(usize::MAX)).into_iter().zip(params).enumerate() {
+    for (i, (owner, p)) in crate::dedup::owners(&keys).into_iter().zip(params).enumerate() {
         if owner == i {
             index[i] = distinct.len();
             distinct.push(KernelSource { name: kernels[i].name.clone(), text: std::mem::take(&mut texts[i]), key: std::mem::take(&mut keys[i]) });

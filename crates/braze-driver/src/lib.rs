@@ -240,15 +240,6 @@ fn matmul_spec(g: &Graph, sched: &braze_sched::Schedule, step: &Step) -> Result<
 /// A convolution step as cuDNN takes it ([Note: library convolutions] in braze-runtime): whole
 /// buffers with static sizes by role (x, w, y: which are operands and which the result
 /// depends on the direction), the filter packed channels_last.
-/// A graph's CUDA code as one readable module: the prelude, then each distinct kernel.
-fn module_text(distinct: &[braze_codegen::cuda::CudaKernel]) -> String {
-    let mut s = format!("{}\n", braze_codegen::cuda::prelude());
-    for k in distinct {
-        s.push_str(&k.text);
-    }
-    s
-}
-
 fn conv_spec(g: &Graph, sched: &braze_sched::Schedule, step: &Step) -> Result<ConvSpec, DriverError> {
     let Step::Conv { node, a, b, out } = step else { return Err(DriverError::Internal("not a convolution step".into())) };
     let Op::Conv { dir, stride, padding, dilation, groups, tf32, .. } = &g.node(*node).op else { return Err(DriverError::Internal("not a convolution".into())) };
@@ -390,7 +381,7 @@ pub fn compile_with(g: Graph, target: Target, check_cuda: bool, check_arch: &str
                     .collect();
                 braze_runtime::cuda::compile_kernels(&distinct, check_arch, version).map_err(DriverError::from)?;
                 braze_runtime::cuda::compile_cubins(&fallbacks, check_arch, version).map_err(DriverError::from)?;
-                cuda_source = module_text(&distinct) + &fallbacks.concat();
+                cuda_source = braze_codegen::cuda::module_source(&distinct) + &fallbacks.concat();
             }
             lap("codegen", &mut times);
             let m = if items.is_empty() {
@@ -437,7 +428,7 @@ pub fn compile_with(g: Graph, target: Target, check_cuda: bool, check_arch: &str
                 Some(Module::Cuda(cm))
             };
             lap("load", &mut times);
-            (module_text(&distinct), m)
+            (braze_codegen::cuda::module_source(&distinct), m)
         }
     };
     let cached = match &module {
