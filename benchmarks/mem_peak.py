@@ -46,9 +46,17 @@ def main():
             best, best_live = cur, dict(live)
     print(f"== {desc} {mode} under {backend}: peak {peak / MiB:.0f} MiB above the {base / MiB:.0f} MiB resident; "
           f"{best / MiB:.0f} MiB allocated within the step at its highest point")
-    for ev in sorted(best_live.values(), key=lambda e: -e["size"])[:12]:
-        frames = [f"{f['filename'].split('/')[-1]}:{f['line']} {f['name']}" for f in ev.get("frames", []) if f["filename"].endswith(".py")]
-        print(f"  {ev['size'] / MiB:8.1f} MiB  " + " < ".join(frames[:4]))
+    # Live blocks at the peak grouped by allocation site (the innermost two Python frames) and
+    # by pass: "backward" where AOTAutograd's backward is on the stack.
+    groups = {}
+    for ev in best_live.values():
+        frames = [f for f in ev.get("frames", []) if f["filename"].endswith(".py")]
+        site = " < ".join(f"{f['filename'].split('/')[-1]}:{f['line']} {f['name']}" for f in frames[:2])
+        where = "backward" if any("backward" in f["name"] for f in frames) else "forward/other"
+        n, total = groups.get((where, site), (0, 0))
+        groups[(where, site)] = (n + 1, total + ev["size"])
+    for (where, site), (n, total) in sorted(groups.items(), key=lambda kv: -kv[1][1])[:16]:
+        print(f"  {total / MiB:8.1f} MiB in {n:3d} blocks  {where:13s} {site}")
 
 
 if __name__ == "__main__":

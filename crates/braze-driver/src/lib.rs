@@ -379,7 +379,7 @@ pub fn compile_with(g: Graph, target: Target, check_cuda: bool, check_arch: &str
                     .filter(|(l, k)| l.name == k.name)
                     .filter_map(|(l, _)| l.fallback.as_ref().map(|f| f.source.clone()))
                     .collect();
-                braze_runtime::cuda::compile_kernels(&distinct, check_arch, version).map_err(DriverError::from)?;
+                braze_runtime::cuda::compile_kernels(&distinct, check_arch, version, 0).map_err(DriverError::from)?;
                 braze_runtime::cuda::compile_cubins(&fallbacks, check_arch, version).map_err(DriverError::from)?;
                 cuda_source = braze_codegen::cuda::module_source(&distinct) + &fallbacks.concat();
             }
@@ -396,36 +396,52 @@ pub fn compile_with(g: Graph, target: Target, check_cuda: bool, check_arch: &str
             let (arch, sms) = braze_runtime::cuda::device_info(ordinal).map_err(DriverError::from)?;
             let (distinct, mut launches) = braze_codegen::cuda::emit_kernels(&sched.kernels, sms as u32).map_err(unsupported)?;
             lap("codegen", &mut times);
-            let mut items = Vec::new();
-            for st in &sched.steps {
-                match st {
-                    Step::Kernel(k) => items.push(Item::Kernel(*k)),
-                    Step::Matmul { .. } => {
-                        let spec = matmul_spec(&opt, &sched, st)?;
-                        items.push(Item::Matmul(Box::new(braze_runtime::cublaslt::prepare(spec, opts.matmul_tune.then_some(ordinal)).map_err(DriverError::from)?)))
+            // [Note: NVRTC beside the libraries] The kernels compile on their own threads while
+            // the libraries' plans are built (cuBLASLt's algorithm timing and cuDNN's engine
+            // builds run on the GPU and inside those libraries): the `nvrtc` stage is what is
+            // left of the compile once the plans are ready. One core fewer than the machine's
+            // is NVRTC's, so the timing loop's launches are not held up.
+            let needs_module = sched.steps.iter().any(|st| !matches!(st, Step::Extern { .. }));
+            let (items, placed) = std::thread::scope(|scope| {
+                let nvrtc = needs_module.then(|| scope.spawn(|| braze_runtime::cuda::compile_kernels(&distinct, &arch, version, 1)));
+                let items = (|| -> Result<Vec<Item>, DriverError> {
+                    let mut items = Vec::new();
+                    for st in &sched.steps {
+                        match st {
+                            Step::Kernel(k) => items.push(Item::Kernel(*k)),
+                            Step::Matmul { .. } => {
+                                let spec = matmul_spec(&opt, &sched, st)?;
+                                items.push(Item::Matmul(Box::new(braze_runtime::cublaslt::prepare(spec, opts.matmul_tune.then_some(ordinal)).map_err(DriverError::from)?)))
+                            }
+                            Step::Conv { .. } => {
+                                let spec = conv_spec(&opt, &sched, st)?;
+                                // Any refusal is the environment's (the Python side then runs the graph's
+                                // convolutions through ATen).
+                                items.push(Item::Conv(Box::new(braze_runtime::cudnn::prepare(spec, ordinal, opts.matmul_tune).map_err(|e| DriverError::Environment(e.to_string()))?)))
+                            }
+                            Step::Extern { .. } => {}
+                        }
                     }
-                    Step::Conv { .. } => {
-                        let spec = conv_spec(&opt, &sched, st)?;
-                        // Any refusal is the environment's (the Python side then runs the graph's
-                        // convolutions through ATen).
-                        items.push(Item::Conv(Box::new(braze_runtime::cudnn::prepare(spec, ordinal, opts.matmul_tune).map_err(|e| DriverError::Environment(e.to_string()))?)))
+                    Ok(items)
+                })();
+                lap("libraries", &mut times);
+                let placed = nvrtc.map(|h| h.join().expect("the NVRTC thread does not panic"));
+                (items, placed)
+            });
+            let items = items?;
+            let m = match placed {
+                None => None,
+                Some(placed) => {
+                    let placed = placed.map_err(DriverError::from)?;
+                    lap("nvrtc", &mut times);
+                    for l in &mut launches {
+                        (l.unit, l.name) = placed.places[l.unit].clone();
                     }
-                    Step::Extern { .. } => {}
+                    let cached = placed.cached && !names.is_empty();
+                    let mut cm = CudaModule::load(&placed.cubins, ordinal, launches, items, cached, version).map_err(DriverError::from)?;
+                    cm.replay = opts.cuda_graphs;
+                    Some(Module::Cuda(cm))
                 }
-            }
-            lap("libraries", &mut times);
-            let m = if items.is_empty() {
-                None
-            } else {
-                let placed = braze_runtime::cuda::compile_kernels(&distinct, &arch, version).map_err(DriverError::from)?;
-                lap("nvrtc", &mut times);
-                for l in &mut launches {
-                    (l.unit, l.name) = placed.places[l.unit].clone();
-                }
-                let cached = placed.cached && !names.is_empty();
-                let mut cm = CudaModule::load(&placed.cubins, ordinal, launches, items, cached, version).map_err(DriverError::from)?;
-                cm.replay = opts.cuda_graphs;
-                Some(Module::Cuda(cm))
             };
             lap("load", &mut times);
             (braze_codegen::cuda::module_source(&distinct), m)

@@ -179,12 +179,18 @@ impl CpuModule {
         let mut found: Vec<Option<(std::path::PathBuf, String)>> = hashes.iter().map(|h| index_lookup(&dir, h).map(|(lib, sym)| (dir.join(lib), sym))).collect();
         let misses: Vec<usize> = (0..distinct.len()).filter(|&k| found[k].is_none()).collect();
         KERNELS_COMPILED.fetch_add(misses.len(), std::sync::atomic::Ordering::Relaxed);
-        let per = braze_codegen::units::kernels_per_unit(misses.len(), braze_codegen::units::MIN_KERNELS_PER_UNIT);
-        let units: Vec<(String, &[usize])> = misses.chunks(per.max(1)).map(|ks| (module_source_of(distinct, ks), ks)).collect();
+        let sizes: Vec<usize> = misses.iter().map(|&k| distinct[k].text.len()).collect();
+        let units: Vec<(String, Vec<usize>)> = braze_codegen::units::balanced(&sizes, braze_codegen::units::MIN_KERNELS_PER_UNIT)
+            .into_iter()
+            .map(|pos| {
+                let ks: Vec<usize> = pos.into_iter().map(|p| misses[p]).collect();
+                (module_source_of(distinct, &ks), ks)
+            })
+            .collect();
         let built = crate::parallel_map(units.len(), |u| build(&units[u].0, version)).into_iter().collect::<Result<Vec<_>, _>>()?;
         for ((so, _), (_, ks)) in built.iter().zip(&units) {
             let lib = so.file_name().map(|f| f.to_string_lossy().to_string()).unwrap_or_default();
-            for &k in *ks {
+            for &k in ks {
                 index_write(&dir, &hashes[k], &lib, &distinct[k].name);
                 found[k] = Some((so.clone(), distinct[k].name.clone()));
             }

@@ -277,7 +277,8 @@ pub struct PlacedKernels {
 /// same model at another depth, a recompile after a guard failed) compiles only the rest;
 /// with units cached whole, one kernel more or less shifted every later unit's contents and
 /// recompiled them all. Cache writes that fail only cost a later compile.
-pub fn compile_kernels(kernels: &[braze_codegen::cuda::CudaKernel], arch: &str, version: &str) -> Result<PlacedKernels, RuntimeError> {
+/// `spare` cores are left to other work (the libraries' plans built beside the compile).
+pub fn compile_kernels(kernels: &[braze_codegen::cuda::CudaKernel], arch: &str, version: &str, spare: usize) -> Result<PlacedKernels, RuntimeError> {
     let (va, vb) = nvrtc_version()?;
     let opts = nvrtc_options(arch).join(" ");
     let nvrtc = format!("nvrtc{va}.{vb}");
@@ -287,23 +288,24 @@ pub fn compile_kernels(kernels: &[braze_codegen::cuda::CudaKernel], arch: &str, 
     let hashes: Vec<String> = kernels.iter().map(|k| key(&[&k.key, prelude, arch, &nvrtc, &opts, version])).collect();
     let mut found: Vec<Option<(String, String)>> = hashes.iter().map(|h| crate::cache::index_lookup(&dir, h)).collect();
     let misses: Vec<usize> = (0..kernels.len()).filter(|&k| found[k].is_none()).collect();
-    let per = braze_codegen::units::kernels_per_unit(misses.len(), braze_codegen::units::MIN_KERNELS_PER_NVRTC_UNIT).max(1);
-    let units: Vec<(String, &[usize])> = misses
-        .chunks(per)
-        .map(|ks| {
+    let sizes: Vec<usize> = misses.iter().map(|&k| kernels[k].text.len()).collect();
+    let units: Vec<(String, Vec<usize>)> = braze_codegen::units::balanced(&sizes, braze_codegen::units::MIN_KERNELS_PER_NVRTC_UNIT)
+        .into_iter()
+        .map(|pos| {
+            let ks: Vec<usize> = pos.into_iter().map(|p| misses[p]).collect();
             let mut src = format!("{prelude}\n");
-            for &k in ks {
+            for &k in &ks {
                 src.push_str(&kernels[k].text);
             }
             (src, ks)
         })
         .collect();
-    let built = crate::parallel_map(units.len(), |u| compile_cubin_file(&units[u].0, arch, version)).into_iter().collect::<Result<Vec<_>, _>>()?;
+    let built = crate::parallel_map_sparing(spare, units.len(), |u| compile_cubin_file(&units[u].0, arch, version)).into_iter().collect::<Result<Vec<_>, _>>()?;
     let compiled: usize = built.iter().zip(&units).filter(|((_, _, cached), _)| !cached).map(|(_, (_, ks))| ks.len()).sum();
     KERNELS_COMPILED.fetch_add(compiled, std::sync::atomic::Ordering::Relaxed);
     let mut bytes_of: HashMap<String, Vec<u8>> = HashMap::new();
     for ((file, cubin, _), (_, ks)) in built.into_iter().zip(&units) {
-        for &k in *ks {
+        for &k in ks {
             crate::cache::index_write(&dir, &hashes[k], &file, &kernels[k].name);
             found[k] = Some((file.clone(), kernels[k].name.clone()));
         }

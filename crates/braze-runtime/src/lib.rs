@@ -31,7 +31,14 @@ fn loaded<'a, T>(cell: &'a std::sync::OnceLock<Result<T, String>>, what: &str) -
 /// `f(0), ..., f(n-1)` on up to as many threads as the machine has cores (the compiler
 /// invocations of a module's units, see braze-codegen's [Note: units]); results in order.
 pub fn parallel_map<T: Send>(n: usize, f: impl Fn(usize) -> T + Sync) -> Vec<T> {
-    let threads = std::thread::available_parallelism().map(|p| p.get()).unwrap_or(1).min(n);
+    parallel_map_sparing(0, n, f)
+}
+
+/// `parallel_map` leaving `spare` of the machine's cores to other work (at least one thread).
+/// Items are taken in order, so the longest put first finish first.
+pub fn parallel_map_sparing<T: Send>(spare: usize, n: usize, f: impl Fn(usize) -> T + Sync) -> Vec<T> {
+    let cores = std::thread::available_parallelism().map(|p| p.get()).unwrap_or(1);
+    let threads = cores.saturating_sub(spare).max(1).min(n);
     if threads <= 1 {
         return (0..n).map(f).collect();
     }
