@@ -837,6 +837,24 @@ def test_arena_windows_split_long_graphs(device, compiled_graphs):
     assert g.arena_bytes == max(w[2] for w in wins)
 
 
+def test_runs_end_where_large_buffers_die(device, compiled_graphs):
+    """[Note: runs cut where memory dies] (braze-driver): a run of kernels frees what dies in it
+    only when it ends, so a 32 MiB input read by the first kernel alone ends that run there;
+    the kernels after it run as a run of their own, with the input already released."""
+    def f(a, b):
+        x = (a.sin() * 2).amax(dim=0)
+        return (b * 3 + x).softmax(-1).cos()
+
+    a = torch.randn(2048, 4096, device=device)
+    b = torch.randn(64, 4096, device=device)
+    torch.testing.assert_close(compiled(f)(a, b), f(a, b))
+    g = compiled_graphs[-1]
+    big = [i for i, buf in enumerate(g.bufs) if buf[0] == "input" and buf[1] == 0]
+    runs = [s for s, st in enumerate(g.steps) if st[0] == "kernels"]
+    dies = [s for s in runs if big[0] in g.frees[s]]
+    assert len(runs) >= 2 and dies and dies[0] < runs[-1], (g.steps, g.frees)
+
+
 def test_pointwise_kernels_store_in_place_of_dying_buffers(device, compiled_graphs):
     """[Note: in-place kernels]: an MLP's activation is stored over the matmul result it reads
     (which dies there), so the arena holds one hidden activation, not two; a kernel that reads

@@ -308,6 +308,10 @@ impl Default for Options {
     }
 }
 
+/// Bytes outside the arena that may die inside one run before it ends ([Note: runs cut where
+/// memory dies]).
+const RUN_FREE_CUT: i64 = 16 << 20;
+
 pub fn compile(g: Graph, target: Target, check_cuda: bool, check_arch: &str) -> Result<(Plan, Option<Module>), DriverError> {
     compile_with(g, target, check_cuda, check_arch, Options::default())
 }
@@ -483,6 +487,20 @@ pub fn compile_with(g: Graph, target: Target, check_cuda: bool, check_arch: &str
     let window_starts: HashSet<usize> = arena_windows.iter().skip(1).map(|w| w.0).collect();
     // Consecutive kernels and matmuls ("items") become one step: one call into Rust runs
     // them all. Item i is sched step item_steps[i].
+    // [Note: runs cut where memory dies] A run's buffers outside the arena are allocated
+    // before it and the buffers dying in it are freed after it, so a long run holds what it
+    // makes and what it consumes at once. In a training backward, one run held ResNet-50's
+    // whole last stage: its f32 weight gradients were allocated at the start and its saved
+    // activations freed only at the end, which put the step's peak 66 MiB above eager's. A
+    // run therefore also ends once `RUN_FREE_CUT` bytes outside the arena have died in it.
+    let freed_bytes = |b: u32| -> i64 {
+        let buf = &sched.buffers[b as usize];
+        if arena_offsets[b as usize] >= 0 {
+            return 0;
+        }
+        buf.shape.iter().map(|e| e.as_const()).product::<Option<i64>>().map_or(0, |n| n * buf.dtype.size() as i64)
+    };
+    let mut run_freed = 0i64;
     let mut steps = Vec::new();
     let mut frees: Vec<Vec<u32>> = Vec::new();
     let mut item_writes: Vec<Vec<u32>> = Vec::new();
@@ -503,7 +521,7 @@ pub fn compile_with(g: Graph, target: Target, check_cuda: bool, check_arch: &str
             let i = item_writes.len() as u32;
             item_writes.push(w);
             match steps.last_mut() {
-                Some((kind, _, hi, _, _, _)) if kind == "kernels" && *hi == i && !window_starts.contains(&s) => {
+                Some((kind, _, hi, _, _, _)) if kind == "kernels" && *hi == i && !window_starts.contains(&s) && run_freed < RUN_FREE_CUT => {
                     *hi = i + 1;
                     frees.last_mut().unwrap().extend(sched.frees[s].iter().copied());
                     step_bufs.last_mut().unwrap().extend(touched);
@@ -512,8 +530,10 @@ pub fn compile_with(g: Graph, target: Target, check_cuda: bool, check_arch: &str
                     steps.push(("kernels".to_string(), i, i + 1, String::new(), vec![], vec![]));
                     frees.push(sched.frees[s].clone());
                     step_bufs.push(touched);
+                    run_freed = 0;
                 }
             }
+            run_freed += sched.frees[s].iter().map(|&b| freed_bytes(b)).sum::<i64>();
         } else if let Step::Extern { node, target, args, outs } = st {
             let a = args.iter().map(|x| tab.access(x)).collect();
             steps.push(("extern".to_string(), node.0, 0, target.clone(), a, outs.clone()));
