@@ -981,7 +981,7 @@ pub fn emit_module(kernels: &[Kernel], sms: u32) -> Result<(String, Vec<Launch>)
 }
 
 /// Distinct kernels as one readable module: the prelude, then each kernel.
-pub fn module_source(distinct: &[CudaKernel]) -> String {
+pub fn module_source<'a>(distinct: impl IntoIterator<Item = &'a CudaKernel>) -> String {
     let mut s = format!("{}\n", Cuda.prelude());
     for k in distinct {
         s.push_str(&k.text);

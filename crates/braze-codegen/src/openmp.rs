@@ -929,7 +929,7 @@ pub fn emit_module(kernels: &[Kernel]) -> Result<String, CodegenError> {
 }
 
 /// The prelude followed by every kernel of `distinct`.
-pub fn module_source(distinct: &[KernelSource]) -> String {
+pub fn module_source<'a>(distinct: impl IntoIterator<Item = &'a KernelSource>) -> String {
     let mut out = format!("{PRELUDE}\n");
     for k in distinct {
         out.push_str(&k.text);

@@ -47,10 +47,7 @@ pub fn plan(sched: &Schedule, arena_externs: &std::collections::HashSet<String>)
         }
     }
     let (first, mut last) = lifetimes(sched);
-    let bytes_of = |b: usize| {
-        let buf = &sched.buffers[b];
-        buf.shape.iter().map(|e| e.as_const()).product::<Option<i64>>().map(|n| n * buf.dtype.size() as i64)
-    };
+    let bytes_of = |b: usize| sched.buffers[b].static_bytes();
     // In-place pairs, in step order; `root` maps a buffer to the first of its chain (a
     // buffer taking the memory of one that took another's).
     let pairs = in_place_pairs(sched, &first);

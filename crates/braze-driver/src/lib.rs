@@ -493,13 +493,7 @@ pub fn compile_with(g: Graph, target: Target, check_cuda: bool, check_arch: &str
     // whole last stage: its f32 weight gradients were allocated at the start and its saved
     // activations freed only at the end, which put the step's peak 66 MiB above eager's. A
     // run therefore also ends once `RUN_FREE_CUT` bytes outside the arena have died in it.
-    let freed_bytes = |b: u32| -> i64 {
-        let buf = &sched.buffers[b as usize];
-        if arena_offsets[b as usize] >= 0 {
-            return 0;
-        }
-        buf.shape.iter().map(|e| e.as_const()).product::<Option<i64>>().map_or(0, |n| n * buf.dtype.size() as i64)
-    };
+    let freed_bytes = |b: u32| if arena_offsets[b as usize] >= 0 { 0 } else { sched.buffers[b as usize].static_bytes().unwrap_or(0) };
     let mut run_freed = 0i64;
     let mut steps = Vec::new();
     let mut frees: Vec<Vec<u32>> = Vec::new();

@@ -151,12 +151,6 @@ pub fn kernels_compiled() -> usize {
     KERNELS_COMPILED.load(std::sync::atomic::Ordering::Relaxed)
 }
 
-/// A translation unit of the distinct kernels `ks`.
-fn module_source_of(distinct: &[KernelSource], ks: &[usize]) -> String {
-    let chosen: Vec<KernelSource> = ks.iter().map(|&k| distinct[k].clone()).collect();
-    braze_codegen::openmp::module_source(&chosen)
-}
-
 impl CpuModule {
     /// [Note: per-kernel cache] Loads a graph's distinct kernels, compiling only those the
     /// disk cache does not hold. Each kernel is cached on its own: an index entry
@@ -184,7 +178,7 @@ impl CpuModule {
             .into_iter()
             .map(|pos| {
                 let ks: Vec<usize> = pos.into_iter().map(|p| misses[p]).collect();
-                (module_source_of(distinct, &ks), ks)
+                (braze_codegen::openmp::module_source(ks.iter().map(|&k| &distinct[k])), ks)
             })
             .collect();
         let built = crate::parallel_map(units.len(), |u| build(&units[u].0, version)).into_iter().collect::<Result<Vec<_>, _>>()?;

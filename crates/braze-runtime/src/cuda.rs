@@ -272,8 +272,8 @@ pub struct PlacedKernels {
 /// `cuda/k/<hash>` (the hash of the kernel's canonical text, the prelude, the architecture,
 /// NVRTC's version and options, and braze's version) names the cubin holding it and its
 /// function there, whichever graph's unit that cubin was built from. Only the kernels not
-/// found are compiled, as units sized by their number (braze-codegen's [Note: units]), in
-/// parallel, and indexed. A graph that shares most kernels with one compiled before (the
+/// found are compiled, as units balanced by source length (braze-codegen's [Note: units]),
+/// in parallel, and indexed. A graph that shares most kernels with one compiled before (the
 /// same model at another depth, a recompile after a guard failed) compiles only the rest;
 /// with units cached whole, one kernel more or less shifted every later unit's contents and
 /// recompiled them all. Cache writes that fail only cost a later compile.
@@ -293,11 +293,7 @@ pub fn compile_kernels(kernels: &[braze_codegen::cuda::CudaKernel], arch: &str, 
         .into_iter()
         .map(|pos| {
             let ks: Vec<usize> = pos.into_iter().map(|p| misses[p]).collect();
-            let mut src = format!("{prelude}\n");
-            for &k in &ks {
-                src.push_str(&kernels[k].text);
-            }
-            (src, ks)
+            (braze_codegen::cuda::module_source(ks.iter().map(|&k| &kernels[k])), ks)
         })
         .collect();
     let built = crate::parallel_map_sparing(spare, units.len(), |u| compile_cubin_file(&units[u].0, arch, version)).into_iter().collect::<Result<Vec<_>, _>>()?;

@@ -49,6 +49,13 @@ pub struct Buffer {
     pub kind: BufKind,
 }
 
+impl Buffer {
+    /// Its bytes where its sizes are constants.
+    pub fn static_bytes(&self) -> Option<i64> {
+        self.shape.iter().map(|e| e.as_const()).product::<Option<i64>>().map(|n| n * self.dtype.size() as i64)
+    }
+}
+
 /// How a step or output reads a value: a buffer, or a strided view of one.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Access {
