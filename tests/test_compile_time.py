@@ -205,3 +205,46 @@ def _one_kernel_more(compiled):
         for a, b in zip(got, f(x, y)):
             torch.testing.assert_close(a, b)
     return new
+
+
+_TUNE_CHILD = r"""
+import sys, torch, braze
+torch.manual_seed(int(sys.argv[2]))
+mode = sys.argv[1]
+x = torch.randn(2048, 1024, device="cuda", dtype=torch.bfloat16)
+w = torch.randn(1024, 4096, device="cuda", dtype=torch.bfloat16)
+img = torch.randn(32, 128, 56, 56, device="cuda").to(memory_format=torch.channels_last)
+k = torch.randn(128, 128, 3, 3, device="cuda") / 30
+def f(x, w, img, k):
+    return torch.relu(x @ w), torch.nn.functional.conv2d(img, k, padding=1).sigmoid()
+n0 = braze._core.tunings_timed()
+got = braze.compile(f, mode=mode, options={"on_unsupported": "error"})(x, w, img, k)
+want = f(x, w, img, k)
+torch.testing.assert_close(got[0], want[0], atol=0.5, rtol=0.02)
+torch.testing.assert_close(got[1], want[1], atol=1e-2, rtol=1e-2)
+print("timed", braze._core.tunings_timed() - n0)
+"""
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_max_autotune_times_once_and_default_times_nothing(tmp_path):
+    """Mode 'default' picks cuBLASLt algorithms and cuDNN plans by the libraries' heuristics
+    and times nothing; 'max-autotune' times the matmul's and the convolution's candidates,
+    and a later process with the same cache directory reuses those choices from disk
+    ([Note: remembered choices]) and times nothing. Each process's results match eager."""
+    import os
+    import subprocess
+    import sys
+
+    def timed(mode, seed):
+        env = dict(os.environ, BRAZE_CACHE_DIR=str(tmp_path))
+        env.pop("BRAZE_MATMUL_TUNE", None)
+        out = subprocess.run([sys.executable, "-c", _TUNE_CHILD, mode, str(seed)], env=env, capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr[-3000:]
+        return int(out.stdout.split("timed")[-1])
+
+    assert timed("default", 0) == 0
+    assert timed("max-autotune", 1) == 2
+    assert sorted(p.name.split("-")[0] for p in (tmp_path / "tune").iterdir()) == ["cublaslt", "cudnn"]
+    assert timed("max-autotune", 2) == 0
+    assert timed("max-autotune-no-cudagraphs", 3) == 0

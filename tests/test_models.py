@@ -1087,6 +1087,9 @@ def test_cuda_graphs_option_and_mode(how, device, compiled_graphs):
     from braze.config import Config
     assert Config.make(kw.get("mode"), kw.get("options")).cuda_graphs is False
     assert Config.make(None, {"matmul_tune": False}).matmul_tune is False
+    assert Config.make().matmul_tune is False and Config.make("reduce-overhead").matmul_tune is False
+    assert Config.make("max-autotune").matmul_tune is True and Config.make("max-autotune-no-cudagraphs").matmul_tune is True
+    assert Config.make("max-autotune", {"matmul_tune": False}).matmul_tune is False
     assert Config.make(None, {"cudnn_convs": False}).cudnn_convs is False and Config.make().cudnn_convs is True
     with pytest.raises(braze.BrazeConfigError, match="cudnn_convs"):
         Config.make(None, {"cudnn_convs": 1})

@@ -10,8 +10,8 @@ import dataclasses
 import os
 
 #: Modes torch.compile knows. 'reduce-overhead' (and 'max-autotune', as in Inductor) turns
-#: whole_graph_replay on; 'max-autotune-no-cudagraphs' turns cuda_graphs off. Otherwise they
-#: compile the same way today (no autotuning beyond matmul_tune).
+#: whole_graph_replay on; 'max-autotune-no-cudagraphs' turns cuda_graphs off. The two
+#: 'max-autotune' modes turn matmul_tune on: they time what the other modes pick by heuristics.
 MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
 #: Log names for ``BRAZE_LOGS`` and ``options={"logs": ...}``.
@@ -34,8 +34,10 @@ OPTIONS = {
                           "into one CUDA graph on its second call and replay it from then on; a call's outputs stay "
                           "valid until the next call of the same graph (default True under modes 'reduce-overhead' "
                           "and 'max-autotune', else False; python/braze/cudagraphs.py tells the rules)",
-    "matmul_tune": "bool: on the GPU, time cuBLASLt's top algorithms for each large matmul at compile time and keep "
-                   "the fastest (default True; BRAZE_MATMUL_TUNE=0 turns it off everywhere)",
+    "matmul_tune": "bool: on the GPU, time cuBLASLt's top algorithms for each large matmul and cuDNN's top plans for "
+                   "each convolution at compile time and keep the fastest, remembered on disk for later processes "
+                   "(default True under modes 'max-autotune' and 'max-autotune-no-cudagraphs', else False: the "
+                   "libraries' heuristics pick and nothing is timed; BRAZE_MATMUL_TUNE=0 turns it off everywhere)",
     "conv_layout": "how 2-d convolutions of tensors contiguous in eager are laid out: 'auto' (channels_last where "
                    "it pays: on the GPU graphs whose convolutions are not grouped across channels, inference and "
                    "training; on the CPU inference graphs whose activations outweigh their weights), 'channels_last' (always), 'eager' (eager's layouts). "
@@ -61,7 +63,7 @@ class Config:
     direct_autograd: bool = True
     freeze_weights: bool = False
     cuda_graphs: bool = True
-    matmul_tune: bool = True
+    matmul_tune: bool = False
     whole_graph_replay: bool = False
     conv_layout: str = "auto"
     cudnn_convs: bool = True
@@ -98,7 +100,7 @@ class Config:
         if conv_layout not in ("auto", "channels_last", "eager"):
             raise BrazeConfigError("braze: option 'conv_layout' must be 'auto', 'channels_last' or 'eager'")
         flags = {}
-        for name, default in (("cuda_graphs", mode != "max-autotune-no-cudagraphs"), ("matmul_tune", True), ("cudnn_convs", True),
+        for name, default in (("cuda_graphs", mode != "max-autotune-no-cudagraphs"), ("matmul_tune", mode.startswith("max-autotune")), ("cudnn_convs", True),
                               ("whole_graph_replay", mode in ("reduce-overhead", "max-autotune"))):
             flags[name] = options.get(name, default)
             if not isinstance(flags[name], bool):

@@ -165,6 +165,13 @@ fn nvrtc_kernels_compiled() -> usize {
     braze_runtime::cuda::kernels_compiled()
 }
 
+/// How many matmuls and convolutions this process has timed at compile time, choices
+/// remembered in memory or on disk not counted ([Note: remembered choices] in braze-runtime).
+#[pyfunction]
+fn tunings_timed() -> usize {
+    braze_runtime::cuda::timings()
+}
+
 /// How many kernels the C compiler has compiled in this process, cache hits not counted
 /// ([Note: per-kernel cache] in braze-runtime).
 #[pyfunction]
@@ -487,6 +494,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(run_counts, m)?)?;
     m.add_function(wrap_pyfunction!(nvrtc_kernels_compiled, m)?)?;
     m.add_function(wrap_pyfunction!(cc_kernels_compiled, m)?)?;
+    m.add_function(wrap_pyfunction!(tunings_timed, m)?)?;
     m.add_function(wrap_pyfunction!(nvrtc_compile, m)?)?;
     m.add_function(wrap_pyfunction!(nvrtc_warm_up, m)?)?;
     m.add_function(wrap_pyfunction!(cpu_id, m)?)?;

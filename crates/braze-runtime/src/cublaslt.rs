@@ -7,11 +7,11 @@
 //! is the column-major `C^T = B^T @ A^T`, so B is passed as cuBLASLt's first operand and A as
 //! its second, each as a transposed or plain view of its own memory.
 
+use crate::choices::Choices;
 use crate::RuntimeError;
 use braze_ir::{DType, Epilogue};
 use libloading::Library;
 use std::ffi::{c_int, c_void};
-use std::collections::HashMap;
 use std::sync::{Mutex, OnceLock};
 
 type Status = c_int;
@@ -21,6 +21,7 @@ type Desc = *mut c_void;
 struct Lt {
     _lib: Library,
     create: unsafe extern "C" fn(*mut Handle) -> Status,
+    version: unsafe extern "C" fn() -> usize,
     desc_create: unsafe extern "C" fn(*mut Desc, c_int, c_int) -> Status,
     desc_destroy: unsafe extern "C" fn(Desc) -> Status,
     layout_destroy: unsafe extern "C" fn(Desc) -> Status,
@@ -80,11 +81,37 @@ const TUNE_CANDIDATES: usize = 8;
 /// (summation order) what it always was.
 const TUNE_MIN_MACS: f64 = (1u64 << 28) as f64;
 
-/// Algorithms already chosen by timing, by `Prepared::tune_key` (one per distinct matmul in
-/// the process: a model's repeated layers are timed once).
-fn tuned() -> &'static Mutex<HashMap<String, Algo>> {
-    static T: OnceLock<Mutex<HashMap<String, Algo>>> = OnceLock::new();
-    T.get_or_init(|| Mutex::new(HashMap::new()))
+/// Algorithms chosen by timing, by `Prepared::tune_key` within `scope` ([Note: remembered
+/// choices]): a model's repeated layers are timed once, and a later process reuses the choice.
+fn tuned() -> &'static Choices {
+    static T: OnceLock<Choices> = OnceLock::new();
+    T.get_or_init(|| Choices::new("cublaslt"))
+}
+
+/// What an algorithm chosen on device `ordinal` is valid for: cuBLASLt's version and the device.
+fn scope(ordinal: i32) -> Result<String, RuntimeError> {
+    // SAFETY: a version query without arguments.
+    let version = unsafe { (lt()?.version)() };
+    Ok(format!("cuBLASLt {version} on {}", crate::cuda::device_scope(ordinal)?))
+}
+
+impl Algo {
+    /// The algorithm as text: cuBLASLt's algorithm structure may be saved and restored with the
+    /// same library version.
+    fn to_text(self) -> String {
+        self.data.iter().map(|w| format!("{w:016x}")).collect()
+    }
+
+    fn from_text(t: &str) -> Option<Algo> {
+        if t.len() != 128 {
+            return None;
+        }
+        let mut data = [0u64; 8];
+        for (i, w) in data.iter_mut().enumerate() {
+            *w = u64::from_str_radix(t.get(i * 16..i * 16 + 16)?, 16).ok()?;
+        }
+        Some(Algo { data })
+    }
 }
 
 /// Timing is on unless `BRAZE_MATMUL_TUNE=0`.
@@ -101,6 +128,7 @@ pub fn init(path: &str) -> Result<(), RuntimeError> {
         let lib = crate::open_library(path)?;
         Ok(Lt {
             create: sym!(lib, b"cublasLtCreate"),
+            version: sym!(lib, b"cublasLtGetVersion"),
             desc_create: sym!(lib, b"cublasLtMatmulDescCreate"),
             desc_set: sym!(lib, b"cublasLtMatmulDescSetAttribute"),
             desc_destroy: sym!(lib, b"cublasLtMatmulDescDestroy"),
@@ -362,8 +390,9 @@ impl Prepared {
     /// buffers, say) the heuristic's favourite is used and nothing is remembered.
     fn fastest(&self, ordinal: i32, align: [u32; 4]) -> Result<Algo, RuntimeError> {
         let key = self.tune_key();
-        if let Some(a) = tuned().lock().unwrap().get(&key) {
-            return Ok(*a);
+        let scope = scope(ordinal)?;
+        if let Some(a) = tuned().get(&scope, &key).and_then(|t| Algo::from_text(&t)) {
+            return Ok(a);
         }
         let cands = self.heuristic(align, TUNE_CANDIDATES)?;
         if cands.len() == 1 {
@@ -378,7 +407,7 @@ impl Prepared {
         let Ok(times) = timed else { return Ok(cands[0]) };
         let (i, t) = times.iter().enumerate().fold((0, f64::INFINITY), |b, (i, &t)| if t < b.1 { (i, t) } else { b });
         if t.is_finite() {
-            tuned().lock().unwrap().insert(key, cands[i]);
+            tuned().put(&scope, &key, &cands[i].to_text());
         }
         Ok(cands[i])
     }

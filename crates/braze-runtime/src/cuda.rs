@@ -45,6 +45,7 @@ struct Driver {
     init: unsafe extern "C" fn(c_uint) -> CuResult,
     device_get: unsafe extern "C" fn(*mut CuDevice, c_int) -> CuResult,
     attribute: unsafe extern "C" fn(*mut c_int, c_int, CuDevice) -> CuResult,
+    name: unsafe extern "C" fn(*mut c_char, c_int, CuDevice) -> CuResult,
     retain: unsafe extern "C" fn(*mut CuContext, CuDevice) -> CuResult,
     ctx_get: unsafe extern "C" fn(*mut CuContext) -> CuResult,
     ctx_set: unsafe extern "C" fn(CuContext) -> CuResult,
@@ -105,6 +106,7 @@ pub fn init_driver(path: &str) -> Result<(), RuntimeError> {
             init: sym!(lib, b"cuInit"),
             device_get: sym!(lib, b"cuDeviceGet"),
             attribute: sym!(lib, b"cuDeviceGetAttribute"),
+            name: sym!(lib, b"cuDeviceGetName"),
             retain: sym!(lib, b"cuDevicePrimaryCtxRetain"),
             ctx_get: sym!(lib, b"cuCtxGetCurrent"),
             ctx_set: sym!(lib, b"cuCtxSetCurrent"),
@@ -393,6 +395,32 @@ pub fn device_info(ordinal: i32) -> Result<(String, i32), RuntimeError> {
     }
 }
 
+/// What a tuning choice made on device `ordinal` is valid for ([Note: remembered choices]):
+/// the device's name, architecture and multiprocessor count.
+pub fn device_scope(ordinal: i32) -> Result<String, RuntimeError> {
+    let d = driver()?;
+    let (arch, sms) = device_info(ordinal)?;
+    let mut dev: CuDevice = 0;
+    let mut name = [0 as c_char; 256];
+    // SAFETY: plain driver queries into a buffer of the length passed.
+    unsafe {
+        check(d, (d.device_get)(&mut dev, ordinal), "cuDeviceGet")?;
+        check(d, (d.name)(name.as_mut_ptr(), name.len() as c_int, dev), "cuDeviceGetName")?;
+    }
+    // SAFETY: the driver wrote a NUL-terminated string into `name`.
+    let name = unsafe { CStr::from_ptr(name.as_ptr()) }.to_string_lossy().into_owned();
+    Ok(format!("{name} {arch} {sms}"))
+}
+
+/// Timings `time_candidates` has run in this process.
+static TIMINGS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+/// How many pieces of work (a matmul's algorithms, a convolution's plans) this process has
+/// timed ([Note: remembered choices]: a choice found in memory or on disk is not timed again).
+pub fn timings() -> usize {
+    TIMINGS.load(std::sync::atomic::Ordering::Relaxed)
+}
+
 /// Enqueues candidate `i` over the tuning buffers on a stream: `(i, buffers, stream)`.
 pub type CandidateRun<'a> = dyn FnMut(usize, &[usize], usize) -> Result<(), RuntimeError> + 'a;
 
@@ -410,6 +438,7 @@ pub fn time_candidates(
     const WARM: usize = 2;
     const REPS: usize = 5;
     let d = driver()?;
+    TIMINGS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     let mut bufs: Vec<u64> = Vec::new();
     let mut stream: CuStream = std::ptr::null_mut();
     let mut ev: [CuEvent; 2] = [std::ptr::null_mut(); 2];

@@ -26,10 +26,10 @@
 //! against 0.44): the lowering pads such 16-bit inputs to 8 channels (`_padded_channels`
 //! in lowering.py), which takes a tensor-core engine (0.46 ms).
 
+use crate::choices::Choices;
 use crate::RuntimeError;
 use braze_ir::{ConvDir, DType};
 use libloading::Library;
-use std::collections::HashMap;
 use std::ffi::{c_char, c_int, c_void, CStr};
 use std::sync::{Mutex, OnceLock};
 
@@ -40,6 +40,7 @@ type Desc = *mut c_void;
 struct Dnn {
     _lib: Library,
     create: unsafe extern "C" fn(*mut Handle) -> Status,
+    version: unsafe extern "C" fn() -> usize,
     set_stream: unsafe extern "C" fn(Handle, *mut c_void) -> Status,
     error_string: unsafe extern "C" fn(Status) -> *const c_char,
     create_desc: unsafe extern "C" fn(c_int, *mut Desc) -> Status,
@@ -150,6 +151,7 @@ pub fn init(path: &str) -> Result<(), RuntimeError> {
         let lib = crate::open_library(path)?;
         Ok(Dnn {
             create: sym!(lib, b"cudnnCreate"),
+            version: sym!(lib, b"cudnnGetVersion"),
             set_stream: sym!(lib, b"cudnnSetStream"),
             error_string: sym!(lib, b"cudnnGetErrorString"),
             create_desc: sym!(lib, b"cudnnBackendCreateDescriptor"),
@@ -324,11 +326,25 @@ fn tensor(uid: i64, ty: i32, dims: &[i64; 4], strides: &[i64; 4]) -> Result<Desc
     Ok(t)
 }
 
-/// Plans chosen by timing, by `ConvSpec` contents (a model's repeated layers are timed once
-/// per process): the index among the buildable heuristic configurations.
-fn tuned() -> &'static Mutex<HashMap<String, usize>> {
-    static T: OnceLock<Mutex<HashMap<String, usize>>> = OnceLock::new();
-    T.get_or_init(|| Mutex::new(HashMap::new()))
+/// Plans chosen by timing, by `tune_key` within `scope` ([Note: remembered choices]): the
+/// index among the buildable heuristic configurations, which cuDNN's heuristic ranks the same
+/// way for the same version, device and convolution. A model's repeated layers are timed once,
+/// and a later process reuses the choice.
+fn tuned() -> &'static Choices {
+    static T: OnceLock<Choices> = OnceLock::new();
+    T.get_or_init(|| Choices::new("cudnn"))
+}
+
+/// What a plan chosen on device `ordinal` is valid for: cuDNN's version and the device.
+fn scope(ordinal: i32) -> Result<String, RuntimeError> {
+    // SAFETY: a version query without arguments.
+    let version = unsafe { (dnn()?.version)() };
+    Ok(format!("cuDNN {version} on {}", crate::cuda::device_scope(ordinal)?))
+}
+
+/// What decides the best plan: the convolution's contents.
+fn tune_key(s: &ConvSpec) -> String {
+    format!("{:?} {:?} {} {:?} {:?} {:?} {:?} {:?} {:?} {:?} {}", s.dir, s.dtype, s.tf32, s.x_shape, s.x_strides, s.w_shape, s.y_strides, s.stride, s.padding, s.dilation, s.groups)
 }
 
 /// Builds the operation graph of one convolution on device `ordinal` and its execution plan:
@@ -371,7 +387,14 @@ pub fn prepare(spec: ConvSpec, ordinal: i32, tune: bool) -> Result<Prepared, Run
     // The heuristic's ranked configurations; where none of them is usable (f32 without TF32:
     // the fast engines all use tensor cores), cuDNN's fallback engines.
     let tune = tune && crate::cublaslt::tuning_enabled();
-    let wanted = if tune { TUNE_PLANS } else { 1 };
+    // A choice remembered from an earlier timing needs only the plans up to it built.
+    let scope = if tune { scope(ordinal).ok() } else { None };
+    let chosen = scope.as_ref().and_then(|sc| tuned().get(sc, &tune_key(&spec))).and_then(|t| t.parse::<usize>().ok()).filter(|&i| i < TUNE_PLANS);
+    let wanted = match (tune, chosen) {
+        (true, Some(i)) => i + 1,
+        (true, None) => TUNE_PLANS,
+        (false, _) => 1,
+    };
     let mut plans: Vec<(Descriptor, usize)> = Vec::new();
     let mut built_from = vec![];
     let mut why = String::new();
@@ -413,7 +436,11 @@ pub fn prepare(spec: ConvSpec, ordinal: i32, tune: bool) -> Result<Prepared, Run
     if plans.is_empty() {
         return Err(RuntimeError::Environment(format!("cuDNN has no engine for {} ({why})", spec.name)));
     }
-    let i = if tune && plans.len() > 1 { fastest(ordinal, &spec, &plans) } else { 0 };
+    let i = match (chosen, &scope) {
+        (Some(i), _) if i < plans.len() => i,
+        (_, Some(sc)) if plans.len() > 1 => fastest(ordinal, sc, &spec, &plans),
+        _ => 0,
+    };
     let (plan, _) = plans.swap_remove(i);
     built_from.extend([x, w, y, conv, op, graph]);
     Ok(Prepared { spec, plan, _built_from: built_from })
@@ -453,15 +480,9 @@ fn plan_of(h: Handle, cfg: &Descriptor, spec: &ConvSpec, rtc: bool) -> Result<Op
     Ok(Some((plan, ws as usize)))
 }
 
-/// The index of the fastest of the first `TUNE_PLANS` plans on device `ordinal` (remembered per
-/// spec); 0 when timing is not possible.
-fn fastest(ordinal: i32, s: &ConvSpec, plans: &[(Descriptor, usize)]) -> usize {
-    let key = format!("{:?} {:?} {} {:?} {:?} {:?} {:?} {:?} {:?} {:?} {}", s.dir, s.dtype, s.tf32, s.x_shape, s.x_strides, s.w_shape, s.y_strides, s.stride, s.padding, s.dilation, s.groups);
-    if let Some(&i) = tuned().lock().unwrap().get(&key) {
-        if i < plans.len() {
-            return i;
-        }
-    }
+/// The index of the fastest of the first `TUNE_PLANS` plans on device `ordinal`, remembered
+/// in `scope`; 0 when timing is not possible.
+fn fastest(ordinal: i32, scope: &str, s: &ConvSpec, plans: &[(Descriptor, usize)]) -> usize {
     let es = s.dtype.size();
     let bytes = |shape: &[i64; 4], strides: &[i64; 4]| (shape.iter().zip(strides).map(|(&n, &st)| (n - 1) * st).sum::<i64>() + 1) as usize * es;
     let sizes = [bytes(&s.x_shape, &s.x_strides), bytes(&s.w_shape, &s.w_strides()), bytes(&s.y_shape, &s.y_strides), crate::cublaslt::WORKSPACE];
@@ -470,7 +491,7 @@ fn fastest(ordinal: i32, s: &ConvSpec, plans: &[(Descriptor, usize)]) -> usize {
     let Ok(times) = timed else { return 0 };
     let (i, t) = times.iter().enumerate().fold((0, f64::INFINITY), |b, (i, &t)| if t < b.1 { (i, t) } else { b });
     if t.is_finite() {
-        tuned().lock().unwrap().insert(key, i);
+        tuned().put(scope, &tune_key(s), &i.to_string());
     }
     i
 }

@@ -61,6 +61,7 @@ pub fn parallel_map_sparing<T: Send>(spare: usize, n: usize, f: impl Fn(usize) -
 }
 
 pub mod cache;
+pub mod choices;
 pub mod cpu;
 pub mod cpu_blas;
 pub mod cublaslt;
