@@ -54,6 +54,14 @@ def sym_str(v) -> str:
     raise Unsupported(f"size {v!r}")
 
 
+def sym_val(v):
+    """A size (int or SymInt) as an op attribute: an int, or a braze size expression."""
+    if isinstance(v, int) and not isinstance(v, bool):
+        return v
+    t = sym_str(v)
+    return int(t) if t.lstrip("-").isdigit() else t
+
+
 def sym_value(v):
     """A SymInt/SymFloat/SymBool as a Num when its value is known, else a SymRef."""
     node = v.node
@@ -200,7 +208,7 @@ class Lowerer:
         self.lowered_ops = {}
         self.reasons = {}
         self.device = None
-        self.matmuls = {}  # ir id of a plain library matmul -> (tf32 text, operand ids)
+        self.matmuls = {}  # ir id of a plain library matmul -> (tf32, operand ids)
         self.n_in = 0  # IR inputs so far (graph tensor inputs, then constants)
         self.n_host = 0
         self.host_inputs = []
@@ -213,9 +221,11 @@ class Lowerer:
         self.mutations = []  # (placeholder node, FX node of the new value): aten.copy_ into an input
 
     # ---- emitting IR -------------------------------------------------------------------
-    def op(self, text: str, *ins: int) -> int:
+    def op(self, name: str, *ins: int, **attrs) -> int:
+        """Adds op `name` of IR values `ins` with typed attributes (ints, floats, bools, names,
+        sizes as ints or symbolic str, lists of those)."""
         try:
-            return self.b.op(text, list(ins))
+            return self.b.op(name, list(ins), attrs or None)
         except _core.Unsupported as e:
             raise Unsupported(str(e)) from None
 
@@ -230,23 +240,14 @@ class Lowerer:
         return len(self.shape_of(i))
 
     def scalar(self, value, dtype: torch.dtype) -> int:
-        if dtype.is_floating_point:
-            v = float(value)
-            lit = "nan" if math.isnan(v) else ("inf" if v == math.inf else ("-inf" if v == -math.inf else repr(v)))
-            if "e" not in lit and "." not in lit and lit not in ("nan", "inf", "-inf"):
-                lit += ".0"
-        elif dtype == torch.bool:
-            lit = "true" if bool(value) else "false"
-        else:
-            if isinstance(value, float) and not value.is_integer():
-                raise Unsupported("fractional scalar for an integer op")
-            lit = str(int(value))
-        return self.op(f"scalar value={lit} dtype={dt(dtype)}")
+        if not dtype.is_floating_point and dtype != torch.bool and isinstance(value, float) and not value.is_integer():
+            raise Unsupported("fractional scalar for an integer op")
+        return self.op("scalar", value=_lit(value, dtype), dtype=dt(dtype))
 
     def cast(self, i: int, dtype: torch.dtype) -> int:
         if self.dtype_of(i) == dtype:
             return i
-        return self.op(f"cast dtype={dt(dtype)}", i)
+        return self.op("cast", i, dtype=dt(dtype))
 
     def tensor(self, x, dtype: torch.dtype | None = None) -> int:
         """An FX argument (node or Python number) as an IR value, cast to ``dtype``."""
@@ -267,18 +268,20 @@ class Lowerer:
             return self.scalar(x, dtype)
         raise Unsupported(f"argument {type(x).__name__}")
 
-    def size(self, v) -> str:
+    def size(self, v):
+        """A size (int, SymInt or an FX node of one) as an op attribute: an int, or a symbolic
+        size expression."""
         if isinstance(v, torch.fx.Node):
             r = self.env.get(v)
             if isinstance(r, SymRef):
                 return r.expr
             if isinstance(r, Num) and isinstance(r.value, int):
-                return str(r.value)
+                return r.value
             raise Unsupported("size from a tensor")
-        return sym_str(v)
+        return sym_val(v)
 
-    def sizes(self, vs) -> str:
-        return "[" + ", ".join(self.size(v) for v in vs) + "]"
+    def sizes(self, vs) -> list:
+        return [self.size(v) for v in vs]
 
     # ---- the walk ------------------------------------------------------------------------
     def constant(self, val: torch.Tensor) -> int:
@@ -293,7 +296,7 @@ class Lowerer:
             return val.detach()  # on the host: passed as it is to the calls that take it
         if val.numel() <= 1:
             s = self.scalar(val.item() if val.numel() else 0, val.dtype)
-            return s if val.dim() == 0 else self.op(f"expand shape={self.sizes(val.shape)}", s)
+            return s if val.dim() == 0 else self.op("expand", s, shape=self.sizes(val.shape))
         val = val.detach()
         shape = [str(s) for s in val.shape]
         strides = [str(s) for s in val.stride()]
@@ -492,7 +495,7 @@ class Lowerer:
 
     def layout(self, i: int, strides) -> int:
         """`i` stored with `strides` (a `layout` node)."""
-        return self.op(f"layout strides=[{', '.join(map(str, strides))}]", i)
+        return self.op("layout", i, strides=[sym_val(x) for x in strides])
 
     _VIEW_OPS = ("permute", "expand", "reshape", "slice", "select")
     # ATen ops not tagged as views that return a view when they can (eager's strides are then
@@ -895,7 +898,7 @@ def _gelu(L, node, x, approximate="none"):
     if approximate == "tanh" and len(x.users) == 1 and L.env.get(x) in L.matmuls and x.meta["val"].dtype == od and L.device.type == "cuda":
         # cuBLASLt's GELU epilogue is this tanh approximation: the matmul applies it.
         tf32, ins = L.matmuls[L.env[x]]
-        return L.op(f"matmul epilogue=gelu tf32={tf32}", *ins)
+        return L.op("matmul", *ins, epilogue="gelu", tf32=tf32)
     ct = torch.float32 if od in (torch.float16, torch.bfloat16) else od
     t = L.tensor(x, ct)
     half = L.op("mul", t, L.scalar(0.5, ct))
@@ -1002,7 +1005,7 @@ def _in_place_ok(dst: torch.fx.Node, src: torch.fx.Node) -> bool:
 @register(A("copy"))
 def _copy(L, node, dst, src, non_blocking=False):
     v = node.meta["val"]
-    return L.op(f"expand shape={L.sizes(v.shape)}", L.tensor(src, v.dtype)) if list(src.meta["val"].shape) != list(v.shape) else L.tensor(src, v.dtype)
+    return L.op("expand", L.tensor(src, v.dtype), shape=L.sizes(v.shape)) if list(src.meta["val"].shape) != list(v.shape) else L.tensor(src, v.dtype)
 
 
 # ---- views ---------------------------------------------------------------------------
@@ -1014,13 +1017,13 @@ def _norm_dim(d, rank):
 @register(A("view"), A("_unsafe_view"), A("reshape"))
 def _view(L, node, x, shape):
     v = node.meta["val"]
-    return L.op(f"reshape shape={L.sizes(v.shape)}", L.tensor(x))
+    return L.op("reshape", L.tensor(x), shape=L.sizes(v.shape))
 
 
 @register(A("permute"))
 def _permute(L, node, x, dims):
     r = L.rank(L.tensor(x))
-    return L.op(f"permute dims=[{', '.join(str(_norm_dim(d, r)) for d in dims)}]", L.tensor(x))
+    return L.op("permute", L.tensor(x), dims=[_norm_dim(d, r) for d in dims])
 
 
 @register(A("t"), A("transpose"), A("numpy_T"))
@@ -1032,13 +1035,13 @@ def _transpose(L, node, x, d0=0, d1=1):
     d0, d1 = _norm_dim(d0, r), _norm_dim(d1, r)
     p = list(range(r))
     p[d0], p[d1] = p[d1], p[d0]
-    return L.op(f"permute dims=[{', '.join(map(str, p))}]", t)
+    return L.op("permute", t, dims=list(p))
 
 
 @register(A("expand"))
 def _expand(L, node, x, shape, implicit=False):
     v = node.meta["val"]
-    return L.op(f"expand shape={L.sizes(v.shape)}", L.tensor(x))
+    return L.op("expand", L.tensor(x), shape=L.sizes(v.shape))
 
 
 @register(A("unsqueeze"), A("squeeze"), A("flatten"), A("unflatten"), A("view_as"), A("expand_as"))
@@ -1048,8 +1051,8 @@ def _reshape_like(L, node, x, *a, **kw):
     if L.shape_of(t) == [sym_str(s) for s in v.shape]:
         return t
     if node.target.overloadpacket is aten.expand_as:
-        return L.op(f"expand shape={L.sizes(v.shape)}", t)
-    return L.op(f"reshape shape={L.sizes(v.shape)}", t)
+        return L.op("expand", t, shape=L.sizes(v.shape))
+    return L.op("reshape", t, shape=L.sizes(v.shape))
 
 
 @register(A("slice"))
@@ -1069,7 +1072,7 @@ def _slice(L, node, x, dim=0, start=None, end=None, step=1):
     t = L.tensor(x)
     if step == 1 and start == 0 and sym_str(v.shape[dim]) == sym_str(size):
         return t
-    return L.op(f"slice dim={dim} start={L.size(start)} len={sym_str(v.shape[dim])} step={int(step)}", t)
+    return L.op("slice", t, dim=dim, start=L.size(start), len=sym_val(v.shape[dim]), step=int(step))
 
 
 @register(A("split"), A("split_with_sizes"))
@@ -1088,7 +1091,7 @@ def _split(L, node, x, sizes, dim=0):
     t = L.tensor(x)
     out, start = [], 0
     for n in sizes:
-        out.append(t if n == total else L.op(f"slice dim={d} start={start} len={n} step=1", t))
+        out.append(t if n == total else L.op("slice", t, dim=d, start=start, len=n, step=1))
         start += n
     return tuple(out)
 
@@ -1100,7 +1103,7 @@ def _unbind(L, node, x, dim=0):
     if not isinstance(src.shape[d], int):
         raise Unsupported("unbind of a symbolic dim")
     t = L.tensor(x)
-    return tuple(L.op(f"select dim={d} index={i}", t) for i in range(src.shape[d]))
+    return tuple(L.op("select", t, dim=d, index=i) for i in range(src.shape[d]))
 
 
 @register(A("select"))
@@ -1111,7 +1114,7 @@ def _select(L, node, x, dim, index):
         if not isinstance(src.shape[dim], int):
             raise Unsupported("negative select on a symbolic dim")
         index += src.shape[dim]
-    return L.op(f"select dim={dim} index={L.size(index)}", L.tensor(x))
+    return L.op("select", L.tensor(x), dim=dim, index=L.size(index))
 
 
 # ---- reductions ----------------------------------------------------------------------
@@ -1128,16 +1131,17 @@ def _dims(dims, rank):
 def _reduce(L, kind, t, dims, keepdim, correction=None):
     if L.rank(t) == 0:
         # A 0-dim tensor reduces over its one element and stays 0-dim.
-        r = L.op(_red_text(kind, [0], True, correction), L.op("reshape shape=[1]", t))
-        return L.op("reshape shape=[]", r)
-    return L.op(_red_text(kind, dims, keepdim, correction), t)
+        r = L.op(kind, L.op("reshape", t, shape=[1]), **_red_attrs([0], True, correction))
+        return L.op("reshape", r, shape=[])
+    return L.op(kind, t, **_red_attrs(dims, keepdim, correction))
 
 
-def _red_text(kind, dims, keepdim, correction):
-    s = f"{kind} dims=[{', '.join(map(str, dims))}] keepdim={'true' if keepdim else 'false'}"
-    if kind == "var":
-        s += f" correction={int(correction)}"
-    return s
+def _red_attrs(dims, keepdim, correction):
+    """A reduction's attributes (`correction` only for var)."""
+    attrs = {"dims": list(dims), "keepdim": bool(keepdim)}
+    if correction is not None:
+        attrs["correction"] = int(correction)
+    return attrs
 
 
 @register(A("sum"))
@@ -1178,7 +1182,7 @@ def _mean(L, node, x, dims=None, keepdim=False, dtype=None):
 def _size_scalar(L, n, dtype):
     if isinstance(n, int):
         return L.scalar(n, dtype)
-    return L.op(f"size value={sym_str(n)} dtype={dt(dtype)}")
+    return L.op("size", value=sym_val(n), dtype=dt(dtype))
 
 
 @register(A("amax"), A("amin"))
@@ -1208,10 +1212,10 @@ def _argmax(L, node, x, dim=None, keepdim=False):
     t = L.tensor(x)
     if dim is None:
         shape = L.shape_of(t)
-        flat = L.op("reshape shape=[" + "*".join(f"({s})" for s in shape or ["1"]) + "]", t)
-        r = L.op(_red_text(kind, [0], False, None), flat)
+        flat = L.op("reshape", t, shape=["*".join(f"({s})" for s in shape or ["1"])])
+        r = L.op(kind, flat, **_red_attrs([0], False, None))
         if keepdim:
-            r = L.op("reshape shape=[" + ", ".join("1" for _ in shape) + "]", r)
+            r = L.op("reshape", r, shape=[1] * len(shape))
         return r
     return _reduce(L, kind, t, _dims(dim, L.rank(t)), keepdim)
 
@@ -1363,8 +1367,7 @@ def _matmul_ok(L, node, *xs):
             raise Unsupported("matmul of an empty operand")
     if isinstance(v.numel(), int) and v.numel() == 0:
         raise Unsupported("matmul with an empty result")
-    tf32 = v.dtype == torch.float32 and L.device.type == "cuda" and torch.backends.cuda.matmul.allow_tf32
-    return "true" if tf32 else "false"
+    return bool(v.dtype == torch.float32 and L.device.type == "cuda" and torch.backends.cuda.matmul.allow_tf32)
 
 
 @register(A("mm"), A("bmm"))
@@ -1382,7 +1385,7 @@ def _addmm(L, node, bias, a, b, beta=1, alpha=1):
 
 
 def _plain_matmul(L, tf32, *ins):
-    r = L.op(f"matmul epilogue=none tf32={tf32}", *ins)
+    r = L.op("matmul", *ins, epilogue="none", tf32=tf32)
     L.matmuls[r] = (tf32, ins)
     return r
 
@@ -1395,21 +1398,21 @@ def _full(L, node, size, value, **kw):
     s = L.scalar(value, v.dtype)
     if v.dim() == 0:
         return s
-    return L.op(f"expand shape={L.sizes(v.shape)}", s)
+    return L.op("expand", s, shape=L.sizes(v.shape))
 
 
 @register(A("zeros"), A("ones"))
 def _zeros(L, node, size, **kw):
     v = node.meta["val"]
     s = L.scalar(0 if node.target.overloadpacket is aten.zeros else 1, v.dtype)
-    return s if v.dim() == 0 else L.op(f"expand shape={L.sizes(v.shape)}", s)
+    return s if v.dim() == 0 else L.op("expand", s, shape=L.sizes(v.shape))
 
 
 @register(A("full_like"))
 def _full_like(L, node, x, value, **kw):
     v = node.meta["val"]
     s = L.scalar(value, v.dtype)
-    return s if v.dim() == 0 else L.op(f"expand shape={L.sizes(v.shape)}", s)
+    return s if v.dim() == 0 else L.op("expand", s, shape=L.sizes(v.shape))
 
 
 @register(A("empty_like"), A("new_empty"), A("empty"))
@@ -1417,7 +1420,7 @@ def _empty(L, node, *a, **kw):
     # Uninitialized memory may hold anything; zeros are one valid choice and need no buffer.
     v = node.meta["val"]
     s = L.scalar(0, v.dtype)
-    return s if v.dim() == 0 else L.op(f"expand shape={L.sizes(v.shape)}", s)
+    return s if v.dim() == 0 else L.op("expand", s, shape=L.sizes(v.shape))
 
 
 @register(A("fill"))
@@ -1426,7 +1429,7 @@ def _fill(L, node, x, value):
     s = L.tensor(value, v.dtype)
     if L.rank(s) != 0:
         raise Unsupported("fill with a non-scalar tensor")
-    return s if v.dim() == 0 else L.op(f"expand shape={L.sizes(v.shape)}", s)
+    return s if v.dim() == 0 else L.op("expand", s, shape=L.sizes(v.shape))
 
 
 @register(A("scalar_tensor"))
@@ -1441,7 +1444,7 @@ def _arange(L, node, *args, **kw):
     if len(nums) != len(args) or not all(isinstance(a, int) for a in nums):
         raise Unsupported("arange with non-integer bounds")
     start, step = (0, 1) if len(nums) == 1 else (nums[0], nums[2] if len(nums) > 2 else 1)
-    return L.op(f"iota len={sym_str(v.shape[0])} start={start} step={step} dtype={dt(v.dtype)}")
+    return L.op("iota", len=sym_val(v.shape[0]), start=start, step=step, dtype=dt(v.dtype))
 
 
 # ---- indexing ------------------------------------------------------------------------
@@ -1453,8 +1456,8 @@ def _index_select(L, node, x, dim, index):
     if L.rank(t) == 0:
         raise Unsupported("index_select on a 0-dim tensor")
     if L.rank(i) == 0:
-        i = L.op("reshape shape=[1]", i)
-    return L.op(f"index_select dim={_norm_dim(dim, L.rank(t))}", t, i)
+        i = L.op("reshape", i, shape=[1])
+    return L.op("index_select", t, i, dim=_norm_dim(dim, L.rank(t)))
 
 
 @register(A("embedding"))
@@ -1462,9 +1465,9 @@ def _embedding(L, node, w, idx, padding_idx=-1, scale_grad_by_freq=False, sparse
     v = node.meta["val"]
     i = L.tensor(idx)
     n = idx.meta["val"].numel()
-    flat = L.op(f"reshape shape=[{sym_str(n)}]", i)
-    rows = L.op("index_select dim=0", L.tensor(w), flat)
-    return L.op(f"reshape shape={L.sizes(v.shape)}", rows)
+    flat = L.op("reshape", i, shape=[sym_val(n)])
+    rows = L.op("index_select", L.tensor(w), flat, dim=0)
+    return L.op("reshape", rows, shape=L.sizes(v.shape))
 
 
 @register(A("gather"))
@@ -1472,7 +1475,7 @@ def _gather(L, node, x, dim, index, sparse_grad=False):
     t = L.tensor(x)
     if L.rank(t) == 0:
         raise Unsupported("gather on a 0-dim tensor")
-    return L.op(f"gather dim={_norm_dim(dim, L.rank(t))}", t, L.tensor(index))
+    return L.op("gather", t, L.tensor(index), dim=_norm_dim(dim, L.rank(t)))
 
 
 @register(A("scatter"))
@@ -1507,17 +1510,17 @@ def _cat(L, node, tensors, dim=0):
     ids = [L.tensor(t, v.dtype) for t in parts]
     if len(ids) == 1:
         return ids[0]
-    return L.op(f"cat dim={_norm_dim(dim, v.dim())}", *ids)
+    return L.op("cat", *ids, dim=_norm_dim(dim, v.dim()))
 
 
 def _dim_index(L, size, d, rank):
     """The index along dim `d` (i64), shaped to broadcast against a rank-`rank` tensor."""
-    i = L.op(f"iota len={L.size(size)} start=0 step=1 dtype=i64")
+    i = L.op("iota", len=L.size(size), start=0, step=1, dtype="i64")
     if rank == 1:
         return i
-    shape = ["1"] * rank
+    shape = [1] * rank
     shape[d] = L.size(size)
-    return L.op(f"reshape shape=[{', '.join(shape)}]", i)
+    return L.op("reshape", i, shape=shape)
 
 
 def _dim_mask(L, size, d, rank, lo, hi):
@@ -1548,7 +1551,7 @@ def _slice_scatter(L, node, base, src, dim=0, start=None, end=None, step=1):
     if end - start == 0:
         return b
     pads = [p for k in range(r) for p in ((start, size - end) if k == d else (0, 0))]
-    padded = L.op(f"pad pads=[{', '.join(map(str, pads))}] value={_lit(0, v.dtype)}", x) if any(pads) else x
+    padded = L.op("pad", x, pads=list(pads), value=_lit(0, v.dtype)) if any(pads) else x
     if start == 0 and end == size:
         return padded
     return L.op("where", _dim_mask(L, size, d, r, start, end), padded, b)
@@ -1566,7 +1569,7 @@ def _select_scatter(L, node, base, src, dim, index):
     index = index + size if index < 0 else index
     shape = list(src.meta["val"].shape)
     shape.insert(d, 1)
-    x = L.op(f"reshape shape={L.sizes(shape)}", L.tensor(src, v.dtype))
+    x = L.op("reshape", L.tensor(src, v.dtype), shape=L.sizes(shape))
     return L.op("where", _dim_mask(L, size, d, r, index, index + 1), x, L.tensor(base, v.dtype))
 
 
@@ -1577,13 +1580,13 @@ def _stack(L, node, tensors, dim=0):
     d = _norm_dim(dim, v.dim())
     shape = list(v.shape)
     shape[d] = 1
-    ids = [L.op(f"reshape shape={L.sizes(shape)}", L.tensor(t, v.dtype)) for t in tensors]
-    return ids[0] if len(ids) == 1 else L.op(f"cat dim={d}", *ids)
+    ids = [L.op("reshape", L.tensor(t, v.dtype), shape=L.sizes(shape)) for t in tensors]
+    return ids[0] if len(ids) == 1 else L.op("cat", *ids, dim=d)
 
 
 def _channels_last_strides(shape):
     n, c, h, w = shape
-    return [c * h * w, 1, w * c, c]
+    return [sym_val(x) for x in (c * h * w, 1, w * c, c)]
 
 
 # [Note: convolution layout] cuDNN's fast kernels on the H100 and oneDNN's on the CPU are
@@ -1745,14 +1748,14 @@ def _library_conv(L, node, x, weight, bias, stride, padding, dilation, groups, c
     else:
         xi = _cl_operand(L, x)
         wi = _cl_operand(L, weight) if cl_weight else L.tensor(weight)
-    tf32 = "true" if val.dtype == torch.float32 and torch.backends.cudnn.allow_tf32 else "false"
-    pair = lambda v: ", ".join(str(int(a)) for a in pool_pair(v))  # noqa: E731
-    out_strides = ", ".join(map(str, _channels_last_strides(list(val.shape))))
+    tf32 = val.dtype == torch.float32 and torch.backends.cudnn.allow_tf32
+    pair = lambda v: [int(a) for a in pool_pair(v)]  # noqa: E731
     L.n_library_convs += 1
-    r = L.op(f"conv stride=[{pair(stride)}] padding=[{pair(padding)}] dilation=[{pair(dilation)}] groups={int(groups)} tf32={tf32} strides=[{out_strides}]", xi, wi)
+    r = L.op("conv", xi, wi, stride=pair(stride), padding=pair(padding), dilation=pair(dilation), groups=int(groups), tf32=tf32,
+             strides=_channels_last_strides(list(val.shape)))
     if bias is not None:
         b = L.tensor(bias, val.dtype)
-        r = L.op("add", r, L.op(f"reshape shape=[{val.shape[1]}, 1, 1]", b))
+        r = L.op("add", r, L.op("reshape", b, shape=[sym_val(val.shape[1]), 1, 1]))
     L.relaid[r] = list(val.stride())
     return r
 
@@ -1800,7 +1803,7 @@ def _channels_padded(L, t, c_to):
     shape = list(v.shape)
     pads = [0, 0, 0, c_to - shape[1], 0, 0, 0, 0]
     i = L.tensor(t, v.dtype)
-    p = L.op(f"pad pads=[{', '.join(map(str, pads))}] value={_lit(0, v.dtype)}", i)
+    p = L.op("pad", i, pads=list(pads), value=_lit(0, v.dtype))
     return L.layout(p, _channels_last_strides([shape[0], c_to] + shape[2:]))
 
 
@@ -1816,16 +1819,15 @@ def _library_conv_backward(L, node, grad_out, x, weight, stride, padding, dilati
     val = node.meta["val"]
     xv, wv = x.meta["val"], weight.meta["val"]
     gi = _cl_operand(L, grad_out)
-    tf32 = "true" if xv.dtype == torch.float32 and torch.backends.cudnn.allow_tf32 else "false"
-    pair = lambda v: ", ".join(str(int(a)) for a in pool_pair(v))  # noqa: E731
-    common = f"stride=[{pair(stride)}] padding=[{pair(padding)}] dilation=[{pair(dilation)}] groups={int(groups)} tf32={tf32}"
-    strides = lambda shape: ", ".join(map(str, _channels_last_strides(list(shape))))  # noqa: E731
+    tf32 = xv.dtype == torch.float32 and torch.backends.cudnn.allow_tf32
+    pair = lambda v: [int(a) for a in pool_pair(v)]  # noqa: E731
+    common = dict(stride=pair(stride), padding=pair(padding), dilation=pair(dilation), groups=int(groups), tf32=tf32)
     dx = dw = db = None
     # Inputs of few channels padded as the forward's (`_padded_channels`); the gradients
     # computed for the padded channels and sliced.
     c_to = _padded_channels(xv, groups)
     c = xv.shape[1]
-    unpad = lambda t: L.op(f"slice dim=1 start=0 len={c} step=1", t) if c_to else t  # noqa: E731
+    unpad = lambda t: L.op("slice", t, dim=1, start=0, len=sym_val(c), step=1) if c_to else t  # noqa: E731
     if mask[0] and val[0] is not None:
         if c_to:
             wi = _channels_padded(L, weight, c_to)
@@ -1836,17 +1838,17 @@ def _library_conv_backward(L, node, grad_out, x, weight, stride, padding, dilati
         else:
             raise Unsupported("convolution weight neither contiguous nor channels_last")
         shape = [xv.shape[0], c_to or c, xv.shape[2], xv.shape[3]]
-        dx = unpad(L.op(f"conv dir=data spatial=[{xv.shape[2]}, {xv.shape[3]}] {common} strides=[{strides(shape)}]", gi, wi))
+        dx = unpad(L.op("conv", gi, wi, dir="data", spatial=[sym_val(xv.shape[2]), sym_val(xv.shape[3])], strides=_channels_last_strides(shape), **common))
         L.relaid[dx] = list(val[0].stride())
         L.n_library_convs += 1
     if mask[1] and val[1] is not None:
         xi = _channels_padded(L, x, c_to) if c_to else _cl_operand(L, x)
         shape = [wv.shape[0], c_to or wv.shape[1], wv.shape[2], wv.shape[3]]
-        dw = unpad(L.op(f"conv dir=filter spatial=[{wv.shape[2]}, {wv.shape[3]}] {common} strides=[{strides(shape)}]", xi, gi))
+        dw = unpad(L.op("conv", xi, gi, dir="filter", spatial=[sym_val(wv.shape[2]), sym_val(wv.shape[3])], strides=_channels_last_strides(shape), **common))
         L.relaid[dw] = list(val[1].stride())
         L.n_library_convs += 1
     if mask[2] and val[2] is not None:
-        db = L.op("sum dims=[0, 2, 3] keepdim=false", gi)
+        db = L.op("sum", gi, dims=[0, 2, 3], keepdim=False)
     return (dx, dw, db)
 
 
@@ -1881,12 +1883,12 @@ def _pool_window(L, x, val, kernel_size, stride, padding, dilation, ceil_mode):
     t = L.tensor(x)
     if p[0] or p[1]:
         pads = [0] * (2 * (r - 2)) + [p[0], p[0], p[1], p[1]]
-        t = L.op(f"pad pads=[{', '.join(map(str, pads))}] value=-inf", t)
+        t = L.op("pad", t, pads=list(pads), value=-math.inf)
     taps = []
     for di in range(k[0]):
         for dj in range(k[1]):
-            v = L.op(f"slice dim={r - 2} start={di} len={ho} step={s[0]}", t)
-            taps.append((di, dj, L.op(f"slice dim={r - 1} start={dj} len={wo} step={s[1]}", v)))
+            v = L.op("slice", t, dim=r - 2, start=di, len=ho, step=s[0])
+            taps.append((di, dj, L.op("slice", v, dim=r - 1, start=dj, len=wo, step=s[1])))
     return k, s, p, r, taps
 
 
@@ -1992,27 +1994,21 @@ def _pad(L, node, x, pad, value=0):
             start, stop = max(-lo, 0), shape[d] - max(-hi, 0)
             if not isinstance(shape[d], int):
                 raise Unsupported("negative padding on a symbolic dim")
-            t = L.op(f"slice dim={d} start={start} len={max(stop - start, 0)} step=1", t)
+            t = L.op("slice", t, dim=d, start=start, len=max(stop - start, 0), step=1)
             pairs[d] = [max(lo, 0), max(hi, 0)]
     flat = [p for pr in pairs for p in pr]
     if not any(flat):
         return t
-    lit = _lit(value, L.dtype_of(t))
-    return L.op(f"pad pads=[{', '.join(map(str, flat))}] value={lit}", t)
+    return L.op("pad", t, pads=list(flat), value=_lit(value, L.dtype_of(t)))
 
 
 def _lit(value, dtype):
+    """A scalar of `dtype` as an op attribute: float, bool or int."""
     if dtype.is_floating_point:
-        v = float(value)
-        if math.isnan(v):
-            return "nan"
-        if math.isinf(v):
-            return "inf" if v > 0 else "-inf"
-        s = repr(v)
-        return s if ("." in s or "e" in s) else s + ".0"
+        return float(value)
     if dtype == torch.bool:
-        return "true" if value else "false"
-    return str(int(value))
+        return bool(value)
+    return int(value)
 
 
 # ---- control flow: cond and while_loop with braze-compiled subgraphs ------------------

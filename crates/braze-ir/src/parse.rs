@@ -71,17 +71,6 @@ fn node_ref(s: &str) -> Option<NodeId> {
     s.strip_prefix('%')?.parse().ok().map(NodeId)
 }
 
-/// Parses `op attrs operands` (no result, no type), as the Python builder sends ops.
-pub fn parse_op(text: &str) -> Result<(Op, Vec<NodeId>), String> {
-    let mut c = Cursor { s: text.chars().collect(), i: 0 };
-    let name = c.word();
-    let (attrs, operands, ty) = c.rest()?;
-    if ty.is_some() {
-        return Err("unexpected type".into());
-    }
-    Ok((build_op(&name, &attrs)?, operands))
-}
-
 fn parse_node(g: &mut Graph, line: &str) -> Result<(), String> {
     let mut c = Cursor { s: line.chars().collect(), i: 0 };
     let id = node_ref(&c.word()).ok_or("expected `%N =`")?;
@@ -154,7 +143,7 @@ struct Cursor {
     i: usize,
 }
 
-type Parts = (BTreeMap<String, String>, Vec<NodeId>, Option<String>);
+type Parts = (Attrs, Vec<NodeId>, Option<String>);
 
 impl Cursor {
     fn ws(&mut self) {
@@ -241,7 +230,7 @@ impl Cursor {
                         return Err(format!("expected `key=value`, found `{key}`"));
                     }
                     let v = self.value()?;
-                    attrs.insert(key, v);
+                    attrs.insert(key, Attr::Text(v));
                 }
             }
         }
@@ -260,20 +249,86 @@ pub fn parse_lit(s: &str) -> Result<Lit, String> {
     })
 }
 
-fn build_op(name: &str, a: &BTreeMap<String, String>) -> Result<Op, String> {
-    let get = |k: &str| a.get(k).map(|s| s.as_str()).ok_or_else(|| format!("{name} needs `{k}=`"));
-    let int = |k: &str| -> Result<i64, String> { get(k)?.parse().map_err(|_| format!("`{k}` must be an integer")) };
-    let usz = |k: &str| -> Result<usize, String> { get(k)?.parse().map_err(|_| format!("`{k}` must be a dim")) };
-    let expr = |k: &str| -> Result<Expr, String> { parse_expr(get(k)?) };
-    let exprs = |k: &str| -> Result<Vec<Expr>, String> { parse_expr_list(get(k)?) };
+/// An op attribute as a builder hands it over: a typed value, or text in the IR's syntax (the
+/// text parser's attributes; symbolic sizes).
+#[derive(Clone, Debug, PartialEq)]
+pub enum Attr {
+    Text(String),
+    Int(i64),
+    Float(f64),
+    Bool(bool),
+    /// Sizes, strides or dims: constants and symbolic expressions.
+    Exprs(Vec<Expr>),
+}
+
+/// An op's attributes by name.
+pub type Attrs = BTreeMap<String, Attr>;
+
+impl Attr {
+    fn int(&self) -> Option<i64> {
+        match self {
+            Attr::Int(v) => Some(*v),
+            Attr::Text(s) => s.parse().ok(),
+            _ => None,
+        }
+    }
+
+    fn expr(&self) -> Result<Expr, String> {
+        match self {
+            Attr::Int(v) => Ok(Expr::constant(*v)),
+            Attr::Text(s) => parse_expr(s),
+            other => Err(format!("expected a size, got {other:?}")),
+        }
+    }
+
+    fn exprs(&self) -> Result<Vec<Expr>, String> {
+        match self {
+            Attr::Exprs(v) => Ok(v.clone()),
+            Attr::Text(s) => parse_expr_list(s),
+            other => Err(format!("expected a list of sizes, got {other:?}")),
+        }
+    }
+
+    fn boolean(&self) -> Option<bool> {
+        match self {
+            Attr::Bool(b) => Some(*b),
+            Attr::Text(s) => s.parse().ok(),
+            _ => None,
+        }
+    }
+
+    fn lit(&self) -> Result<Lit, String> {
+        match self {
+            Attr::Int(v) => Ok(Lit::I(*v)),
+            Attr::Float(v) => Ok(Lit::F(*v)),
+            Attr::Bool(b) => Ok(Lit::B(*b)),
+            Attr::Text(s) => parse_lit(s),
+            Attr::Exprs(_) => Err("expected a number".into()),
+        }
+    }
+}
+
+/// The op `name` with attributes `a`, as the text parser and the typed builder both make it.
+pub fn build_op(name: &str, a: &Attrs) -> Result<Op, String> {
+    let get = |k: &str| a.get(k).ok_or_else(|| format!("{name} needs `{k}=`"));
+    let text = |k: &str| -> Result<&str, String> {
+        match get(k)? {
+            Attr::Text(s) => Ok(s.as_str()),
+            other => Err(format!("`{k}` must be a name, got {other:?}")),
+        }
+    };
+    let int = |k: &str| -> Result<i64, String> { get(k)?.int().ok_or_else(|| format!("`{k}` must be an integer")) };
+    let usz = |k: &str| -> Result<usize, String> { get(k)?.int().filter(|v| *v >= 0).map(|v| v as usize).ok_or_else(|| format!("`{k}` must be a dim")) };
+    let expr = |k: &str| -> Result<Expr, String> { get(k)?.expr() };
+    let exprs = |k: &str| -> Result<Vec<Expr>, String> { get(k)?.exprs() };
     let dims = |k: &str| -> Result<Vec<usize>, String> {
         exprs(k)?.iter().map(|e| e.as_const().filter(|v| *v >= 0).map(|v| v as usize).ok_or(format!("`{k}` must list dims"))).collect()
     };
-    let dtype = |k: &str| -> Result<DType, String> { DType::from_name(get(k)?).ok_or_else(|| format!("unknown dtype in `{k}`")) };
-    let boolean = |k: &str| -> Result<bool, String> { get(k)?.parse().map_err(|_| format!("`{k}` must be true or false")) };
+    let dtype = |k: &str| -> Result<DType, String> { DType::from_name(text(k)?).ok_or_else(|| format!("unknown dtype in `{k}`")) };
+    let boolean = |k: &str| -> Result<bool, String> { get(k)?.boolean().ok_or_else(|| format!("`{k}` must be true or false")) };
     let op = match name {
         "input" => Op::Input { index: int("index")? as u32, strides: exprs("strides")? },
-        "scalar" => Op::Scalar { value: parse_lit(get("value")?)?, dtype: dtype("dtype")? },
+        "scalar" => Op::Scalar { value: get("value")?.lit()?, dtype: dtype("dtype")? },
         "size" => Op::Size { value: expr("value")?, dtype: dtype("dtype")? },
         "iota" => Op::Iota { len: expr("len")?, start: int("start")?, step: int("step")?, dtype: dtype("dtype")? },
         "where" => Op::Where,
@@ -292,21 +347,21 @@ fn build_op(name: &str, a: &BTreeMap<String, String>) -> Result<Op, String> {
                 return Err("pads needs (before, after) pairs".into());
             }
             let pads = flat.chunks(2).map(|c| (c[0] as i64, c[1] as i64)).collect();
-            Op::Pad { pads, value: parse_lit(get("value")?)? }
+            Op::Pad { pads, value: get("value")?.lit()? }
         }
         "matmul" => Op::Matmul {
-            epilogue: crate::op::Epilogue::from_name(get("epilogue")?).ok_or("unknown epilogue")?,
+            epilogue: crate::op::Epilogue::from_name(text("epilogue")?).ok_or("unknown epilogue")?,
             tf32: boolean("tf32")?,
             residual: if a.contains_key("residual") { boolean("residual")? } else { false },
         },
         "conv" => {
             let ints = |k: &str| -> Result<Vec<i64>, String> { Ok(dims(k)?.into_iter().map(|d| d as i64).collect()) };
-            let dir = if a.contains_key("dir") { crate::op::ConvDir::from_name(get("dir")?).ok_or("unknown conv dir")? } else { crate::op::ConvDir::Forward };
+            let dir = if a.contains_key("dir") { crate::op::ConvDir::from_name(text("dir")?).ok_or("unknown conv dir")? } else { crate::op::ConvDir::Forward };
             let spatial = if a.contains_key("spatial") { ints("spatial")? } else { Vec::new() };
             Op::Conv { dir, stride: ints("stride")?, padding: ints("padding")?, dilation: ints("dilation")?, groups: int("groups")?, spatial, tf32: boolean("tf32")?, strides: exprs("strides")? }
         }
         "extern" => Op::Extern {
-            target: get("target")?.to_string(),
+            target: text("target")?.to_string(),
             outputs: int("outputs")? as u32,
             effect: if a.contains_key("effect") { boolean("effect")? } else { false },
         },
@@ -326,4 +381,70 @@ fn build_op(name: &str, a: &BTreeMap<String, String>) -> Result<Op, String> {
         }
     };
     Ok(op)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn text_op(text: &str) -> Op {
+        let mut c = Cursor { s: text.chars().collect(), i: 0 };
+        let name = c.word();
+        let (attrs, _, _) = c.rest().unwrap();
+        build_op(&name, &attrs).unwrap()
+    }
+
+    fn typed(name: &str, attrs: Vec<(&str, Attr)>) -> Op {
+        build_op(name, &attrs.into_iter().map(|(k, v)| (k.to_string(), v)).collect()).unwrap()
+    }
+
+    #[test]
+    fn typed_attributes_make_the_ops_their_text_makes() {
+        let c = |v: &[i64]| Attr::Exprs(v.iter().map(|&x| Expr::constant(x)).collect());
+        let cases: Vec<(&str, Op)> = vec![
+            ("sum dims=[0, 2] keepdim=false", typed("sum", vec![("dims", c(&[0, 2])), ("keepdim", Attr::Bool(false))])),
+            ("var dims=[1] keepdim=true correction=1", typed("var", vec![("dims", c(&[1])), ("keepdim", Attr::Bool(true)), ("correction", Attr::Int(1))])),
+            ("scalar value=0.5 dtype=f32", typed("scalar", vec![("value", Attr::Float(0.5)), ("dtype", Attr::Text("f32".into()))])),
+            ("scalar value=-inf dtype=bf16", typed("scalar", vec![("value", Attr::Float(f64::NEG_INFINITY)), ("dtype", Attr::Text("bf16".into()))])),
+            ("scalar value=3 dtype=i64", typed("scalar", vec![("value", Attr::Int(3)), ("dtype", Attr::Text("i64".into()))])),
+            ("scalar value=true dtype=bool", typed("scalar", vec![("value", Attr::Bool(true)), ("dtype", Attr::Text("bool".into()))])),
+            (
+                "reshape shape=[s0*4, 3]",
+                typed("reshape", vec![("shape", Attr::Exprs(vec![parse_expr("s0*4").unwrap(), Expr::constant(3)]))]),
+            ),
+            (
+                "slice dim=1 start=s1 len=8 step=2",
+                typed("slice", vec![("dim", Attr::Int(1)), ("start", Attr::Text("s1".into())), ("len", Attr::Int(8)), ("step", Attr::Int(2))]),
+            ),
+            ("pad pads=[0, 1, 2, 0] value=0.0", typed("pad", vec![("pads", c(&[0, 1, 2, 0])), ("value", Attr::Float(0.0))])),
+            ("matmul epilogue=gelu tf32=true", typed("matmul", vec![("epilogue", Attr::Text("gelu".into())), ("tf32", Attr::Bool(true))])),
+            (
+                "conv dir=filter spatial=[3, 3] stride=[1, 1] padding=[1, 1] dilation=[1, 1] groups=1 tf32=false strides=[576, 1, 192, 64]",
+                typed(
+                    "conv",
+                    vec![
+                        ("dir", Attr::Text("filter".into())),
+                        ("spatial", c(&[3, 3])),
+                        ("stride", c(&[1, 1])),
+                        ("padding", c(&[1, 1])),
+                        ("dilation", c(&[1, 1])),
+                        ("groups", Attr::Int(1)),
+                        ("tf32", Attr::Bool(false)),
+                        ("strides", c(&[576, 1, 192, 64])),
+                    ],
+                ),
+            ),
+            ("iota len=s0 start=0 step=1 dtype=i64", typed("iota", vec![("len", Attr::Text("s0".into())), ("start", Attr::Int(0)), ("step", Attr::Int(1)), ("dtype", Attr::Text("i64".into()))])),
+        ];
+        for (text, op) in cases {
+            assert_eq!(text_op(text), op, "{text}");
+        }
+    }
+
+    #[test]
+    fn wrong_attribute_types_are_errors() {
+        assert!(build_op("sum", &[("dims".to_string(), Attr::Bool(true)), ("keepdim".to_string(), Attr::Bool(true))].into_iter().collect()).is_err());
+        assert!(build_op("cast", &[("dtype".to_string(), Attr::Int(3))].into_iter().collect()).is_err());
+        assert!(build_op("slice", &[("dim".to_string(), Attr::Int(-1))].into_iter().collect()).is_err());
+    }
 }

@@ -8,7 +8,7 @@ use braze_ir::{parse, DType, Expr, Graph, NodeId, Op, TensorTy};
 use pyo3::create_exception;
 use pyo3::exceptions::PyException;
 use pyo3::prelude::*;
-use pyo3::types::PyList;
+use pyo3::types::{PyBool, PyDict, PyFloat, PyList, PyString, PyTuple};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 
 create_exception!(_core, Unsupported, PyException, "braze cannot compile this graph; it runs eagerly.");
@@ -21,6 +21,36 @@ fn unsupported(e: impl ToString) -> PyErr {
 
 fn parse_exprs(v: &[String]) -> PyResult<Vec<Expr>> {
     v.iter().map(|s| braze_ir::sym::parse_expr(s).map_err(unsupported)).collect()
+}
+
+/// An op attribute from Python: a bool, int, float, a name or symbolic size (str), or a list of
+/// sizes or dims (ints and symbolic sizes).
+fn attr(v: &Bound<'_, PyAny>) -> PyResult<parse::Attr> {
+    use parse::Attr;
+    if v.is_instance_of::<PyBool>() {
+        return Ok(Attr::Bool(v.extract()?));
+    }
+    if let Ok(i) = v.extract::<i64>() {
+        return Ok(Attr::Int(i));
+    }
+    if v.is_instance_of::<PyFloat>() {
+        return Ok(Attr::Float(v.extract()?));
+    }
+    if v.is_instance_of::<PyString>() {
+        return Ok(Attr::Text(v.extract()?));
+    }
+    if v.is_instance_of::<PyList>() || v.is_instance_of::<PyTuple>() {
+        let mut out = Vec::new();
+        for x in v.try_iter()? {
+            let x = x?;
+            out.push(match x.extract::<i64>() {
+                Ok(i) if !x.is_instance_of::<PyBool>() => Expr::constant(i),
+                _ => braze_ir::sym::parse_expr(&x.extract::<String>()?).map_err(unsupported)?,
+            });
+        }
+        return Ok(Attr::Exprs(out));
+    }
+    Err(unsupported(format!("op attribute of type {}", v.get_type().name()?)))
 }
 
 fn dtype(s: &str) -> PyResult<DType> {
@@ -46,9 +76,15 @@ impl GraphBuilder {
         Ok(self.g.add_typed(Op::Input { index, strides: parse_exprs(&strides)? }, vec![], Some(ty)).0)
     }
 
-    /// Adds an op written in the IR's text form (`"sum dims=[1] keepdim=true"`).
-    fn op(&mut self, text: &str, inputs: Vec<u32>) -> PyResult<u32> {
-        let (op, _) = parse::parse_op(text).map_err(unsupported)?;
+    /// Adds op `name` with typed attributes (`op("sum", [x], {"dims": [1], "keepdim": True})`):
+    /// bools, ints, floats, names and symbolic sizes as str, lists of sizes or dims.
+    #[pyo3(signature = (name, inputs, attrs=None))]
+    fn op(&mut self, name: &str, inputs: Vec<u32>, attrs: Option<&Bound<'_, PyDict>>) -> PyResult<u32> {
+        let mut a = parse::Attrs::new();
+        for (k, v) in attrs.into_iter().flat_map(|d| d.iter()) {
+            a.insert(k.extract::<String>()?, attr(&v)?);
+        }
+        let op = parse::build_op(name, &a).map_err(unsupported)?;
         if matches!(op, Op::Input { .. } | Op::Extern { .. } | Op::ExternOut { .. }) {
             return Err(unsupported("use input() / extern_call()"));
         }
