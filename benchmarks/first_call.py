@@ -37,11 +37,11 @@ elif backend == "braze_aot":
     # takes outside its own stages.
     from functorch.compile import make_boxed_func
     from torch._dynamo.backends.common import aot_autograd
-    from torch._functorch.partitioners import min_cut_rematerialization_partition
+    from braze.backend import _partition
     from braze.decomp import decomposition_table
     nop = lambda gm, ex: make_boxed_func(gm.forward)
     fn = torch.compile(model, backend=aot_autograd(fw_compiler=nop, bw_compiler=nop, inference_compiler=nop,
-                                                   decompositions=decomposition_table(), partition_fn=min_cut_rematerialization_partition,
+                                                   decompositions=decomposition_table(), partition_fn=_partition,
                                                    keep_inference_input_mutations=True))
 else:
     fn = torch.compile(model, backend=backend)

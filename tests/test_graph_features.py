@@ -439,3 +439,49 @@ def test_dead_stores_dropped(device):
     fw = [r for r in braze.stats.records[n0:] if r["kind"] == "forward"][0]
     # The pooled values and their offsets (saved for the backward): two stores.
     assert sum(len(roots) for _, roots in fw["kernels"]) == 2, fw["kernels"]
+
+
+def test_gpu_lowering_of_library_ops_without_a_gpu(monkeypatch):
+    """The GPU-only lowerings (cuDNN convolutions and their gradients, cuBLASLt matmuls with
+    the GELU epilogue, BatchNorm) run on fake CUDA tensors, so CI without a GPU builds their IR
+    through the typed builder: every op is braze's own (no extern), with the attributes the
+    shapes and layouts imply."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from braze import cuda
+    from braze.lowering import lower_graph
+
+    monkeypatch.setattr(cuda, "cudnn_ready", lambda: True)
+    monkeypatch.setattr(cuda, "cublaslt_ready", lambda: True)
+    aten = torch.ops.aten
+    cl = torch.channels_last
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    with mode:
+        x = torch.empty(2, 8, 12, 12, device="cuda").to(memory_format=cl)
+        w = torch.empty(16, 8, 3, 3, device="cuda").to(memory_format=cl)
+        b = torch.empty(16, device="cuda")
+        g = torch.empty(2, 16, 12, 12, device="cuda").to(memory_format=cl)
+        a2 = torch.empty(64, 32, device="cuda", dtype=torch.bfloat16)
+        w2 = torch.empty(32, 48, device="cuda", dtype=torch.bfloat16)
+        b2 = torch.empty(48, device="cuda", dtype=torch.bfloat16)
+        rm, rv = torch.empty(16, device="cuda"), torch.empty(16, device="cuda")
+
+    def f(x, w, b, g, a2, w2, b2, rm, rv):
+        y = aten.convolution.default(x, w, b, [1, 1], [1, 1], [1, 1], False, [0, 0], 1)
+        dx, dw, db = aten.convolution_backward.default(g, x, w, [16], [1, 1], [1, 1], [1, 1], False, [0, 0], 1, [True, True, True])
+        m = aten.gelu.default(aten.addmm.default(b2, a2, w2), approximate="tanh")
+        bn = aten._native_batch_norm_legit_functional.default(y, b, b, rm, rv, True, 0.1, 1e-5)
+        gbn = aten.native_batch_norm_backward.default(g, y, b, None, None, bn[1], bn[2], True, 1e-5, [True, True, True])
+        return y, dx, dw, db, m, bn[0], bn[3], bn[4], gbn[0], gbn[1]
+
+    with mode:
+        gm = make_fx(f, tracing_mode="fake")(x, w, b, g, a2, w2, b2, rm, rv)
+        low = lower_graph(gm, "forward_0")
+    assert not low.reasons, low.reasons
+    text = low.builder.text()
+    assert "conv stride=[1, 1] padding=[1, 1] dilation=[1, 1] groups=1 tf32=true strides=[2304, 1, 192, 16]" in text, text
+    assert "conv dir=data spatial=[12, 12] stride=[1, 1] padding=[1, 1] dilation=[1, 1] groups=1 tf32=true strides=[1152, 1, 96, 8]" in text, text
+    assert "conv dir=filter spatial=[3, 3] stride=[1, 1] padding=[1, 1] dilation=[1, 1] groups=1 tf32=true strides=[72, 1, 24, 8]" in text, text
+    assert "matmul epilogue=gelu tf32=false" in text and "extern" not in text, text
+    assert "var dims=[0, 2, 3] keepdim=true correction=0" in text, text

@@ -1036,6 +1036,59 @@ def test_batchnorm_running_stats_stored_in_place(device, compiled_graphs):
     assert braze.stats.graphs_eager == 0
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_batchnorm_lowered_not_decomposed(device, dtype):
+    """[Note: BatchNorm lowered, not decomposed]: a training step's BatchNorm (1-d over
+    (N, C, L) and 2-d, channels_last, without affine weights) and its backward, and the
+    evaluation-mode BatchNorm after it, are lowered by braze itself: the ATen ops reach the
+    lowering (none falls back), and outputs, gradients and running statistics match eager."""
+    import copy
+
+    torch.manual_seed(0)
+
+    class M(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.c = torch.nn.Conv2d(3, 8, 3, bias=False)  # a bias before BatchNorm has a zero gradient
+            self.b2 = torch.nn.BatchNorm2d(8, affine=False)
+            self.b1 = torch.nn.BatchNorm1d(8)
+
+        def forward(self, x):
+            y = torch.relu(self.b2(self.c(x)))
+            return self.b1(y.flatten(2)).sigmoid()
+
+    m = M().to(device=device, dtype=dtype).to(memory_format=torch.channels_last)
+    ref = copy.deepcopy(m)
+    before = dict(braze.stats.lowered_ops)
+    c = compiled(m, options={"on_unsupported": "error"})
+    tol = {} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
+    for _ in range(2):
+        x = torch.randn(4, 3, 12, 12, device=device, dtype=dtype).to(memory_format=torch.channels_last)
+        xr = x.clone().requires_grad_()
+        x.requires_grad_()
+        out, want = c(x), ref(xr)
+        torch.testing.assert_close(out, want, **tol)
+        out.float().square().sum().backward()
+        want.float().square().sum().backward()
+        torch.testing.assert_close(x.grad, xr.grad, **({"atol": 1e-4, "rtol": 1e-4} if dtype == torch.float32 else tol))
+    for a, b in zip(m.parameters(), ref.parameters()):
+        # bf16 weight gradients sum bf16 products whose roundings differ: compared as vectors.
+        err = (a.grad.float() - b.grad.float()).norm() / b.grad.float().norm()
+        assert err < (1e-5 if dtype == torch.float32 else 2e-2), err
+    for (name, a), b in zip(m.named_buffers(), ref.buffers()):
+        torch.testing.assert_close(a, b, msg=name, **tol)
+    m.eval(), ref.eval()
+    with torch.no_grad():
+        x = torch.randn(4, 3, 12, 12, device=device, dtype=dtype)
+        torch.testing.assert_close(c(x), ref(x), **tol)
+    lowered = {k: v - before.get(k, 0) for k, v in braze.stats.lowered_ops.items() if v != before.get(k, 0)}
+    assert lowered.get("aten._native_batch_norm_legit_functional.default") == 2, lowered
+    assert lowered.get("aten.native_batch_norm_backward.default") == 2, lowered
+    assert lowered.get("aten._native_batch_norm_legit_no_training.default") == 2, lowered
+    assert not any("batch_norm" in op for op in braze.stats.extern_ops), braze.stats.extern_ops
+    assert braze.stats.graphs_eager == 0
+
+
 def test_input_mutation_read_after_it_is_copied(device, compiled_graphs):
     """An input's new value that is also read by later values cannot be stored in place while
     the input is still being read; it is copied into the input after the call."""

@@ -39,7 +39,7 @@ LOWERED = {
     "sum", "mean", "prod", "amax", "amin", "max.reduction_with_dim", "min.reduction_with_dim",
     "max.reduction_no_dim", "min.reduction_no_dim", "argmax", "argmin", "any", "all", "var", "std",
     "var_mean", "std_mean", "logsumexp", "softmax", "log_softmax", "nn.functional.softmax",
-    "nn.functional.log_softmax", "nn.functional.layer_norm", "nn.functional.rms_norm",
+    "nn.functional.log_softmax", "nn.functional.layer_norm", "nn.functional.rms_norm", "nn.functional.batch_norm",
     "nn.functional.mse_loss", "nn.functional.cross_entropy", "nn.functional.nll_loss",
     # views and data movement
     "view", "reshape", "permute", "transpose", "t", "expand", "unsqueeze", "squeeze", "flatten", "unflatten",

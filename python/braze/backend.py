@@ -20,7 +20,7 @@ from . import _core, cuda, cudagraphs
 from . import autograd as direct
 from .attention import dense_masks
 from .config import Config
-from .decomp import decomposition_table
+from .decomp import decomposition_table, drop_unread_batch_norm_stats
 from .lowering import Unsupported, is_tensor_meta, lower_graph
 from .runtime import CompiledGraph
 
@@ -312,10 +312,17 @@ def _backward_ahead_of_time(cfg: Config):
     return contextlib.nullcontext()
 
 
+def _partition(joint, joint_inputs, **kwargs):
+    """The min-cut partitioner, after the joint-graph rewrites braze needs first."""
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+    drop_unread_batch_norm_stats(joint)
+    return min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
+
+
 @functools.lru_cache(None)
 def _aot_backend(cfg: Config):
     from torch._dynamo.backends.common import aot_autograd
-    from torch._functorch.partitioners import min_cut_rematerialization_partition
 
     fw = functools.partial(compile_fx_graph, cfg=cfg, kind="forward")
     bw = functools.partial(compile_fx_graph, cfg=cfg, kind="backward")
@@ -325,7 +332,7 @@ def _aot_backend(cfg: Config):
         bw_compiler=bw,
         inference_compiler=inf,
         decompositions=decomposition_table() if cfg.decompose else {},
-        partition_fn=min_cut_rematerialization_partition,
+        partition_fn=_partition,
         # Input mutations stay in the graph as copy_ nodes ([Note: input mutations]).
         keep_inference_input_mutations=True,
     )

@@ -21,9 +21,9 @@ _NAMES = [
     "binary_cross_entropy_backward", "binary_cross_entropy_with_logits", "nll_loss_forward",
     "addcmul", "addcdiv", "lerp", "logsumexp", "std", "std_mean", "rsub", "masked_fill",
     "full_like", "zeros_like", "ones_like", "new_zeros", "new_ones", "new_full", "new_empty",
-    "native_group_norm", "native_batch_norm", "_native_batch_norm_legit",
-    "_native_batch_norm_legit_functional", "_native_batch_norm_legit_no_training",
-    "native_batch_norm_backward", "native_group_norm_backward", "xlogy", "clamp_min", "clamp_max",
+    # BatchNorm's functional, evaluation-mode and backward ops are lowered, not decomposed
+    # ([Note: BatchNorm lowered, not decomposed] in lowering.py).
+    "native_group_norm", "native_batch_norm", "_native_batch_norm_legit", "native_group_norm_backward", "xlogy", "clamp_min", "clamp_max",
     "log_sigmoid_forward", "log_sigmoid_backward", "glu", "glu_backward", "sgn", "frac", "deg2rad",
     "rad2deg", "square", "hardshrink", "softshrink", "celu", "selu", "relu6", "tril", "triu",
     "linspace", "logspace", "diag_embed", "trace", "prelu", "_prelu_kernel", "_prelu_kernel_backward",
@@ -99,3 +99,18 @@ def decomposition_table():
     table[aten.detach.default] = _detach
     table[aten.max_pool2d_with_indices.default] = _max_pool2d_with_offsets
     return table
+
+
+def drop_unread_batch_norm_stats(joint: torch.fx.GraphModule) -> None:
+    """In training, BatchNorm's backward does not read the running statistics its schema
+    takes: they are dropped from the joint graph before partitioning, so the partitioner does
+    not save the updated statistics for the backward and the forward can store them in place
+    ([Note: BatchNorm lowered, not decomposed] in lowering.py)."""
+    changed = False
+    for n in joint.graph.nodes:
+        if n.target is aten.native_batch_norm_backward.default and len(n.args) > 7 and n.args[7] is True:
+            if n.args[3] is not None or n.args[4] is not None:
+                n.args = (*n.args[:3], None, None, *n.args[5:])
+                changed = True
+    if changed:
+        joint.recompile()
