@@ -1089,6 +1089,33 @@ def test_batchnorm_lowered_not_decomposed(device, dtype):
     assert braze.stats.graphs_eager == 0
 
 
+@pytest.mark.parametrize("affine", [True, False])
+def test_layer_norm_backward_lowered_not_decomposed(device, affine):
+    """LayerNorm's backward reaches braze's lowering (no decomposition while AOTAutograd
+    traces, [Note: BatchNorm lowered, not decomposed]); gradients of the input, weight and
+    bias match eager's, over one and two normalized dims."""
+    torch.manual_seed(0)
+    for shape in ([32], [8, 32]):
+        ln = torch.nn.LayerNorm(shape, elementwise_affine=affine).to(device)
+        if affine:
+            with torch.no_grad():
+                ln.weight.normal_(), ln.bias.normal_()
+        before = braze.stats.lowered_ops.get("aten.native_layer_norm_backward.default", 0)
+        c = compiled(lambda t: ln(t).tanh(), options={"on_unsupported": "error"})
+        x = torch.randn(4, 6, 8, 32, device=device)
+        xr = x.clone().requires_grad_()
+        x.requires_grad_()
+        c(x).sum().backward()
+        grads = [p.grad.clone() for p in ln.parameters()]
+        ln.zero_grad()
+        ln(xr).tanh().sum().backward()
+        torch.testing.assert_close(x.grad, xr.grad, atol=1e-4, rtol=1e-4)
+        for a, p in zip(grads, ln.parameters()):
+            torch.testing.assert_close(a, p.grad, atol=1e-4, rtol=1e-4)
+        assert braze.stats.lowered_ops.get("aten.native_layer_norm_backward.default", 0) == before + 1
+    assert braze.stats.graphs_eager == 0
+
+
 def test_input_mutation_read_after_it_is_copied(device, compiled_graphs):
     """An input's new value that is also read by later values cannot be stored in place while
     the input is still being read; it is copied into the input after the call."""

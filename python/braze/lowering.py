@@ -1348,6 +1348,36 @@ def _layer_norm(L, node, x, normalized_shape, w, b, eps):
     return (L.cast(out, od), L.cast(mean, vals[1].dtype), L.cast(rstd, vals[2].dtype))
 
 
+@register(A("native_layer_norm_backward"))
+def _layer_norm_backward(L, node, g, x, normalized_shape, mean, rstd, w, b, mask):
+    """(input's, weight's, bias's gradient) of a LayerNorm, each None where `mask` (or a
+    missing weight or bias) does not ask for it: PyTorch's decomposition's math emitted
+    directly (it cost about 10 ms of tracing per layer, [Note: BatchNorm lowered, not
+    decomposed])."""
+    vals = node.meta["val"]
+    src = x.meta["val"]
+    r = src.dim()
+    axis = r - len(normalized_shape)
+    inner, outer = list(range(axis, r)), list(range(axis))
+    n = math.prod(src.shape[d] for d in inner)
+    if src.numel() == 0:
+        raise Unsupported("LayerNorm backward of an empty tensor")
+    ct = _acc_dtype(src.dtype)
+    gg, xx = L.tensor(g, ct), L.tensor(x, ct)
+    rs = L.tensor(rstd, ct)
+    x_hat = L.op("mul", L.op("sub", xx, L.tensor(mean, ct)), rs)
+    gxh = L.op("mul", gg, L.tensor(w, ct)) if w is not None else gg
+    a = L.op("mul", gxh, _size_scalar(L, n, ct))
+    bsum = _reduce(L, "sum", gxh, inner, True)
+    c3 = L.op("mul", x_hat, _reduce(L, "sum", L.op("mul", gxh, x_hat), inner, True))
+    d_input = L.op("mul", L.op("div", rs, _size_scalar(L, n, ct)), L.op("sub", L.op("sub", a, bsum), c3))
+    gx = L.op("mul", gg, x_hat)
+    d_weight = (_reduce(L, "sum", gx, outer, False) if outer else gx) if w is not None else None
+    d_bias = (_reduce(L, "sum", gg, outer, False) if outer else gg) if b is not None else None
+    return tuple(L.cast(v, val.dtype) if want and v is not None and val is not None else None
+                 for v, want, val in zip((d_input, d_weight, d_bias), mask, vals))
+
+
 # [Note: BatchNorm lowered, not decomposed] BatchNorm and its backward are lowered here
 # rather than decomposed while AOTAutograd traces: PyTorch's decompositions run each op of
 # theirs through functionalization, proxy tracing and fake tensors, about 33 ms per layer's
