@@ -1326,6 +1326,20 @@ def _log_softmax_bw(L, node, g, y, dim, input_dtype):
     return L.cast(L.op("sub", gg, L.op("mul", L.op("exp", yy), s)), od)
 
 
+def _inv_std(L, var, eps, ct):
+    """`1 / sqrt(var + eps)`."""
+    return L.op("rsqrt", L.op("add", var, L.scalar(eps, ct)))
+
+
+def _normalized(L, t, ds, n, eps, ct):
+    """(biased variance, mean, inverse std, normalized `t`) over dims `ds` of `n` elements,
+    the statistics keeping their dims: LayerNorm's and training BatchNorm's shared math."""
+    var = _reduce(L, "var", t, ds, True, 0)
+    mean = L.op("div", _reduce(L, "sum", t, ds, True), _size_scalar(L, n, ct))
+    rstd = _inv_std(L, var, eps, ct)
+    return var, mean, rstd, L.op("mul", L.op("sub", t, mean), rstd)
+
+
 @register(A("native_layer_norm"))
 def _layer_norm(L, node, x, normalized_shape, w, b, eps):
     vals = node.meta["val"]
@@ -1337,10 +1351,7 @@ def _layer_norm(L, node, x, normalized_shape, w, b, eps):
     ds = list(range(r - k, r))
     src = x.meta["val"]
     n = math.prod(src.shape[d] for d in ds)
-    var = _reduce(L, "var", t, ds, True, 0)
-    mean = L.op("div", _reduce(L, "sum", t, ds, True), _size_scalar(L, n, ct))
-    rstd = L.op("rsqrt", L.op("add", var, L.scalar(eps, ct)))
-    out = L.op("mul", L.op("sub", t, mean), rstd)
+    _, mean, rstd, out = _normalized(L, t, ds, n, eps, ct)
     if w is not None:
         out = L.op("mul", out, L.tensor(w, ct))
     if b is not None:
@@ -1430,16 +1441,13 @@ def _batch_norm_functional(L, node, x, weight, bias, running_mean, running_var, 
     t = L.tensor(x, ct)
     rm, rv = L.tensor(running_mean, ct), L.tensor(running_var, ct)
     if not training:
-        mean, rstd = rm, L.op("rsqrt", L.op("add", rv, L.scalar(eps, ct)))
+        mean, rstd = rm, _inv_std(L, rv, eps, ct)
         out = L.op("mul", L.op("sub", t, chan(mean)), chan(rstd))
         new_rm, new_rv = rm, rv
     else:
         if isinstance(n, int) and n <= 1:
             raise Unsupported("BatchNorm training with one value per channel")
-        var = _reduce(L, "var", t, ds, True, 0)
-        mean_k = L.op("div", _reduce(L, "sum", t, ds, True), _size_scalar(L, n, ct))
-        rstd_k = L.op("rsqrt", L.op("add", var, L.scalar(eps, ct)))
-        out = L.op("mul", L.op("sub", t, mean_k), rstd_k)
+        var, mean_k, rstd_k, out = _normalized(L, t, ds, n, eps, ct)
         c = [sym_val(src.shape[1])]
         mean, rstd = L.op("reshape", mean_k, shape=c), L.op("reshape", rstd_k, shape=c)
         unbiased_scale = L.scalar(n / (n - 1), ct) if isinstance(n, int) else L.op(
@@ -1459,7 +1467,7 @@ def _batch_norm_eval(L, node, x, weight, bias, running_mean, running_var, moment
     src, r, ds, n, chan = _bn_parts(L, x)
     ct = _acc_dtype(src.dtype)
     mean = L.tensor(running_mean, ct)
-    rstd = L.op("rsqrt", L.op("add", L.tensor(running_var, ct), L.scalar(eps, ct)))
+    rstd = _inv_std(L, L.tensor(running_var, ct), eps, ct)
     out = L.op("mul", L.op("sub", L.tensor(x, ct), chan(mean)), chan(rstd))
     out = _bn_affine(L, out, weight, bias, chan, ct)
     return tuple(_bn_out_cast(L, v, val) for v, val in zip((out, mean, rstd), vals))
@@ -1476,7 +1484,7 @@ def _batch_norm_backward(L, node, g, x, weight, running_mean, running_var, save_
         mean, invstd = L.tensor(save_mean, ct), L.tensor(save_invstd, ct)
     else:
         mean = L.tensor(running_mean, ct)
-        invstd = L.op("rsqrt", L.op("add", L.tensor(running_var, ct), L.scalar(eps, ct)))
+        invstd = _inv_std(L, L.tensor(running_var, ct), eps, ct)
     xmu = L.op("sub", xx, chan(mean))
     gsum = _reduce(L, "sum", gg, ds, False)
     dot = _reduce(L, "sum", L.op("mul", gg, xmu), ds, False)

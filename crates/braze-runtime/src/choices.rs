@@ -40,26 +40,35 @@ impl Choices {
     /// The choice for `key` in `scope`, from this process or an earlier one.
     pub fn get(&self, scope: &str, key: &str) -> Option<String> {
         let mut tables = self.tables.lock().unwrap();
-        let table = tables.entry(scope.to_string()).or_insert_with(|| read(&self.file(scope)));
-        table.get(&crate::cache::key(&[key])).cloned()
+        self.table(&mut tables, scope).get(&crate::cache::key(&[key])).cloned()
+    }
+
+    /// The choices of `scope`, read from its file the first time.
+    fn table<'a>(&self, tables: &'a mut HashMap<String, HashMap<String, String>>, scope: &str) -> &'a mut HashMap<String, String> {
+        tables.entry(scope.to_string()).or_insert_with(|| read(&self.file(scope)))
     }
 
     /// Remembers `value` for `key` in `scope`, here and on disk.
     pub fn put(&self, scope: &str, key: &str, value: &str) {
         let hash = crate::cache::key(&[key]);
-        let file = self.file(scope);
         let mut tables = self.tables.lock().unwrap();
-        let table = tables.entry(scope.to_string()).or_insert_with(|| read(&file));
+        let table = self.table(&mut tables, scope);
         if table.get(&hash).map(String::as_str) == Some(value) {
             return;
         }
         table.insert(hash.clone(), value.to_string());
         let line = format!("{hash} {value}\n");
+        let file = self.file(scope);
         let _ = file.parent().map(std::fs::create_dir_all);
         if let Ok(mut f) = std::fs::OpenOptions::new().create(true).append(true).open(&file) {
             let _ = f.write_all(line.as_bytes());
         }
     }
+}
+
+/// What a choice made by `library` (its name and version) on device `ordinal` is valid for.
+pub fn scope(library: &str, version: usize, ordinal: i32) -> Result<String, crate::RuntimeError> {
+    Ok(format!("{library} {version} on {}", crate::cuda::device_scope(ordinal)?))
 }
 
 /// The choices in `file` (none where it is missing or unreadable); malformed lines are skipped.

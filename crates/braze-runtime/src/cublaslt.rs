@@ -91,8 +91,7 @@ fn tuned() -> &'static Choices {
 /// What an algorithm chosen on device `ordinal` is valid for: cuBLASLt's version and the device.
 fn scope(ordinal: i32) -> Result<String, RuntimeError> {
     // SAFETY: a version query without arguments.
-    let version = unsafe { (lt()?.version)() };
-    Ok(format!("cuBLASLt {version} on {}", crate::cuda::device_scope(ordinal)?))
+    crate::choices::scope("cuBLASLt", unsafe { (lt()?.version)() }, ordinal)
 }
 
 impl Algo {

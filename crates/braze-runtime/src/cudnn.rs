@@ -338,8 +338,7 @@ fn tuned() -> &'static Choices {
 /// What a plan chosen on device `ordinal` is valid for: cuDNN's version and the device.
 fn scope(ordinal: i32) -> Result<String, RuntimeError> {
     // SAFETY: a version query without arguments.
-    let version = unsafe { (dnn()?.version)() };
-    Ok(format!("cuDNN {version} on {}", crate::cuda::device_scope(ordinal)?))
+    crate::choices::scope("cuDNN", unsafe { (dnn()?.version)() }, ordinal)
 }
 
 /// What decides the best plan: the convolution's contents.
