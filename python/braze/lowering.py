@@ -830,7 +830,7 @@ def _rsub(L, node, a, b, alpha=1):
     return L.op("sub", ib, ia)
 
 
-@register(A("div"))
+@register(A("div"), A("true_divide"))
 def _div(L, node, a, b, rounding_mode=None):
     od = out_dtype(node)
     if rounding_mode is None:
@@ -932,8 +932,10 @@ def _threshold_bw(L, node, g, x, threshold):
     return L.op("where", L.op("le", xx, L.tensor(threshold, L.dtype_of(xx))), L.scalar(0, od), L.tensor(g, od))
 
 
-@register(A("_to_copy"))
-def _to_copy(L, node, x, **kw):
+@register(A("_to_copy"), torch.ops.prims.convert_element_type)
+def _to_copy(L, node, x, *args, **kw):
+    """A dtype cast (``_to_copy`` on one device; ``prims.convert_element_type``, which
+    PyTorch's decompositions emit with symbolic sizes)."""
     v = node.meta["val"]
     src = x.meta["val"]
     if src.device != v.device:
@@ -1601,12 +1603,20 @@ def _scalar_tensor(L, node, value, **kw):
 
 @register(A("arange"))
 def _arange(L, node, *args, **kw):
+    """``arange(end)``, ``arange(start, end)``, ``arange(start, end, step)`` as an iota of the
+    result's length: the end may be a size symbol (a graph input with dynamic shapes), start
+    and step are integers."""
     v = node.meta["val"]
-    nums = [a for a in args if not isinstance(a, torch.fx.Node)]
-    if len(nums) != len(args) or not all(isinstance(a, int) for a in nums):
+    start, step = (0, 1) if len(args) == 1 else (args[0], args[2] if len(args) > 2 else 1)
+    end = args[0] if len(args) == 1 else args[1]
+    if not (isinstance(start, int) and isinstance(step, int) and (isinstance(end, int) or _is_sym_int(end))):
         raise Unsupported("arange with non-integer bounds")
-    start, step = (0, 1) if len(nums) == 1 else (nums[0], nums[2] if len(nums) > 2 else 1)
     return L.op("iota", len=sym_val(v.shape[0]), start=start, step=step, dtype=dt(v.dtype))
+
+
+def _is_sym_int(a):
+    """An FX node holding an integer size (a SymInt)."""
+    return isinstance(a, torch.fx.Node) and isinstance(a.meta.get("val"), torch.SymInt)
 
 
 # ---- indexing ------------------------------------------------------------------------
