@@ -35,6 +35,8 @@ _NAMES = [
     # instead of saving the f32 result: a language model's log-softmax over the vocabulary
     # (4096 x 32000) was saved as 524 MB of f32 and written in the forward.
     "_softmax", "_log_softmax", "_softmax_backward_data", "_log_softmax_backward_data",
+    # Softmax whose fully masked rows give 0 (attention's math path, T5's training step).
+    "_safe_softmax",
     # The loss's backward as full + scatter (one pointwise kernel with the softmax backward;
     # see _full_like below for why that matters).
     "nll_loss_backward",

@@ -259,6 +259,10 @@ class Lowerer:
                 raise Unsupported("a tensor on another device than the graph's")
             if not isinstance(v, int):
                 if isinstance(v, SymRef):
+                    # A size used as a number (the mean's backward divides by the element
+                    # count): a scalar of the size's value, read from the call's symbols.
+                    if isinstance(x.meta.get("val"), torch.SymInt):
+                        return self.op("size", value=sym_val(x.meta["val"]), dtype=dt(dtype or torch.int64))
                     raise Unsupported("SymInt used as a tensor")
                 raise Unsupported(f"{x} is not a tensor")
             return self.cast(v, dtype) if dtype is not None else v
@@ -469,7 +473,9 @@ class Lowerer:
             return
         d, shape = self.b.node_type(i)
         want = [sym_str(s) for s in v.shape]
-        if d != dt(v.dtype) or [s.replace(" ", "") for s in shape] != want:
+        # Symbolic sizes are compared as expressions: PyTorch may write `s1*(s0+s2)` where
+        # braze's canonical form prints `s0*s1 + s1*s2`.
+        if d != dt(v.dtype) or ([s.replace(" ", "") for s in shape] != want and not self.b.shape_is(i, want)):
             raise Unsupported(f"lowering produced {d}{shape}, expected {dt(v.dtype)}{want}")
 
     # Values whose memory is someone else's (or that are views of it): their strides are
@@ -1065,6 +1071,59 @@ def _reshape_like(L, node, x, *a, **kw):
     if node.target.overloadpacket is aten.expand_as:
         return L.op("expand", t, shape=L.sizes(v.shape))
     return L.op("reshape", t, shape=L.sizes(v.shape))
+
+
+def _known_equal(a, b) -> bool:
+    """Whether sizes `a` and `b` (ints or SymInts) are equal for every value of the size
+    symbols (no guard is added)."""
+    if isinstance(a, int) and isinstance(b, int):
+        return a == b
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+    return statically_known_true(a == b)
+
+
+def _row_major(shape, strides):
+    """Whether `strides` are the row-major strides of `shape` (dims of size 1 aside)."""
+    want = 1
+    for n, st in reversed(list(zip(shape, strides))):
+        if not _known_equal(n, 1) and not _known_equal(st, want):
+            return False
+        want = want * n
+    return True
+
+
+def _dense_view(x, size, stride, offset):
+    """Whether `as_strided(x, size, stride, offset)` reads all of a row-major `x` in order:
+    then it is a reshape of x (ResNet's flatten after the pool, as AOTAutograd writes it)."""
+    v = x.meta.get("val")
+    size, stride = ([a.meta.get("val") if isinstance(a, torch.fx.Node) else a for a in vs] for vs in (size, stride))
+    if not all(isinstance(a, (int, torch.SymInt)) for a in (*size, *stride)):
+        return False
+    if not is_tensor_meta(v) or not _known_equal(v.storage_offset(), 0) or offset not in (None, 0):
+        return False
+    numel = 1
+    for n in size:
+        numel = numel * n
+    return _known_equal(numel, v.numel()) and _row_major(v.shape, v.stride()) and _row_major(size, stride)
+
+
+@register(A("as_strided"))
+def _as_strided(L, node, x, size, stride, storage_offset=None):
+    """A view of a row-major tensor's elements in order, as a reshape; other views of
+    storage stay ATen's."""
+    if not _dense_view(x, size, stride, storage_offset):
+        raise Unsupported("as_strided other than a dense view in order")
+    return L.op("reshape", L.tensor(x), shape=L.sizes(node.meta["val"].shape))
+
+
+@register(A("as_strided_scatter"))
+def _as_strided_scatter(L, node, base, src, size, stride, storage_offset=None):
+    """`as_strided`'s backward where the view covers all of a row-major base in order:
+    the base replaced by `src`."""
+    if not _dense_view(base, size, stride, storage_offset):
+        raise Unsupported("as_strided_scatter other than a dense view in order")
+    v = node.meta["val"]
+    return L.op("reshape", L.tensor(src, v.dtype), shape=L.sizes(v.shape))
 
 
 @register(A("slice"))

@@ -125,6 +125,14 @@ impl GraphBuilder {
         Ok((t.dtype.name().to_string(), t.shape.iter().map(|e| e.to_string()).collect()))
     }
 
+    /// Whether a node's sizes equal `shape` (size expressions, compared in canonical form:
+    /// `s1*(s0+s2)` is `s0*s1 + s1*s2`).
+    fn shape_is(&self, id: u32, shape: Vec<String>) -> PyResult<bool> {
+        let n = self.g.nodes.get(id as usize).ok_or_else(|| unsupported("no such node"))?;
+        let t = n.ty.as_ref().ok_or_else(|| unsupported("extern node has no type"))?;
+        Ok(t.shape == parse_exprs(&shape)?)
+    }
+
     /// The op name of a node (`"add"`, `"permute"`, `"extern_out"`, ...).
     fn node_op(&self, id: u32) -> PyResult<String> {
         let n = self.g.nodes.get(id as usize).ok_or_else(|| unsupported("no such node"))?;
