@@ -309,10 +309,11 @@ _LIBRARY_OPS = {
     "resnet18": ("convolution", "max_pool2d"),
     "timm_convnext": ("convolution",),
     "t5": ("attention", "mm", "embedding_dense_backward"),
+    "llama": ("attention", "mm", "embedding_dense_backward"),
 }
 
 
-@pytest.mark.parametrize("name,dynamic", [("resnet18", True), ("timm_convnext", True), ("t5", False)])
+@pytest.mark.parametrize("name,dynamic", [("resnet18", True), ("timm_convnext", True), ("t5", False), ("t5", True), ("llama", True)])
 def test_model_ops_compiled(name, dynamic, device):
     """A model's inference and training step (fp32) compile every op but its library calls:
     - under dynamic=True, sizes PyTorch writes differently from braze's canonical form
@@ -321,7 +322,10 @@ def test_model_ops_compiled(name, dynamic, device):
     - `as_strided` reading a row-major tensor in order (the flatten after ResNet's pool,
       as AOTAutograd writes it) and its backward `as_strided_scatter` are reshapes;
     - a size used as a number (the mean's backward divides by a symbolic element count);
-    - `_safe_softmax` (T5's attention in training)."""
+    - `_safe_softmax` (T5's attention in training);
+    - `slice_scatter` with symbolic sizes and constant margins (the backward of the shifted
+      logits of a language model's loss, Llama's rotate_half) and `select_scatter` at a
+      constant index of a symbolic dim (T5's)."""
     eager, comp, f64, kind, _ = _three(name, device)
     c = torch.compile(comp, backend="braze", dynamic=dynamic, options={"on_unsupported": "error"})
     for train in (False, True):

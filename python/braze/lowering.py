@@ -1755,9 +1755,10 @@ def _dim_index(L, size, d, rank):
 
 
 def _dim_mask(L, size, d, rank, lo, hi):
-    """A bool mask broadcastable to a rank-`rank` tensor: True where index `d` is in [lo, hi)."""
+    """A bool mask broadcastable to a rank-`rank` tensor: True where index `d` is in [lo, hi)
+    (bounds are ints or SymInts)."""
     i = _dim_index(L, size, d, rank)
-    return L.op("and", L.op("ge", i, L.scalar(lo, torch.int64)), L.op("lt", i, L.scalar(hi, torch.int64)))
+    return L.op("and", L.op("ge", i, _size_scalar(L, lo, torch.int64)), L.op("lt", i, _size_scalar(L, hi, torch.int64)))
 
 
 @register(A("slice_scatter"))
@@ -1771,8 +1772,10 @@ def _slice_scatter(L, node, base, src, dim=0, start=None, end=None, step=1):
     size = v.shape[d]
     start = 0 if start is None else start
     end = size if end is None else end
-    if not all(isinstance(a, int) for a in (size, start, end, step)) or step != 1:
-        raise Unsupported("slice_scatter with a step or symbolic bounds")
+    if step != 1:
+        raise Unsupported("slice_scatter with a step")
+    if not all(isinstance(a, int) for a in (size, start, end)):
+        return _slice_scatter_symbolic(L, v, base, src, d, start)
     start = min(max(start + size if start < 0 else start, 0), size)
     end = min(max(end + size if end < 0 else end, start), size)
     if src.meta["val"].shape[d] != end - start:
@@ -1788,6 +1791,39 @@ def _slice_scatter(L, node, base, src, dim=0, start=None, end=None, step=1):
     return L.op("where", _dim_mask(L, size, d, r, start, end), padded, b)
 
 
+def _const_size(n):
+    """The value of a size (int or SymInt) when it is the same for every value of the size
+    symbols, else None."""
+    if isinstance(n, int):
+        return n
+    c = n.node.maybe_as_int() if hasattr(n.node, "maybe_as_int") else None
+    if c is None and getattr(n.node.expr, "is_number", False):
+        c = int(n.node.expr)
+    return c
+
+
+def _slice_scatter_symbolic(L, v, base, src, d, start):
+    """`slice_scatter` with symbolic sizes (dynamic shapes): `base` before the slice, `src`,
+    `base` after it, concatenated along `d`, when the parts of `base` have constant lengths
+    (the backward of `x[:, 1:]` or `x[:, :-1]`, as in a language model's shifted loss)."""
+    size = v.shape[d]
+    n = src.meta["val"].shape[d]
+    lo = start.meta.get("val") if isinstance(start, torch.fx.Node) else start
+    if not isinstance(lo, (int, torch.SymInt)):
+        raise Unsupported("slice_scatter with a non-integer start")
+    if isinstance(lo, int) and lo < 0:
+        lo = size + lo
+    head, tail = _const_size(lo), _const_size(size - lo - n)
+    if head is None or tail is None or head < 0 or tail < 0:
+        raise Unsupported("slice_scatter with symbolic bounds other than constant margins")
+    b = L.tensor(base, v.dtype)
+    parts = [L.op("slice", b, dim=d, start=0, len=head, step=1)] if head else []
+    parts.append(L.tensor(src, v.dtype))
+    if tail:
+        parts.append(L.op("slice", b, dim=d, start=L.size(size - tail), len=tail, step=1))
+    return parts[0] if len(parts) == 1 else L.op("cat", *parts, dim=d)
+
+
 @register(A("select_scatter"))
 def _select_scatter(L, node, base, src, dim, index):
     """`base` with `src` written at `index` of `dim` (the backward of `select`)."""
@@ -1795,9 +1831,9 @@ def _select_scatter(L, node, base, src, dim, index):
     r = v.dim()
     d = _norm_dim(dim, r)
     size = v.shape[d]
-    if not isinstance(size, int) or not isinstance(index, int):
-        raise Unsupported("select_scatter with a symbolic index or size")
-    index = index + size if index < 0 else index
+    if not isinstance(index, int):
+        raise Unsupported("select_scatter with a symbolic index")
+    index = index + size if index < 0 else index  # a SymInt when the size is symbolic
     shape = list(src.meta["val"].shape)
     shape.insert(d, 1)
     x = L.op("reshape", L.tensor(src, v.dtype), shape=L.sizes(shape))
