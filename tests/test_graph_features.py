@@ -485,3 +485,27 @@ def test_gpu_lowering_of_library_ops_without_a_gpu(monkeypatch):
     assert "conv dir=filter spatial=[3, 3] stride=[1, 1] padding=[1, 1] dilation=[1, 1] groups=1 tf32=true strides=[72, 1, 24, 8]" in text, text
     assert "matmul epilogue=gelu tf32=false" in text and "extern" not in text, text
     assert "var dims=[0, 2, 3] keepdim=true correction=0" in text, text
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_shifted_windows_and_bias_table_lowered(device, dtype):
+    """Swin's shifted windows (`roll`, decomposed into slices and a cat) and its relative
+    position bias read through an index buffer (`table[index]`, one index tensor on the first
+    dim, some indices negative) are braze kernels, not ATen calls, inference and training
+    (the gather's backward, an accumulating index_put, stays ATen's)."""
+    torch.manual_seed(0)
+    table = torch.randn(13, 4, device=device, dtype=dtype, requires_grad=True)
+    index = torch.randint(-13, 13, (5, 7), device=device)
+
+    def f(x, t):
+        y = torch.roll(x, shifts=(-2, 3), dims=(1, 2)) * 2
+        return y + t[index].sum(-1).unsqueeze(0)
+
+    c = compiled(f)
+    x = torch.randn(3, 5, 7, device=device, dtype=dtype)
+    torch.testing.assert_close(c(x, table), f(x, table))
+    _no_eager()
+    ops = braze.stats.extern_ops
+    assert not any("roll" in k or k.startswith("aten.index.") for k in ops), ops
+    with torch.no_grad():
+        torch.testing.assert_close(c(x, table.detach()), f(x, table.detach()))

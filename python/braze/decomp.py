@@ -30,6 +30,8 @@ _NAMES = [
     "linspace", "logspace", "diag_embed", "trace", "prelu", "_prelu_kernel", "_prelu_kernel_backward",
     "_to_copy", "rms_norm", "_fused_rms_norm", "_fused_rms_norm_backward", "slice_backward",
     "select_backward", "nan_to_num", "aminmax", "threshold",
+    # roll as two slices and a cat (Swin's shifted windows).
+    "roll",
     # Softmax as amax/sub/exp/sum (the kernels are the same), so AOTAutograd's partitioner may
     # recompute its pointwise part in the backward from the saved input and row statistics
     # instead of saving the f32 result: a language model's log-softmax over the vocabulary

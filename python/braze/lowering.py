@@ -1691,6 +1691,27 @@ def _index_select(L, node, x, dim, index):
     return L.op("index_select", t, i, dim=_norm_dim(dim, L.rank(t)))
 
 
+@register(A("index"))
+def _index(L, node, x, indices):
+    """`x[idx]` for one integer index tensor on the first dim (Swin's relative-position bias
+    table read through its index buffer): the rows gathered, shaped as `idx.shape +
+    x.shape[1:]`; negative indices count from the end, as in eager. Other index patterns
+    (boolean masks, several index tensors, indices on later dims) stay ATen's."""
+    if len(indices) != 1 or not isinstance(indices[0], torch.fx.Node):
+        raise Unsupported("index other than one index tensor on the first dim")
+    idx = indices[0]
+    iv, xv = idx.meta.get("val"), x.meta.get("val")
+    if not is_tensor_meta(iv) or iv.dtype not in (torch.int64, torch.int32) or not is_tensor_meta(xv) or xv.dim() == 0:
+        raise Unsupported("index with a non-integer index or a 0-dim source")
+    v = node.meta["val"]
+    i = L.tensor(idx, torch.int64)
+    n = xv.shape[0]
+    i = L.op("where", L.op("lt", i, L.scalar(0, torch.int64)), L.op("add", i, _size_scalar(L, n, torch.int64)), i)
+    flat = L.op("reshape", i, shape=[sym_val(iv.numel())])
+    rows = L.op("index_select", L.tensor(x), flat, dim=0)
+    return L.op("reshape", rows, shape=L.sizes(v.shape))
+
+
 @register(A("embedding"))
 def _embedding(L, node, w, idx, padding_idx=-1, scale_grad_by_freq=False, sparse=False):
     v = node.meta["val"]
