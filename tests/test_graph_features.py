@@ -509,3 +509,25 @@ def test_shifted_windows_and_bias_table_lowered(device, dtype):
     assert not any("roll" in k or k.startswith("aten.index.") for k in ops), ops
     with torch.no_grad():
         torch.testing.assert_close(c(x, table.detach()), f(x, table.detach()))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_avg_pool2d_lowered(device, dtype):
+    """avg_pool2d (DenseNet's transitions) is one braze kernel with the BatchNorm-like work
+    before it: plain, padded (the padding counted), with a divisor override, and from a
+    channels_last input; counting padding out stays ATen's."""
+    torch.manual_seed(0)
+
+    def f(x):
+        y = torch.relu(x) * 1.5
+        return (F.avg_pool2d(y, 2), F.avg_pool2d(y, 3, stride=2, padding=1),
+                F.avg_pool2d(y, (2, 3), stride=(1, 2), divisor_override=4))
+
+    c = compiled(f)
+    for x in (torch.randn(2, 5, 9, 11, device=device, dtype=dtype),
+              torch.randn(2, 5, 9, 11, device=device, dtype=dtype).to(memory_format=torch.channels_last)):
+        with torch.no_grad():
+            for got, want in zip(c(x), f(x)):
+                torch.testing.assert_close(got, want)
+    _no_eager()
+    assert not any("avg_pool" in k for k in braze.stats.extern_ops), braze.stats.extern_ops

@@ -2154,10 +2154,11 @@ def _max_pool2d_backward(L, node, grad_out, x, kernel_size, stride, padding, dil
     return _cl_extern(L, node, (grad_out, x, indices), [()])
 
 
-def _pool_window(L, x, val, kernel_size, stride, padding, dilation, ceil_mode):
-    """The window of a 2-d max pool whose output is `val`: (kernel, strides, padding, rank,
+def _pool_window(L, x, val, kernel_size, stride, padding, dilation, ceil_mode, pad_value=-math.inf):
+    """The window of a 2-d pool whose output is `val`: (kernel, strides, padding, rank,
     taps), the taps (row offset, column offset, value) being the shifted, strided views of
-    the `-inf`-padded input, one per window position in row-major order."""
+    the input padded with `pad_value` (a max pool's `-inf`), one per window position in
+    row-major order."""
     k, p, d = pool_pair(kernel_size), pool_pair(padding), pool_pair(dilation)
     s = pool_pair(stride) if stride else k
     if len(k) != 2 or ceil_mode or d != [1, 1]:
@@ -2171,7 +2172,7 @@ def _pool_window(L, x, val, kernel_size, stride, padding, dilation, ceil_mode):
     t = L.tensor(x)
     if p[0] or p[1]:
         pads = [0] * (2 * (r - 2)) + [p[0], p[0], p[1], p[1]]
-        t = L.op("pad", t, pads=list(pads), value=-math.inf)
+        t = L.op("pad", t, pads=list(pads), value=pad_value)
     taps = []
     for di in range(k[0]):
         for dj in range(k[1]):
@@ -2200,6 +2201,25 @@ def _max_pool2d(L, node, x, kernel_size, stride=(), padding=0, dilation=1, ceil_
     val = node.meta["val"][0]
     _, _, _, _, taps = _pool_window(L, x, val, kernel_size, stride, padding, dilation, ceil_mode)
     return (L.eager_layout(_window_max(L, taps), val), None)
+
+
+@register(A("avg_pool2d"))
+def _avg_pool2d(L, node, x, kernel_size, stride=(), padding=0, ceil_mode=False, count_include_pad=True, divisor_override=None):
+    """Average pooling as the sum of its window's shifted, strided views of the zero-padded
+    input over the window's size (DenseNet's transitions): one pointwise kernel with what
+    precedes it. Windows that would count padding differently (`count_include_pad=False`
+    with padding), `ceil_mode` and symbolic sizes stay ATen's."""
+    val = node.meta["val"]
+    if not count_include_pad and any(pool_pair(padding)):
+        raise Unsupported("avg_pool2d excluding padding from the count")
+    ct = _acc_dtype(val.dtype)
+    k, _, _, _, taps = _pool_window(L, x, val, kernel_size, stride, padding, 1, ceil_mode, pad_value=0)
+    total = None
+    for _, _, v in taps:
+        v = L.cast(v, ct)
+        total = v if total is None else L.op("add", total, v)
+    div = divisor_override if divisor_override else k[0] * k[1]
+    return L.eager_layout(L.cast(L.op("div", total, L.scalar(div, ct)), val.dtype), val)
 
 
 def _prim(name):
