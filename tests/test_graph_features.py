@@ -3,6 +3,8 @@ operators (cond, while_loop, flex_attention, activation checkpointing), calls re
 tensor (runtime asserts), sizes with Max/Min and powers, and the README's own calling forms
 (that DCE keeps effectful calls is a golden test in tests/filetests/passes). The suite runs with on_unsupported="error", so each of these
 fails if its graph falls back; each also compares with eager on fresh random inputs."""
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -531,3 +533,30 @@ def test_avg_pool2d_lowered(device, dtype):
                 torch.testing.assert_close(got, want)
     _no_eager()
     assert not any("avg_pool" in k for k in braze.stats.extern_ops), braze.stats.extern_ops
+
+
+def test_dynamic_channels_last_keeps_eager_strides(device):
+    """Under dynamic=True a channels_last value keeps eager's (symbolic) channels_last
+    strides, and its kernel walks memory in that order: the strides were returned row-major
+    and the kernel read its input with a stride of C in the inner loop (5x slower than the
+    static kernel on the 2-core CPU)."""
+    def f(x, a, b):
+        return torch.relu(x * a + b)
+
+    c = compiled(f, dynamic=True)
+    a, b = torch.randn(1, 16, 1, 1, device=device), torch.randn(1, 16, 1, 1, device=device)
+    for h, w in ((6, 10), (9, 7)):
+        x = torch.randn(3, 16, h, w, device=device).to(memory_format=torch.channels_last)
+        got, want = c(x, a, b), f(x, a, b)
+        torch.testing.assert_close(got, want)
+        assert got.stride() == want.stride(), (got.stride(), want.stride())
+    _no_eager()
+    rec = braze.stats.records[-1]
+    assert re.search(r"\bs\d+\b", rec["schedule"]), "not compiled with symbolic sizes"
+    # The innermost loop variable (the highest numbered) steps through consecutive elements
+    # in the input's load and in the store: channels, not width.
+    for ln in rec["schedule"].splitlines():
+        if "load buf0[" in ln or "store " in ln:
+            index = ln[ln.index("[") + 1:ln.index("]")]
+            inner = max(int(v) for v in re.findall(r"\bi(\d+)\b", index))
+            assert re.search(rf"(^|\+ )i{inner}$", index.strip()), ln

@@ -646,17 +646,29 @@ def _tensors_in(v):
 
 def _dense_order(val):
     """The non-1 dims of tensor metadata `val`, outermost in memory first, when its strides
-    are static and dense (a permutation of row-major, no gaps); `None` otherwise."""
+    are dense (a permutation of row-major, no gaps); `None` otherwise. Symbolic strides are
+    ordered by their traced values and checked as expressions (a channels_last activation
+    under dynamic shapes: strides `[C*H*W, 1, W*C, C]`)."""
     shape, strides = list(val.shape), list(val.stride())
     if any(not isinstance(x, int) for x in shape + strides):
-        return None
-    order = sorted((d for d in range(len(shape)) if shape[d] != 1), key=lambda d: -strides[d])
+        hints = [_hint(x) for x in strides]
+        if None in hints or any(_hint(x) is None for x in shape):
+            return None
+        order = sorted((d for d in range(len(shape)) if _hint(shape[d]) != 1), key=lambda d: -hints[d])
+    else:
+        order = sorted((d for d in range(len(shape)) if shape[d] != 1), key=lambda d: -strides[d])
     expect = 1
     for d in reversed(order):
-        if strides[d] != expect:
+        if not _known_equal(strides[d], expect):
             return None
-        expect *= shape[d]
+        expect = expect * shape[d]
     return order
+
+
+def _hint(n):
+    """A size's value (an int), or for a SymInt the value it had when traced (None if none
+    is known): for layout choices, which need no exact size."""
+    return n if isinstance(n, int) else getattr(n.node, "hint", None)
 
 
 def _graph_device(gm):

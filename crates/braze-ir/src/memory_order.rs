@@ -112,17 +112,38 @@ pub fn inherited_order(g: &Graph, id: NodeId) -> Option<Vec<usize>> {
     memory_order(g, id)
 }
 
-/// Non-1 dims sorted by decreasing stride (ties keep logical order); `None` for symbolic
-/// strides.
+/// Non-1 dims sorted by decreasing stride (ties keep logical order). Symbolic strides have
+/// an order when they are dense: the innermost dim's stride is 1 and each next dim's is the
+/// previous one's times its size (a channels_last activation under dynamic shapes:
+/// `[s1*s2*s3, 1, s1*s3, s1]`); `None` otherwise.
 pub fn from_strides(shape: &[Expr], strides: &[Expr]) -> Option<Vec<usize>> {
     if strides.len() != shape.len() {
         return None;
     }
     let dims: Vec<usize> = (0..shape.len()).filter(|&d| !shape[d].is_const(1)).collect();
+    if dims.iter().any(|&d| strides[d].as_const().is_none()) {
+        return dense_chain(shape, strides, &dims);
+    }
     let st: Vec<i64> = dims.iter().map(|&d| strides[d].as_const()).collect::<Option<_>>()?;
     let mut order: Vec<usize> = (0..dims.len()).collect();
     order.sort_by_key(|&k| std::cmp::Reverse(st[k]));
     Some(order.into_iter().map(|k| dims[k]).collect())
+}
+
+/// The order of `dims` (outermost first) when their strides chain densely from 1, compared
+/// as canonical expressions; `None` when they do not.
+fn dense_chain(shape: &[Expr], strides: &[Expr], dims: &[usize]) -> Option<Vec<usize>> {
+    let mut left: Vec<usize> = dims.to_vec();
+    let mut inner_first = Vec::with_capacity(dims.len());
+    let mut want = Expr::one();
+    while !left.is_empty() {
+        let k = left.iter().position(|&d| strides[d] == want)?;
+        let d = left.remove(k);
+        want = want.mul(&shape[d]);
+        inner_first.push(d);
+    }
+    inner_first.reverse();
+    Some(inner_first)
 }
 
 #[cfg(test)]
@@ -174,9 +195,15 @@ mod tests {
     }
 
     #[test]
-    fn row_major_and_symbolic_strides_have_no_order() {
-        let g = parse("graph g {\n  %0 = input index=0 strides=[12, 4, 1] : f32[2, 3, 4]\n  %1 = input index=1 strides=[1, s0] : f32[s0, 8]\n  return %0, %1\n}\n").unwrap();
+    fn row_major_has_no_order_and_dense_symbolic_strides_have_one() {
+        let g = parse(
+            "graph g {\n  %0 = input index=0 strides=[12, 4, 1] : f32[2, 3, 4]\n  %1 = input index=1 strides=[1, s0] : f32[s0, 8]\n  %2 = input index=2 strides=[s1*s2*s3, 1, s1*s3, s1] : f32[s0, s1, s2, s3]\n  %3 = input index=3 strides=[1, 2*s0] : f32[s0, 8]\n  return %0, %1, %2, %3\n}\n",
+        )
+        .unwrap();
         assert_eq!(memory_order(&g, NodeId(0)), None);
-        assert_eq!(memory_order(&g, NodeId(1)), None);
+        assert_eq!(memory_order(&g, NodeId(1)), Some(vec![1, 0]));
+        assert_eq!(memory_order(&g, NodeId(2)), Some(vec![0, 2, 3, 1]));
+        // Not dense (a gap between the columns): no order.
+        assert_eq!(memory_order(&g, NodeId(3)), None);
     }
 }
