@@ -262,7 +262,7 @@ class Lowerer:
                     # A size used as a number (the mean's backward divides by the element
                     # count): a scalar of the size's value, read from the call's symbols.
                     if isinstance(x.meta.get("val"), torch.SymInt):
-                        return self.op("size", value=sym_val(x.meta["val"]), dtype=dt(dtype or torch.int64))
+                        return _size_scalar(self, x.meta["val"], dtype or torch.int64)
                     raise Unsupported("SymInt used as a tensor")
                 raise Unsupported(f"{x} is not a tensor")
             return self.cast(v, dtype) if dtype is not None else v
@@ -1829,10 +1829,8 @@ def _const_size(n):
     symbols, else None."""
     if isinstance(n, int):
         return n
-    c = n.node.maybe_as_int() if hasattr(n.node, "maybe_as_int") else None
-    if c is None and getattr(n.node.expr, "is_number", False):
-        c = int(n.node.expr)
-    return c
+    v = sym_value(n)
+    return v.value if isinstance(v, Num) else None
 
 
 def _slice_scatter_symbolic(L, v, base, src, d, start):
