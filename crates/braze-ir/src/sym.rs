@@ -106,10 +106,16 @@ impl Expr {
     pub fn add(&self, o: &Expr) -> Expr {
         let mut terms = self.terms.clone();
         for (m, c) in &o.terms {
-            let e = terms.entry(m.clone()).or_insert(0);
-            *e += c;
-            if *e == 0 {
-                terms.remove(m);
+            match terms.get_mut(m) {
+                Some(e) => {
+                    *e += c;
+                    if *e == 0 {
+                        terms.remove(m);
+                    }
+                }
+                None => {
+                    terms.insert(m.clone(), *c);
+                }
             }
         }
         recombine_divmod(Expr { terms })
@@ -121,17 +127,26 @@ impl Expr {
         self.add(&o.neg())
     }
     pub fn mul(&self, o: &Expr) -> Expr {
-        let mut out = Expr::zero();
+        // A constant factor scales the coefficients (no monomial changes, none cancels).
+        for (e, k) in [(self, o), (o, self)] {
+            match k.as_const() {
+                Some(0) => return Expr::zero(),
+                Some(1) => return e.clone(),
+                Some(c) => return recombine_divmod(Expr { terms: e.terms.iter().map(|(m, x)| (m.clone(), x * c)).collect() }),
+                None => {}
+            }
+        }
+        // Products of monomials summed into one map, normalised once at the end.
+        let mut terms: BTreeMap<Vec<Atom>, i64> = BTreeMap::new();
         for (m1, c1) in &self.terms {
             for (m2, c2) in &o.terms {
                 let mut m: Vec<Atom> = m1.iter().chain(m2.iter()).cloned().collect();
                 m.sort();
-                let mut t = BTreeMap::new();
-                t.insert(m, c1 * c2);
-                out = out.add(&Expr { terms: t });
+                *terms.entry(m).or_insert(0) += c1 * c2;
             }
         }
-        out
+        terms.retain(|_, c| *c != 0);
+        recombine_divmod(Expr { terms })
     }
     pub fn mul_c(&self, c: i64) -> Expr {
         self.mul(&Expr::constant(c))

@@ -70,12 +70,13 @@ impl Domain {
     pub fn of_root(g: &Graph, r: NodeId) -> Domain {
         let n = g.node(r);
         match &n.op {
-            Op::Reduce { dims, .. } => {
+            Op::Reduce { .. } => {
                 let t = g.ty(n.inputs[0]);
                 let keep: Vec<usize> = (0..t.rank()).filter(|&d| !t.shape[d].is_const(1)).collect();
                 // Loops nest in the order the input lies in memory ([`braze_ir::memory_order`]).
                 let order = braze_ir::memory_order::memory_order(g, n.inputs[0]).and_then(|o| nesting(&o, &keep));
-                Domain { dims: keep.iter().map(|&d| t.shape[d].clone()).collect(), reduced: keep.iter().map(|d| dims.contains(d)).collect(), order }
+                let (dims, reduced) = reduction_space(g, r);
+                Domain { dims, reduced, order }
             }
             _ => {
                 let s = &g.ty(r).shape;
@@ -92,6 +93,15 @@ impl Domain {
             }
         }
     }
+}
+
+/// A reduction's domain dims (its input's non-1 dims) and which of them it reduces.
+fn reduction_space(g: &Graph, r: NodeId) -> (Vec<Expr>, Vec<bool>) {
+    let n = g.node(r);
+    let Op::Reduce { dims, .. } = &n.op else { unreachable!("{r} is not a reduction") };
+    let t = g.ty(n.inputs[0]);
+    let keep = (0..t.rank()).filter(|&d| !t.shape[d].is_const(1));
+    keep.map(|d| (t.shape[d].clone(), dims.contains(&d))).unzip()
 }
 
 /// A memory order (the value's non-1 dims, outermost first) as a nesting of domain dims, which
@@ -130,8 +140,9 @@ pub fn root_index(g: &Graph, dom: &Domain, r: NodeId) -> Option<(Vec<Expr>, Leve
     let outer: Vec<usize> = all.iter().copied().filter(|&k| !dom.reduced[k]).collect();
     match &n.op {
         Op::Reduce { dims, keepdim, .. } => {
-            let own = Domain::of_root(g, r);
-            if own.dims != dom.dims || own.reduced != dom.reduced {
+            // The dims alone: the loop order (a walk of the graph) does not decide the fit.
+            let (own_dims, own_reduced) = reduction_space(g, r);
+            if own_dims != dom.dims || own_reduced != dom.reduced {
                 return None;
             }
             let t = g.ty(n.inputs[0]);

@@ -484,17 +484,18 @@ fn fuse(g: &Graph, stored: &[bool], log: &mut Vec<String>) -> Result<Fused, Sche
             }
         }
         let mut joined = None;
+        // The root's own domain, computed once (its loop order walks the graph).
+        let own = std::cell::OnceCell::new();
         for k in cands {
             let gr = &groups[k];
             if dep_steps.iter().any(|&s| s > gr.order) {
                 log.push(format!("{id} not fused into group {k}: it needs a step that runs later"));
                 continue;
             }
-            let own = Domain::of_root(g, id);
             let dom = if root_index(g, &gr.dom, id).is_some() {
                 gr.dom.clone()
-            } else if !gr.dom.has_reduction() && own.dims == gr.dom.dims {
-                own
+            } else if !gr.dom.has_reduction() && own.get_or_init(|| Domain::of_root(g, id)).dims == gr.dom.dims {
+                own.get().unwrap().clone()
             } else {
                 log.push(format!("{id} not fused into group {k}: iteration space differs"));
                 continue;
@@ -522,7 +523,7 @@ fn fuse(g: &Graph, stored: &[bool], log: &mut Vec<String>) -> Result<Fused, Sche
                 step_of[id.index()] = Some(groups[k].order);
             }
             None => {
-                groups.push(Group { dom: Domain::of_root(g, id), roots: vec![id], order: next_order });
+                groups.push(Group { dom: own.into_inner().unwrap_or_else(|| Domain::of_root(g, id)), roots: vec![id], order: next_order });
                 group_of[id.index()] = Some(groups.len() - 1);
                 step_of[id.index()] = Some(next_order);
                 next_order += 1;
