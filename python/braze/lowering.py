@@ -1883,8 +1883,9 @@ def _stack(L, node, tensors, dim=0):
 
 
 def _channels_last_strides(shape):
+    """The channels_last strides of a 4-d `shape` (ints or SymInts, as the sizes are)."""
     n, c, h, w = shape
-    return [sym_val(x) for x in (c * h * w, 1, w * c, c)]
+    return [c * h * w, 1, w * c, c]
 
 
 # [Note: convolution layout] cuDNN's fast kernels on the H100 and oneDNN's on the CPU are
@@ -1901,9 +1902,11 @@ def _channels_last_strides(shape):
 # parameter out once).
 
 
-def _conv_info(n):
-    """(input meta, weight meta, groups, output spatial numel) of a 2-d, not transposed
-    convolution or convolution_backward node with static sizes; None otherwise."""
+def _conv_info(n, symbolic=False):
+    """(input numel, weight meta, groups, output spatial numel) of a 2-d, not transposed
+    convolution or convolution_backward node with static sizes; None otherwise. With
+    `symbolic`, sizes may be symbolic too: the counts are then their traced values (for
+    layout choices, which need no exact size); None where a value is unknown."""
     a = n.args
     if n.target is torch.ops.aten.convolution.default:
         x, w, transposed, groups, out = a[0], a[1], a[6], a[8], n.meta.get("val")
@@ -1913,9 +1916,12 @@ def _conv_info(n):
     wv = w.meta.get("val") if isinstance(w, torch.fx.Node) else None
     if transposed or not all(is_tensor_meta(v) for v in (xv, wv, out)) or xv.dim() != 4:
         return None
-    if any(not isinstance(d, int) for d in (*xv.shape, *wv.shape, *out.shape)):
+    if any(not isinstance(d, int) for d in wv.shape) or (not symbolic and any(not isinstance(d, int) for d in (*xv.shape, *out.shape))):
         return None
-    return xv, wv, groups, out.shape[0] * out.shape[2] * out.shape[3]
+    xs, os_ = [_hint(d) for d in xv.shape], [_hint(d) for d in out.shape]
+    if None in xs or None in os_:
+        return None
+    return math.prod(xs), wv, groups, os_[0] * os_[2] * os_[3]
 
 
 def conv_channels_last(gm, kind, device, option) -> bool:
@@ -1928,7 +1934,9 @@ def conv_channels_last(gm, kind, device, option) -> bool:
              and n.target in (torch.ops.aten.convolution.default, torch.ops.aten.convolution_backward.default)]
     if option == "eager" or device is None or not convs:
         return False
-    infos = [_conv_info(n) for n in convs]
+    # Symbolic sizes on the CPU only (oneDNN; GPU convolutions with symbolic sizes keep
+    # eager's layout: not measured there).
+    infos = [_conv_info(n, symbolic=device.type == "cpu") for n in convs]
     if any(i is None for i in infos):
         return False
     if option == "channels_last":
@@ -1939,7 +1947,7 @@ def conv_channels_last(gm, kind, device, option) -> bool:
         # the activations (a batch of one: ResNet-18 22 ms in eager's layout, 36 channels_last).
         if kind != "inference":
             return False
-        acts = sum(x.numel() for x, _, _, _ in infos)
+        acts = sum(x for x, _, _, _ in infos)
         weights = sum(w.numel() for _, w, _, _ in infos if _cl_weight_differs(w))
         return acts >= weights
     # On the GPU: not when every convolution is small (few channels: little to gain), nor
@@ -2004,7 +2012,7 @@ def _convolution(L, node, x, weight, bias, stride, padding, dilation, transposed
                and isinstance(weight, torch.fx.Node) and is_tensor_meta(wv) and wv.dtype == src.dtype)
     if library and _is_cl(src) and _is_cl(val):
         return _library_conv(L, node, x, weight, bias, stride, padding, dilation, groups, _cl_weight_differs(wv))
-    if (not L.conv_cl or _conv_info(node) is None or not src.dtype.is_floating_point
+    if (not L.conv_cl or _conv_info(node, symbolic=L.device.type == "cpu") is None or not src.dtype.is_floating_point
             or not src.is_contiguous() or not val.is_contiguous()):
         raise Unsupported("convolution runs with eager's layout")
     if (L.device.type == "cpu" and isinstance(weight, torch.fx.Node) and weight.op == "placeholder"
@@ -2071,7 +2079,7 @@ def _convolution_backward(L, node, grad_out, x, weight, bias_sizes, stride, padd
             and ((L.conv_cl and gv.is_contiguous() and xv.is_contiguous() and (val[0] is None or val[0].is_contiguous()))
                  or (_is_cl(gv) and _is_cl(xv) and (val[0] is None or _is_cl(val[0]))))):
         return _library_conv_backward(L, node, grad_out, x, weight, stride, padding, dilation, groups, mask)
-    if (not L.conv_cl or _conv_info(node) is None or not xv.dtype.is_floating_point or not gv.is_contiguous()
+    if (not L.conv_cl or _conv_info(node, symbolic=L.device.type == "cpu") is None or not xv.dtype.is_floating_point or not gv.is_contiguous()
             or not isinstance(val, (list, tuple)) or (val[0] is not None and not val[0].is_contiguous())):
         raise Unsupported("convolution_backward runs with eager's layouts")
     # On the GPU the weight as the forward laid it out, and its gradient (channels_last from
@@ -2209,8 +2217,21 @@ def _max_pool2d(L, node, x, kernel_size, stride=(), padding=0, dilation=1, ceil_
         if u.target is not operator.getitem or (u.args[1] == 1 and u.users):
             raise Unsupported("max_pool2d indices are read: ATen's kernel")
     val = node.meta["val"][0]
-    _, _, _, _, taps = _pool_window(L, x, val, kernel_size, stride, padding, dilation, ceil_mode)
+    try:
+        _, _, _, _, taps = _pool_window(L, x, val, kernel_size, stride, padding, dilation, ceil_mode)
+    except Unsupported:
+        # ATen's pool in a graph of channels_last convolutions (symbolic sizes on the CPU: a
+        # braze window kernel there was slower than ATen's) takes and returns channels_last.
+        if L.conv_cl and _is_cl_able(x.meta["val"]) and _is_cl_able(val):
+            return _cl_extern(L, node, (x,), [(0,), (1,)])
+        raise
     return (L.eager_layout(_window_max(L, taps), val), None)
+
+
+def _is_cl_able(t) -> bool:
+    """Whether tensor meta `t` is a dense row-major 4-d floating-point tensor (one a graph of
+    channels_last convolutions holds channels_last instead)."""
+    return is_tensor_meta(t) and t.dim() == 4 and t.is_contiguous() and t.dtype.is_floating_point
 
 
 @register(A("avg_pool2d"))
