@@ -560,3 +560,25 @@ def test_dynamic_channels_last_keeps_eager_strides(device):
             index = ln[ln.index("[") + 1:ln.index("]")]
             inner = max(int(v) for v in re.findall(r"\bi(\d+)\b", index))
             assert re.search(rf"(^|\+ )i{inner}$", index.strip()), ln
+
+
+def test_effect_tokens(device):
+    """An op with a side effect reaches the backend under AOTAutograd's effect tokens
+    (`with_effects`; `linalg.cholesky` checks its factorization's error code that way): the
+    runtime wrapper passes None for the token input, which braze took for a tensor and
+    crashed on at the first call. Values and the error of a failed factorization are
+    eager's."""
+    def f(a, b):
+        return torch.linalg.cholesky(a) * 2 + b
+
+    for n in (5, 3):
+        x = torch.randn(n, n, device=device)
+        a = x @ x.mT + n * torch.eye(n, device=device)
+        b = torch.randn(n, n, device=device)
+        c = compiled(f)
+        torch.testing.assert_close(c(a, b), f(a, b))
+        torch._dynamo.reset()
+    _no_eager()
+    assert all(r.get("islands", {}).get("higher_order.with_effects") == 1 for r in braze.stats.records[-2:]), [r.get("islands") for r in braze.stats.records]
+    with pytest.raises(torch.linalg.LinAlgError):
+        compiled(f)(-torch.eye(4, device=device), torch.randn(4, 4, device=device))

@@ -344,7 +344,7 @@ class Lowerer:
             val = node.meta.get("val")
             if node.op == "placeholder":
                 self.arg_index[node] = len(inputs)
-                if is_tensor_meta(val) and not check_tensor(val, self):
+                if is_tensor_meta(val) and (_is_effect_token(node) or not check_tensor(val, self)):
                     h = self.env[node] = self.host()
                     self.host_inputs.append((h.slot, len(inputs)))
                     inputs.append(("host", h.slot))
@@ -616,6 +616,14 @@ class Lowerer:
             return v
 
         return rebuild(val, ())
+
+
+def _is_effect_token(node) -> bool:
+    """Whether placeholder `node` is an effect token (AOTAutograd's [Side-Effectful Tokens]:
+    read only as the token of `with_effects` calls). Its runtime wrapper passes None for it,
+    so it is a host value handed to those calls as it comes."""
+    with_effects = getattr(torch.ops.higher_order, "with_effects", None)
+    return bool(node.users) and all(u.target is with_effects and u.args[0] is node and node not in u.args[1:] for u in node.users)
 
 
 def check_tensor(v, lowerer=None) -> bool:
