@@ -2261,6 +2261,59 @@ def _avg_pool2d(L, node, x, kernel_size, stride=(), padding=0, ceil_mode=False, 
     return L.eager_layout(L.cast(L.op("div", total, L.scalar(div, ct)), val.dtype), val)
 
 
+def _shifted(L, t, dim, r, size, off, length, dtype):
+    """`t` (rank `r`, `size` long on `dim`) read at `i + off` for `i` in [0, length), zeros
+    where that falls outside: slices and zero pads."""
+    zero = _lit(0, dtype)
+
+    def pad(v, before, after):
+        pads = [q for k in range(r) for q in ((before, after) if k == dim else (0, 0))]
+        return L.op("pad", v, pads=pads, value=zero)
+    if off < 0:
+        t, size, off = pad(t, -off, 0), size - off, 0
+    take = max(0, min(length, size - off))
+    if take == 0:
+        return pad(L.op("slice", t, dim=dim, start=0, len=0, step=1), 0, length)
+    if off or take != size:
+        t = L.op("slice", t, dim=dim, start=off, len=take, step=1)
+    return pad(t, 0, length - take) if take < length else t
+
+
+@register(A("avg_pool2d_backward"))
+def _avg_pool2d_backward(L, node, grad_out, x, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override):
+    """The input gradient of a 2-d average pool (DenseNet's transitions in training), in
+    gather form: the output gradient divided by the window's size, spread onto a grid `stride`
+    apart (reshaped next to zeros), and summed over the window's positions, each a shifted
+    copy. One pointwise kernel. Windows whose divisor varies (padding counted out,
+    `ceil_mode`) and symbolic sizes stay ATen's."""
+    val = node.meta["val"]
+    gv = grad_out.meta["val"]
+    k, p = pool_pair(kernel_size), pool_pair(padding)
+    s = pool_pair(stride) if stride else k
+    if len(k) != 2 or ceil_mode or (not count_include_pad and any(p)):
+        raise Unsupported("avg_pool2d_backward whose divisor varies by window")
+    if any(not isinstance(n, int) for n in (*val.shape, *gv.shape)) or not val.dtype.is_floating_point:
+        raise Unsupported("avg_pool2d_backward of symbolic sizes or integers")
+    r = val.dim()
+    (h, w), (ho, wo) = val.shape[-2:], gv.shape[-2:]
+    ct = _acc_dtype(val.dtype)
+    div = divisor_override if divisor_override else k[0] * k[1]
+    g = L.op("div", L.tensor(grad_out, ct), L.scalar(div, ct))
+    lead = [sym_val(n) for n in gv.shape[:-2]]
+    # Output (oh, ow) lands at (oh * s0, ow * s1) of a grid of zeros.
+    grid = L.op("reshape", g, shape=lead + [ho, 1, wo, 1])
+    grid = L.op("pad", grid, pads=[0, 0] * (r - 2) + [0, 0, 0, s[0] - 1, 0, 0, 0, s[1] - 1], value=_lit(0, ct))
+    grid = L.op("reshape", grid, shape=lead + [ho * s[0], wo * s[1]])
+    # Input row i is in the window of output oh at position di when oh * s0 = i + p0 - di.
+    total = None
+    for di in range(k[0]):
+        rows = _shifted(L, grid, r - 2, r, ho * s[0], p[0] - di, h, ct)
+        for dj in range(k[1]):
+            v = _shifted(L, rows, r - 1, r, wo * s[1], p[1] - dj, w, ct)
+            total = v if total is None else L.op("add", total, v)
+    return L.eager_layout(L.cast(total, val.dtype), val)
+
+
 def _prim(name):
     """One of PyTorch's ``prims`` ops (the low-memory max-pool pair is registered by
     ``torch._inductor.inductor_prims``, which AOTAutograd's partitioner imports)."""
