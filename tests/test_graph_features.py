@@ -619,3 +619,27 @@ def test_effect_tokens(device):
     assert all(r.get("islands", {}).get("higher_order.with_effects") == 1 for r in braze.stats.records[-2:]), [r.get("islands") for r in braze.stats.records]
     with pytest.raises(torch.linalg.LinAlgError):
         compiled(f)(-torch.eye(4, device=device), torch.randn(4, 4, device=device))
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_view_outputs_alias_inputs(device, dynamic):
+    """Outputs that are views of inputs (expand, transpose, slice) alias the input as in
+    eager, with eager's strides; a clone does not. Under dynamic=True the expanded view was
+    copied, AOTAutograd rebuilt the alias from the input with the copy's contiguous strides,
+    and the call failed (found by scratch/opdb_sweep.py with DYN=1)."""
+    sizes = [5, 4, 6]
+
+    def f(x, y):
+        return x.expand(*sizes), y.t(), y[1:], y.clone(), x * 2
+
+    c = compiled(f, dynamic=dynamic)
+    for n in (4, 7):
+        sizes[1] = n
+        x, y = torch.randn(5, 1, 6, device=device), torch.randn(n, 3, device=device)
+        got, want = c(x, y), f(x, y)
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w)
+            assert g.stride() == w.stride(), (g.stride(), w.stride())
+        assert [g.untyped_storage().data_ptr() for g in got[:3]] == [x.untyped_storage().data_ptr()] + [y.untyped_storage().data_ptr()] * 2
+        assert got[3].untyped_storage().data_ptr() != y.untyped_storage().data_ptr()
+    _no_eager()

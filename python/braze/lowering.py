@@ -145,8 +145,9 @@ class Lowered:
     lowered_ops: dict = field(default_factory=dict)
     reasons: dict = field(default_factory=dict)  # op name -> why it was not lowered
     device: torch.device = torch.device("cpu")
-    # Per IR output: the FX output is a graph input itself (returned as that very tensor, as
-    # eager returns it; an input reached through clone/alias ops is copied instead).
+    # Per IR output: the FX output is a graph input itself or a view of one through view ops
+    # (returned aliasing the input, as eager returns it; an input reached through clone or
+    # other ops is copied instead). `_view_of_input`.
     passthrough: list = field(default_factory=list)
     # Tensor constants (get_attr) braze passes as extra inputs after the graph's own, in order.
     constants: list = field(default_factory=list)
@@ -378,7 +379,7 @@ class Lowerer:
                         v = laid_out[a] if a in laid_out else self.output_layout(a, v)
                         outputs.append(("t", len(outs)))
                         outs.append(v)
-                        passthrough.append(a.op == "placeholder")
+                        passthrough.append(_view_of_input(a))
                     elif isinstance(v, SymRef):
                         outputs.append(("sym", v.expr))
                     elif isinstance(v, Num):
@@ -616,6 +617,20 @@ class Lowerer:
             return v
 
         return rebuild(val, ())
+
+
+def _view_of_input(a: torch.fx.Node) -> bool:
+    """Whether FX output `a` is a graph input or, through view ops alone, a view of one: eager
+    returns it aliasing the input, so the runtime must not copy it (AOTAutograd rebuilds such
+    an output from the input with the returned tensor's strides; a copy's are not the
+    view's: an input expanded under dynamic shapes came back with contiguous strides, which
+    it then applied to the input's storage)."""
+    while a.op == "call_function" and isinstance(a.target, torch._ops.OpOverload) and a.target.is_view:
+        src = a.args[0] if a.args else None
+        if not isinstance(src, torch.fx.Node):
+            return False
+        a = src
+    return a.op == "placeholder"
 
 
 def _is_effect_token(node) -> bool:
