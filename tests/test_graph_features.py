@@ -643,3 +643,19 @@ def test_view_outputs_alias_inputs(device, dynamic):
         assert [g.untyped_storage().data_ptr() for g in got[:3]] == [x.untyped_storage().data_ptr()] + [y.untyped_storage().data_ptr()] * 2
         assert got[3].untyped_storage().data_ptr() != y.untyped_storage().data_ptr()
     _no_eager()
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_empty_matmuls(device, dynamic):
+    """Linears with no rows or an empty inner dim (the result is the bias): an empty operand
+    has no memory, and the CPU matmul refused its null pointer under dynamic shapes (found by
+    scratch/opdb_sweep.py with DYN=1)."""
+    def f(x, w, b):
+        return F.linear(x, w, b) * 2
+
+    for rows, inner in ((0, 3), (4, 0), (0, 5)):
+        torch._dynamo.reset()
+        x, w, b = (torch.randn(rows, inner, device=device), torch.randn(6, inner, device=device),
+                   torch.randn(6, device=device))
+        torch.testing.assert_close(compiled(f, dynamic=dynamic)(x, w, b), f(x, w, b))
+    _no_eager()

@@ -154,7 +154,15 @@ impl CpuMatmul {
     unsafe fn call(&self, c: &Call, ptrs: &[usize]) -> Result<(), RuntimeError> {
         let s = &c.spec;
         let ptr = |b: u32| ptrs.get(b as usize).copied().filter(|&p| p != 0).ok_or_else(|| RuntimeError::Launch(format!("{}: buffer {b} has no pointer", s.name)));
-        let (pa, pb, pout) = (ptr(s.a.buf)? as *const f32, ptr(s.b.buf)? as *const f32, ptr(s.out)? as *mut f32);
+        let (rows, cols) = (s.a.rows as usize, s.b.cols as usize);
+        if rows * cols * s.batch as usize == 0 {
+            // An empty result (a batch of zero rows under dynamic shapes): nothing to write,
+            // and empty operands may have no memory at all.
+            return Ok(());
+        }
+        let pout = ptr(s.out)? as *mut f32;
+        // Empty operands (k = 0: the result is the bias or zeros) are never read.
+        let (pa, pb) = if c.k == 0 { (std::ptr::null(), std::ptr::null()) } else { (ptr(s.a.buf)? as *const f32, ptr(s.b.buf)? as *const f32) };
         let bias = match s.bias {
             Some((b, off)) => Some(ptr(b)? as *const f32).map(|p| unsafe { p.offset(off as isize) }),
             None => None,
@@ -163,7 +171,6 @@ impl CpuMatmul {
             Some(r) => Some((ptr(r.buf)? as *const f32, r)),
             None => None,
         };
-        let (rows, cols) = (s.a.rows as usize, s.b.cols as usize);
         let per = rows * cols;
         let alpha = 1.0f32;
         let beta = if bias.is_some() { 1.0f32 } else { 0.0 };
