@@ -659,3 +659,19 @@ def test_empty_matmuls(device, dynamic):
                    torch.randn(6, device=device))
         torch.testing.assert_close(compiled(f, dynamic=dynamic)(x, w, b), f(x, w, b))
     _no_eager()
+
+
+def test_select_symbolic_negative_index(device):
+    """A select whose index is a symbol (an int argument under dynamic=True) counts from the
+    end when the index is negative, as ATen's does: braze took the index as it came and read
+    before the tensor (storage offset -1; found by scratch/opdb_sweep.py with DYN=1). The
+    graph is guarded on the index's sign."""
+    def f(x, i):
+        return x.select(1, i) * 2, x.select(-1, i)
+
+    c = compiled(f, dynamic=True)
+    x = torch.randn(4, 6, 6, device=device)
+    for i in (-1, 2, -3, 5, -6):
+        for got, want in zip(c(x, i), f(x, i)):
+            torch.testing.assert_close(got, want)
+    _no_eager()

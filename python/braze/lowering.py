@@ -1220,6 +1220,15 @@ def _select(L, node, x, dim, index):
         if not isinstance(src.shape[dim], int):
             raise Unsupported("negative select on a symbolic dim")
         index += src.shape[dim]
+    elif not isinstance(index, int):
+        # A symbolic index counts from the end when negative, as ATen's select does at run
+        # time. Asking its sign guards the graph on it (the traced value's sign; eager's
+        # bounds check makes the wrapped index valid).
+        iv = index.meta.get("val") if isinstance(index, torch.fx.Node) else index
+        if not isinstance(iv, torch.SymInt):
+            raise Unsupported("select with an index of unknown sign")
+        if iv < 0:
+            return L.op("select", L.tensor(x), dim=dim, index=sym_val(iv + src.shape[dim]))
     return L.op("select", L.tensor(x), dim=dim, index=L.size(index))
 
 
