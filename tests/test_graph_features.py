@@ -626,7 +626,7 @@ def test_view_outputs_alias_inputs(device, dynamic):
     """Outputs that are views of inputs (expand, transpose, slice) alias the input as in
     eager, with eager's strides; a clone does not. Under dynamic=True the expanded view was
     copied, AOTAutograd rebuilt the alias from the input with the copy's contiguous strides,
-    and the call failed (found by scratch/opdb_sweep.py with DYN=1)."""
+    and the call failed (found by benchmarks/opdb_sweep.py with DYN=1)."""
     sizes = [5, 4, 6]
 
     def f(x, y):
@@ -649,7 +649,7 @@ def test_view_outputs_alias_inputs(device, dynamic):
 def test_empty_matmuls(device, dynamic):
     """Linears with no rows or an empty inner dim (the result is the bias): an empty operand
     has no memory, and the CPU matmul refused its null pointer under dynamic shapes (found by
-    scratch/opdb_sweep.py with DYN=1)."""
+    benchmarks/opdb_sweep.py with DYN=1)."""
     def f(x, w, b):
         return F.linear(x, w, b) * 2
 
@@ -664,7 +664,7 @@ def test_empty_matmuls(device, dynamic):
 def test_select_symbolic_negative_index(device):
     """A select whose index is a symbol (an int argument under dynamic=True) counts from the
     end when the index is negative, as ATen's does: braze took the index as it came and read
-    before the tensor (storage offset -1; found by scratch/opdb_sweep.py with DYN=1). The
+    before the tensor (storage offset -1; found by benchmarks/opdb_sweep.py with DYN=1). The
     graph is guarded on the index's sign."""
     def f(x, i):
         return x.select(1, i) * 2, x.select(-1, i)

@@ -1,0 +1,104 @@
+"""Every op_db entry (not only tests/test_opinfo.py's list) through braze on the CPU, against
+eager: the first 3 samples of each, forward (GRAD=1: and backward), float32 (DTYPE=bfloat16 ...),
+static (DYN=1: dynamic=True). Prints WRONG (values differ), ERROR (an exception; check whether
+eager or Dynamo raise it too) and TIMEOUT lines; a fallback to ATen is fine. For 16-bit dtypes a
+WRONG line says whether braze's result is as close to a float64 reference as eager's (fused
+kernels round once where eager rounds per op).
+
+    python benchmarks/opdb_sweep.py [start stop]     # op_db index range
+
+Wrong values from ops whose result depends on storage (as_strided: the harness clones its
+input) or is undefined (empty*) are the harness's, not braze's."""
+import os
+import signal
+import sys
+import warnings
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+os.environ.setdefault("BRAZE_TEST_DEVICE", "cpu")
+import torch  # noqa: E402
+from torch.testing._internal.common_methods_invocations import op_db  # noqa: E402
+
+import test_opinfo as T  # noqa: E402
+
+dtype = getattr(torch, os.environ.get("DTYPE", "float32"))
+grad = os.environ.get("GRAD") == "1"
+if os.environ.get("DYN") == "1":
+    _compile = torch.compile
+    torch.compile = lambda fn, **kw: _compile(fn, **{**kw, "dynamic": True})
+
+
+class Timeout(Exception):
+    pass
+
+
+def _alarm(*_):
+    raise Timeout()
+
+
+def against_float64(op, sample):
+    """'closer' / 'worse' / None: braze's forward error against eager's, both measured from a
+    float64 run of the same sample."""
+    args = [sample.input, *sample.args]
+    pos = [k for k, a in enumerate(args) if isinstance(a, torch.Tensor)]
+
+    def fn(*ts):
+        a = list(args)
+        for k, t in zip(pos, ts):
+            a[k] = t
+        return op(*a, **sample.kwargs)
+    ts = [args[k].detach() for k in pos]
+    up = [t.double() if t.dtype.is_floating_point else t for t in ts]
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            ref = T._flatten(fn(*up))
+            eager = T._flatten(fn(*[t.clone() for t in ts]))
+            torch._dynamo.reset()
+            got = T._flatten(torch.compile(fn, backend="braze")(*[t.clone() for t in ts]))
+    except Exception:
+        return None
+    worse = False
+    for e, g, r in zip(eager, got, ref):
+        if not e.dtype.is_floating_point or e.numel() == 0:
+            continue
+        de = (e.double() - r).abs().nan_to_num(0).max().item()
+        dg = (g.double() - r).abs().nan_to_num(0).max().item()
+        worse |= dg > de * 1.01 + 1e-12
+    return "worse than eager against float64" if worse else "as close to float64 as eager or closer"
+
+
+def main():
+    a, b = (int(sys.argv[1]), int(sys.argv[2])) if len(sys.argv) > 2 else (0, len(op_db))
+    signal.signal(signal.SIGALRM, _alarm)
+    bad = runs = 0
+    for op in op_db[a:b]:
+        name = T.full_name(op)
+        if dtype not in op.supported_dtypes("cpu") or (grad and not op.supports_autograd):
+            continue
+        try:
+            samples = list(op.sample_inputs("cpu", dtype, requires_grad=grad))[:3]
+        except Exception:
+            continue
+        for i, s in enumerate(samples):
+            signal.alarm(60)
+            runs += 1
+            try:
+                T._run(op, s, dtype, grad)
+            except AssertionError as e:
+                bad += 1
+                msg = " ".join(str(e).strip().splitlines()[:3])[:300]
+                extra = f" [{against_float64(op, s)}]" if dtype in (torch.bfloat16, torch.float16) and not grad else ""
+                print("WRONG", name, i, msg + extra, flush=True)
+            except Timeout:
+                print("TIMEOUT", name, i, flush=True)
+            except Exception as e:
+                text = str(e).strip()
+                print("ERROR", name, i, f"{type(e).__name__}: {text.splitlines()[0][:200] if text else ''}", flush=True)
+            finally:
+                signal.alarm(0)
+    print(f"done: op_db[{a}:{b}], {runs} runs, {bad} with values unlike eager's")
+
+
+if __name__ == "__main__":
+    main()
