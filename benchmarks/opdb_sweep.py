@@ -83,6 +83,8 @@ def main():
         for i, s in enumerate(samples):
             signal.alarm(60)
             runs += 1
+            if os.environ.get("VERBOSE") == "1":  # which sample a crash (segfault) is in
+                print("RUN", name, i, flush=True)
             try:
                 T._run(op, s, dtype, grad)
             except AssertionError as e:
