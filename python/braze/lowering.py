@@ -1934,11 +1934,13 @@ def _channels_last_strides(shape):
 # parameter out once).
 
 
-def _conv_info(n, symbolic=False):
+def _conv_info(n, device=None):
     """(input numel, weight meta, groups, output spatial numel) of a 2-d, not transposed
-    convolution or convolution_backward node with static sizes; None otherwise. With
-    `symbolic`, sizes may be symbolic too: the counts are then their traced values (for
-    layout choices, which need no exact size); None where a value is unknown."""
+    convolution or convolution_backward node with static sizes; None otherwise. For a CPU
+    `device` the activations' sizes may be symbolic too (oneDNN; GPU convolutions with
+    symbolic sizes keep eager's layout: not measured there): the counts are then their traced
+    values (for layout choices, which need no exact size); None where a value is unknown."""
+    symbolic = device is not None and device.type == "cpu"
     a = n.args
     if n.target is torch.ops.aten.convolution.default:
         x, w, transposed, groups, out = a[0], a[1], a[6], a[8], n.meta.get("val")
@@ -1966,9 +1968,7 @@ def conv_channels_last(gm, kind, device, option) -> bool:
              and n.target in (torch.ops.aten.convolution.default, torch.ops.aten.convolution_backward.default)]
     if option == "eager" or device is None or not convs:
         return False
-    # Symbolic sizes on the CPU only (oneDNN; GPU convolutions with symbolic sizes keep
-    # eager's layout: not measured there).
-    infos = [_conv_info(n, symbolic=device.type == "cpu") for n in convs]
+    infos = [_conv_info(n, device) for n in convs]
     if any(i is None for i in infos):
         return False
     if option == "channels_last":
@@ -2044,7 +2044,7 @@ def _convolution(L, node, x, weight, bias, stride, padding, dilation, transposed
                and isinstance(weight, torch.fx.Node) and is_tensor_meta(wv) and wv.dtype == src.dtype)
     if library and _is_cl(src) and _is_cl(val):
         return _library_conv(L, node, x, weight, bias, stride, padding, dilation, groups, _cl_weight_differs(wv))
-    if (not L.conv_cl or _conv_info(node, symbolic=L.device.type == "cpu") is None or not src.dtype.is_floating_point
+    if (not L.conv_cl or _conv_info(node, L.device) is None or not src.dtype.is_floating_point
             or not src.is_contiguous() or not val.is_contiguous()):
         raise Unsupported("convolution runs with eager's layout")
     if (L.device.type == "cpu" and isinstance(weight, torch.fx.Node) and weight.op == "placeholder"
@@ -2111,7 +2111,7 @@ def _convolution_backward(L, node, grad_out, x, weight, bias_sizes, stride, padd
             and ((L.conv_cl and gv.is_contiguous() and xv.is_contiguous() and (val[0] is None or val[0].is_contiguous()))
                  or (_is_cl(gv) and _is_cl(xv) and (val[0] is None or _is_cl(val[0]))))):
         return _library_conv_backward(L, node, grad_out, x, weight, stride, padding, dilation, groups, mask)
-    if (not L.conv_cl or _conv_info(node, symbolic=L.device.type == "cpu") is None or not xv.dtype.is_floating_point or not gv.is_contiguous()
+    if (not L.conv_cl or _conv_info(node, L.device) is None or not xv.dtype.is_floating_point or not gv.is_contiguous()
             or not isinstance(val, (list, tuple)) or (val[0] is not None and not val[0].is_contiguous())):
         raise Unsupported("convolution_backward runs with eager's layouts")
     # On the GPU the weight as the forward laid it out, and its gradient (channels_last from
