@@ -675,3 +675,25 @@ def test_select_symbolic_negative_index(device):
         for got, want in zip(c(x, i), f(x, i)):
             torch.testing.assert_close(got, want)
     _no_eager()
+
+
+def test_empty_piece_at_run_time(device):
+    """A graph compiled for symbolic split sizes runs with a piece of no elements: the
+    backward's `cat` reads each piece under a mask, and a masked-off load still reads element
+    0 of the buffer (branch-free). An empty tensor's data pointer is null, so the CPU run
+    segfaulted (found by benchmarks/opdb_sweep.py with GRAD=1 DYN=1); empty buffers are now
+    handed a zeroed stand-in block ([Note: empty buffers] in braze-driver)."""
+    def f(x, sizes):
+        return [p.sin() for p in torch.split(x, sizes, dim=0)]
+
+    c = compiled(f, dynamic=True)
+    for sizes in ([1, 2, 3], [1, 3, 0], [2, 0, 4]):
+        x = torch.randn(sum(sizes), 5, 5, device=device, requires_grad=True)
+        x2 = x.detach().clone().requires_grad_()
+        got, want = c(x, sizes), f(x2, sizes)
+        torch.testing.assert_close(got, want)
+        gs = [torch.randn_like(w) for w in want]
+        torch.autograd.backward(got, gs)
+        torch.autograd.backward(want, gs)
+        torch.testing.assert_close(x.grad, x2.grad)
+    _no_eager()

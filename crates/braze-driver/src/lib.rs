@@ -90,6 +90,27 @@ impl Module {
     /// Every pointer in `used` must address memory laid out as the plan's buffer of that id.
     pub unsafe fn run(&self, items: std::ops::Range<usize>, used: &[u32], ptrs: &[usize], syms: &[i64], stream: usize, threads: i32) -> Result<(), DriverError> {
         let (lo, hi) = (items.start, items.end);
+        // [Note: empty buffers] A tensor of no elements has no memory (PyTorch gives it a
+        // null data pointer), yet a kernel that reads it under a mask (a `cat` whose piece is
+        // empty at run time) still loads element 0 of it and discards the value: the load is
+        // branch-free. Such buffers are handed a small zeroed block instead of null.
+        let patched;
+        let ptrs = if used.iter().any(|&b| ptrs.get(b as usize) == Some(&0)) {
+            let stand_in = match self {
+                Module::Cpu(_) => EMPTY_STAND_IN.0.as_ptr() as usize,
+                Module::Cuda(m) => m.scratch,
+            };
+            let mut p = ptrs.to_vec();
+            for &b in used {
+                if let Some(x @ 0) = p.get_mut(b as usize) {
+                    *x = stand_in;
+                }
+            }
+            patched = p;
+            &patched[..]
+        } else {
+            ptrs
+        };
         match self {
             Module::Cpu(m) => {
                 if hi > m.len() || lo > hi {
@@ -107,6 +128,12 @@ impl Module {
         }
     }
 }
+
+/// The host block that stands for an empty buffer ([Note: empty buffers]): one element of
+/// any dtype, aligned as the widest vector load. Kernels only read it.
+#[repr(C, align(64))]
+struct StandIn([u8; 64]);
+static EMPTY_STAND_IN: StandIn = StandIn([0; 64]);
 
 /// One buffer of the plan: (kind, input index or -1, dtype, shape expr ids, stride expr ids).
 pub type BufferRow = (String, i64, String, Vec<usize>, Vec<usize>);

@@ -534,6 +534,9 @@ pub struct CudaModule {
     graphs: std::sync::Mutex<Replays>,
     /// Runs launched as a captured graph (for tests and stats).
     pub replays: std::sync::atomic::AtomicUsize,
+    /// A small zeroed allocation in the module's context that stands for an empty buffer
+    /// ([Note: empty buffers] in braze-driver).
+    pub scratch: usize,
 }
 
 /// [Note: replay] A run of items whose buffer pointers and sizes are exactly those of one of
@@ -599,9 +602,16 @@ impl Drop for CudaModule {
             if r.stream != 0 {
                 (d.stream_destroy)(r.stream as CuStream);
             }
+            if self.scratch != 0 {
+                (d.mem_free)(self.scratch as u64);
+            }
         }
     }
 }
+
+/// Bytes of a module's empty-buffer stand-in: one element of any dtype, aligned as the
+/// widest vector load.
+pub const SCRATCH_BYTES: usize = 256;
 
 /// The library workspace: one device allocation for the process, used by cuBLASLt's matmuls
 /// and cuDNN's convolutions (runs are serial on one stream).
@@ -647,6 +657,9 @@ impl CudaModule {
                 check(d, (d.get_fn)(&mut f, module, name.as_ptr()), &format!("kernel {}", s.name))?;
                 fns.push(f);
             }
+            let mut scratch: u64 = 0;
+            check(d, (d.mem_alloc)(&mut scratch, SCRATCH_BYTES), "cuMemAlloc (empty-buffer stand-in)")?;
+            check(d, (d.memset_d8)(scratch, 0, SCRATCH_BYTES), "cuMemsetD8 (empty-buffer stand-in)")?;
             Ok(CudaModule {
                 _modules: modules,
                 ctx,
@@ -660,6 +673,7 @@ impl CudaModule {
                 replay: true,
                 graphs: Default::default(),
                 replays: Default::default(),
+                scratch: scratch as usize,
             })
         }
     }
