@@ -697,3 +697,21 @@ def test_empty_piece_at_run_time(device):
         torch.autograd.backward(want, gs)
         torch.testing.assert_close(x.grad, x2.grad)
     _no_eager()
+
+
+def test_symbolic_padding(device):
+    """Padding by symbolic amounts (under dynamic shapes the attention mask is padded to a
+    multiple of 8 for CUDA's memory-efficient attention: GPT-2 and Llama ran the pad as an ATen
+    call between kernels) is lowered: blocks of the value concatenated around the tensor,
+    on either side of a dim, one amount zero at run time."""
+    def f(x, y):
+        p = (8 - x.shape[-1] % 8) % 8
+        return F.pad(x, (0, p), value=-1.5) * 2, F.pad(y, (p, 1, 2, p)) + 1
+
+    c = compiled(f, dynamic=True)
+    for n in (5, 13, 16, 9):
+        x, y = torch.randn(3, n, device=device), torch.randn(2, n, n, device=device)
+        for got, want in zip(c(x, y), f(x, y)):
+            torch.testing.assert_close(got, want)
+    _no_eager()
+    assert not any(r["externs"] for r in braze.stats.records), [r["externs"] for r in braze.stats.records]

@@ -2410,7 +2410,8 @@ def _pad(L, node, x, pad, value=0):
         pairs[d] = [pad[2 * k], pad[2 * k + 1]]
     flat = [p for pr in pairs for p in pr]
     if any(not isinstance(p, int) for p in flat):
-        raise Unsupported("symbolic padding")
+        pairs = [[p.meta["val"] if isinstance(p, torch.fx.Node) else p for p in pr] for pr in pairs]
+        return _symbolic_pad(L, t, list(x.meta["val"].shape), pairs, value)
     shape = x.meta["val"].shape
     for d, (lo, hi) in enumerate(pairs):
         if lo < 0 or hi < 0:
@@ -2424,6 +2425,31 @@ def _pad(L, node, x, pad, value=0):
     if not any(flat):
         return t
     return L.op("pad", t, pads=list(flat), value=_lit(value, L.dtype_of(t)))
+
+
+def _symbolic_pad(L, t, shape, pairs, value):
+    """Padding by symbolic amounts (the attention mask padded to a multiple of 8 under
+    dynamic shapes, for CUDA's memory-efficient attention): per padded dim, a `cat` of blocks
+    of `value` around the tensor. Amounts not provably non-negative (a crop) stay ATen's."""
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    if not all(p >= 0 if isinstance(p, int) else statically_known_true(p >= 0) for pr in pairs for p in pr):
+        raise Unsupported("symbolic padding of unknown sign")
+    fill = L.scalar(value, L.dtype_of(t))
+    for d, (lo, hi) in enumerate(pairs):
+        if isinstance(lo, int) and isinstance(hi, int) and lo == 0 and hi == 0:
+            continue
+        parts = []
+        for amount in (lo, None, hi):
+            if amount is None:
+                parts.append(t)
+            elif not (isinstance(amount, int) and amount == 0):
+                block = list(shape)
+                block[d] = amount
+                parts.append(L.op("expand", fill, shape=L.sizes(block)))
+        t = L.op("cat", *parts, dim=d)
+        shape[d] = shape[d] + lo + hi
+    return t
 
 
 def _lit(value, dtype):
