@@ -715,3 +715,24 @@ def test_symbolic_padding(device):
             torch.testing.assert_close(got, want)
     _no_eager()
     assert not any(r["externs"] for r in braze.stats.records), [r["externs"] for r in braze.stats.records]
+
+
+def test_host_scalars_in_kernels(device):
+    """CPU scalars in a CUDA graph enter braze's kernels as scalars ([Note: host scalars]):
+    a float argument under dynamic=True (Dynamo passes it as a CPU float64 tensor: T5's and
+    Llama's RMSNorm eps), converted on the host, and a lifted constant (`torch.tensor(...)`
+    in model code, T5's). They ran as ATen calls on the host and ATen ops on the GPU. A new
+    value at the next call is used (not the traced one, nor a replayed graph's)."""
+    def f(x, eps, scale):
+        var = x.pow(2).mean(-1, keepdim=True)
+        y = x * torch.rsqrt(var + eps) * scale
+        return y.masked_fill(x > 1.5, torch.tensor(-7.0)), y[:, 0].fill_(torch.tensor(3.0))
+
+    c = compiled(f, dynamic=True)
+    for eps, scale in ((1e-6, 2.0), (0.5, 3.0), (0.25, -1.0), (0.25, -1.0)):
+        x = torch.randn(4, 16, device=device)
+        for got, want in zip(c(x, eps, scale), f(x, eps, scale)):
+            torch.testing.assert_close(got, want)
+    _no_eager()
+    for r in braze.stats.records:
+        assert not r["externs"], (r["externs"], r.get("extern_reasons"))

@@ -556,13 +556,14 @@ def test_dynamic_cpu_convolutions_run_channels_last(relayouts):
     static sizes ([Note: convolution layout]; the layout choice reads the sizes' traced
     values): they kept eager's layout, and ResNet-18 b8 224² took 170-200 ms per call on the
     2-core CPU against 122-125 channels_last (Inductor 129). One graph serves two image sizes;
-    the input is laid out once, nothing else is copied, outputs are eager's."""
+    the input is laid out once, nothing else is copied, outputs are eager's. (The sizes share
+    their parity: PyTorch 2.11's max pool guards on it, and recompiles for the other.)"""
     torch.manual_seed(0)
     m = _ConvNet(16).eval()
     n0 = len(braze.stats.records)
     c = compiled(m, options={"on_unsupported": "error"}, dynamic=True)
     with torch.no_grad():
-        for h, w in ((20, 18), (15, 23), (20, 18)):
+        for h, w in ((20, 18), (14, 22), (20, 18)):
             x = torch.randn(4, 3, h, w)
             relayouts.clear()
             torch.testing.assert_close(c(x), m(x), rtol=1e-4, atol=1e-4)

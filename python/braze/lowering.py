@@ -110,10 +110,23 @@ class ExternCall:
 @dataclass(frozen=True)
 class Host:
     """A tensor on another device than the graph's: a CPU scalar or RNG state in a CUDA
-    graph. It never enters braze's kernels; at run time it is a slot the runtime fills (from
-    the call's arguments or an earlier call's results) and hands to the PyTorch calls that
-    take it, as eager does."""
-    slot: int
+    graph. At run time it is a slot the runtime fills (from the call's arguments or an earlier
+    call's results) and hands to the PyTorch calls that take it, as eager does.
+
+    [Note: host scalars] A 0-dim one enters braze's kernels as a scalar, as eager passes it
+    to its kernels by value: a constant (`torch.tensor(-inf)` in model code, lifted) as a
+    literal; a graph input (a Python float under dynamic=True: Dynamo passes RMSNorm's eps
+    as a CPU float64 tensor) through the size-symbol array, a symbol `sym` whose value is
+    the scalar's (a float's bits, read back by `f64_from_bits`), read from the argument at
+    each call. `casts`: dtype conversions on the way (convert_element_type on the host).
+    Such a value computed on the host is lowered without a slot (`slot` None, `node` its FX
+    node): the host call that makes it runs only if a PyTorch call or the outputs take it."""
+    slot: int | None
+    value: object = None
+    sym: int | None = None
+    dtype: torch.dtype | None = None
+    casts: tuple = ()
+    node: object = None
 
 
 @dataclass(frozen=True)
@@ -154,6 +167,7 @@ class Lowered:
     # Host values ([Host]): how many slots, and (slot, placeholder index) of those that are inputs.
     n_host: int = 0
     host_inputs: list = field(default_factory=list)
+    host_syms: list = field(default_factory=list)
     # op name -> traceback of a lowering that raised something other than Unsupported: a braze
     # bug. The node still runs (through ATen), but the bug is reported and fails the tests.
     bugs: dict = field(default_factory=dict)
@@ -213,6 +227,8 @@ class Lowerer:
         self.n_in = 0  # IR inputs so far (graph tensor inputs, then constants)
         self.n_host = 0
         self.host_inputs = []
+        self.host_syms = []  # (symbol, argument index, float?) of 0-dim host inputs
+        self.next_sym = None
         self.constants = []
         self.bugs = {}
         self.islands = {}
@@ -257,7 +273,7 @@ class Lowerer:
             if isinstance(v, Num):
                 return self.tensor(v.value, dtype)
             if isinstance(v, Host):
-                raise Unsupported("a tensor on another device than the graph's")
+                return self.host_scalar(v, dtype)
             if not isinstance(v, int):
                 if isinstance(v, SymRef):
                     # A size used as a number (the mean's backward divides by the element
@@ -314,6 +330,77 @@ class Lowerer:
         self.n_host += 1
         return Host(self.n_host - 1)
 
+    def host_value(self, node, val) -> Host | None:
+        """A 0-dim host result known to braze's kernels without its host call: a lifted
+        constant, or a dtype conversion of a host scalar ([Note: host scalars])."""
+        if not (is_tensor_meta(val) and val.dim() == 0 and val.device.type == "cpu"):
+            return None
+        t = node.target
+        if t in (aten.lift_fresh_copy.default, aten.clone.default, aten.alias.default) or (
+                t is aten._to_copy.default and node.kwargs.get("device") in (None, torch.device("cpu"))) or t is torch.ops.prims.convert_element_type.default:
+            src = node.args[0]
+            v = self.env.get(src) if isinstance(src, torch.fx.Node) else None
+            if isinstance(v, torch.Tensor) and v.dim() == 0 and src.op == "get_attr":
+                return Host(None, v.item(), None, v.dtype, (), node) if val.dtype == v.dtype else None
+            if not isinstance(v, Host) or (v.value is None and v.sym is None):
+                return None
+            if v.value is not None:
+                value = torch.tensor(v.value, dtype=v.dtype).to(val.dtype).item()
+                return Host(None, value, None, val.dtype, (), node)
+            casts = v.casts + ((val.dtype,) if val.dtype != (v.casts[-1] if v.casts else v.dtype) else ())
+            return Host(None, None, v.sym, v.dtype, casts, node)
+        return None
+
+    def host_scalar(self, v: Host, dtype) -> int:
+        """A 0-dim host value as a scalar of braze's kernels ([Note: host scalars])."""
+        if v.value is not None:
+            i = self.scalar(v.value, v.dtype)
+        elif v.sym is not None:
+            i = self.op("size", value=f"s{v.sym}", dtype="i64")
+            if v.dtype.is_floating_point:
+                i = self.op("f64_from_bits", i)
+            i = self.cast(i, v.dtype)
+            for d in v.casts:
+                i = self.cast(i, d)
+        else:
+            raise Unsupported("a tensor on another device than the graph's")
+        return self.cast(i, dtype) if dtype is not None else i
+
+    def host_sym(self, node) -> int | None:
+        """A size symbol carrying the 0-dim host input `node` into kernels, or None for a dtype
+        that cannot travel as one ([Note: host scalars]). Numbered past every symbol of the
+        graph's inputs."""
+        val = node.meta["val"]
+        if val.dim() != 0 or val.dtype not in (torch.float64, torch.float32, torch.int64, torch.int32, torch.bool):
+            return None
+        if self.next_sym is None:
+            from .runtime import sym_names
+            top = -1
+            for n in self.gm.graph.nodes:
+                if n.op != "placeholder":
+                    continue
+                pv = n.meta.get("val")
+                parts = list(pv.shape) + list(pv.stride()) if is_tensor_meta(pv) else [pv]
+                for s in parts:
+                    if isinstance(s, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+                        top = max([top, *sym_names(str(s.node.expr))])
+            self.next_sym = top + 1
+        self.next_sym += 1
+        return self.next_sym - 1
+
+    def materialize(self, node, v: Host) -> Host:
+        """The slot of a host value lowered without one: its host call, made now."""
+        if v.slot is not None:
+            return v
+        for a in node.all_input_nodes:
+            w = self.env.get(a)
+            if isinstance(w, Host) and w.slot is None:
+                self.env[a] = self.materialize(a, w)
+        real = self.extern(node)
+        real = Host(real.slot, v.value, v.sym, v.dtype, v.casts) if isinstance(real, Host) else real
+        self.env[node] = real
+        return real
+
     def run(self) -> Lowered:
         inputs = []
         outputs = []
@@ -346,7 +433,12 @@ class Lowerer:
             if node.op == "placeholder":
                 self.arg_index[node] = len(inputs)
                 if is_tensor_meta(val) and (_is_effect_token(node) or not check_tensor(val, self)):
-                    h = self.env[node] = self.host()
+                    h = self.host()
+                    n = None if _is_effect_token(node) else self.host_sym(node)
+                    if n is not None:
+                        h = Host(h.slot, sym=n, dtype=val.dtype)
+                        self.host_syms.append((n, len(inputs), val.dtype.is_floating_point))
+                    self.env[node] = h
                     self.host_inputs.append((h.slot, len(inputs)))
                     inputs.append(("host", h.slot))
                 elif is_tensor_meta(val):
@@ -385,7 +477,7 @@ class Lowerer:
                     elif isinstance(v, Num):
                         outputs.append(("const", v.value))
                     elif isinstance(v, Host):
-                        outputs.append(("host", v.slot))
+                        outputs.append(("host", self.materialize(a, v).slot))
                     elif isinstance(a, torch.fx.Node) and isinstance(v, (tuple, list)):
                         raise Unsupported("tuple output")
                     else:
@@ -413,7 +505,7 @@ class Lowerer:
                 check_tensor(v, self)
         return Lowered(self.b, self.externs, outputs, inputs, self.fallbacks, self.lowered_ops, self.reasons,
                        self.device or torch.device("cpu"), passthrough, constants=self.constants, bugs=self.bugs,
-                       islands=self.islands, n_host=self.n_host, host_inputs=self.host_inputs,
+                       islands=self.islands, n_host=self.n_host, host_inputs=self.host_inputs, host_syms=self.host_syms,
                        cpu_linears=[spec for spec, _ in self.cpu_linears.values()], mutations=mutations,
                        conv_channels_last=self.conv_cl, library_convs=self.n_library_convs)
 
@@ -428,6 +520,9 @@ class Lowerer:
         if isinstance(val, (int, float)) and not isinstance(val, bool) or isinstance(val, bool) and _is_sym_op(target):
             return Num(val)
         if any(not check_tensor(t, self) for t in _tensors_in(val)):
+            deferred = self.host_value(node, val)
+            if deferred is not None:
+                return deferred
             # A result on the host (a CPU scalar computed in a CUDA graph) comes from PyTorch.
             self.reasons.setdefault(op_name(target), "result on another device than the graph's")
             return self.extern(node)
@@ -559,6 +654,8 @@ class Lowerer:
         def sub(a):
             if isinstance(a, torch.fx.Node):
                 v = self.env[a]
+                if isinstance(v, Host) and v.slot is None:
+                    v = self.materialize(a, v)
                 if a.op == "get_attr" and not isinstance(v, int):
                     return v
                 return ref(v)

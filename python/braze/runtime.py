@@ -6,6 +6,7 @@ data pointers to Rust, which runs consecutive kernels in one call.
 from __future__ import annotations
 
 import re
+import struct
 
 import torch
 
@@ -27,13 +28,21 @@ def sym_names(expr: str):
     return {int(m) for m in _SYM.findall(expr)}
 
 
+def _f64_bits(t) -> int:
+    """A host scalar's value as the i64 holding its float64 bits."""
+    return struct.unpack("<q", struct.pack("<d", float(t)))[0]
+
+
 class SymResolver:
     """Finds the value of every size symbol from the call's inputs. A symbol that no input
     carries as a bare size, stride or SymInt makes the graph unsupported (it runs eagerly)."""
 
-    def __init__(self, input_nodes, needed):
+    def __init__(self, input_nodes, needed, host_syms=()):
         self.num_syms = max(needed, default=-1) + 1
         self.sources = {}
+        # 0-dim host inputs carried into kernels as symbols ([Note: host scalars] in lowering).
+        for n, i, is_float in host_syms:
+            self.sources[n] = ("bits" if is_float else "int", i, 0)
         for i, (kind, info) in enumerate(input_nodes):
             if kind == "sym":
                 self._add(info, ("int", i, 0))
@@ -55,7 +64,7 @@ class SymResolver:
 
     def key(self, args):
         """The values of the needed symbols, in `sources` order (a plan cache key)."""
-        return tuple([int(args[i]) if kind == "int" else (args[i].shape[d] if kind == "size" else args[i].stride(d))
+        return tuple([int(args[i]) if kind == "int" else (args[i].shape[d] if kind == "size" else args[i].stride(d) if kind == "stride" else _f64_bits(args[i]))
                       for kind, i, d in self.order])
 
     def expand(self, key):
@@ -87,7 +96,7 @@ class CompiledGraph:
         for call in self.externs.values():
             torch.fx.node.map_aggregate((call.args, call.kwargs), lambda a: needed.update(sym_names(a.expr)) if isinstance(a, SymRef) else None)
         self.dynamic = bool(needed)
-        self.syms = SymResolver(self.input_nodes, needed)
+        self.syms = SymResolver(self.input_nodes, needed, lowered.host_syms)
         self.tensor_inputs = [i for i, (k, _) in enumerate(self.input_nodes) if k == "tensor"]
         # Tensor constants of the graph follow its tensor inputs.
         self.constants = list(lowered.constants)

@@ -142,7 +142,7 @@ impl Emitter<'_> {
                 Not => format!("{a} == 0"),
                 IsNan => format!("{a} != {a}"),
                 IsInf => format!("bz_isinf({a})"),
-                BitwiseNot => return Err(CodegenError::Unsupported(format!("{} on {dt}", op.name()))),
+                BitwiseNot | F64FromBits => return Err(CodegenError::Unsupported(format!("{} on {dt}", op.name()))),
             });
         }
         Ok(match op {
@@ -154,6 +154,7 @@ impl Emitter<'_> {
             BitwiseNot if dt == DType::Bool => format!("!{a}"),
             BitwiseNot => format!("({ct})~{a}"),
             IsNan | IsInf => "false".into(),
+            F64FromBits if dt == DType::I64 => format!("bz_f64_from_bits({a})"),
             _ => return Err(CodegenError::Unsupported(format!("{} on {dt}", op.name()))),
         })
     }

@@ -60,6 +60,7 @@ typedef int bz_count_t;
 BZ double bz_wdivd(double a, double b) { return a / b; }
 BZ double bz_seld(int c, double a, double b) { return c ? a : b; }
 BZ int64_t bz_seli(int c, int64_t a, int64_t b) { return c ? a : b; }
+BZ double bz_f64_from_bits(int64_t x) { return __longlong_as_double(x); }
 template <class T> BZ bool bz_isinf(T x) { return x == (T)INFINITY || x == -(T)INFINITY; }
 BZ float bz_h2f(uint16_t h) { float f; asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h)); return f; }
 BZ uint16_t bz_f2h(float f) { uint16_t h; asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f)); return h; }

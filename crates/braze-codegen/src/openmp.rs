@@ -133,6 +133,7 @@ typedef int64_t bz_count_t;
 /* What a steady masked load reads where its mask is off ([Note: steady masked loads]). */
 static const unsigned char bz_zeros[65536] __attribute__((aligned(64), unused));
 static inline float bz_self(int c, float a, float b) { uint32_t x, y, m = -(uint32_t)(c != 0); memcpy(&x, &a, 4); memcpy(&y, &b, 4); x = (x & m) | (y & ~m); memcpy(&a, &x, 4); return a; }
+static inline double bz_f64_from_bits(int64_t x) { double d; memcpy(&d, &x, 8); return d; }
 static inline double bz_seld(int c, double a, double b) { uint64_t x, y, m = -(uint64_t)(c != 0); memcpy(&x, &a, 8); memcpy(&y, &b, 8); x = (x & m) | (y & ~m); memcpy(&a, &x, 8); return a; }
 static inline int64_t bz_seli(int c, int64_t a, int64_t b) { int64_t m = -(int64_t)(c != 0); return (a & m) | (b & ~m); }
 static inline float bz_h2f(uint16_t h) { _Float16 f; memcpy(&f, &h, 2); return (float)f; }

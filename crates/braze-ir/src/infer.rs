@@ -2,7 +2,7 @@
 
 use crate::dtype::DType;
 use crate::graph::TensorTy;
-use crate::op::{Op, ReduceKind};
+use crate::op::{Op, ReduceKind, UnaryOp};
 use crate::sym::Expr;
 use crate::Error;
 
@@ -44,7 +44,12 @@ pub fn infer(op: &Op, ins: &[&TensorTy]) -> Result<Option<TensorTy>, Error> {
         Op::Iota { len, dtype, .. } => t(*dtype, vec![len.clone()]),
         Op::Size { dtype, .. } => t(*dtype, vec![]),
         Op::Unary(u) => {
-            let dt = if u.is_predicate() { DType::Bool } else { ins[0].dtype };
+            let dt = match u {
+                UnaryOp::F64FromBits if ins[0].dtype != DType::I64 => return Err(bad("f64_from_bits takes an i64".into())),
+                UnaryOp::F64FromBits => DType::F64,
+                _ if u.is_predicate() => DType::Bool,
+                _ => ins[0].dtype,
+            };
             t(dt, ins[0].shape.clone())
         }
         Op::Binary(b) => {

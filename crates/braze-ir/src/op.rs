@@ -57,6 +57,9 @@ named_enum! {
         IsNan = "isnan",
         /// Infinity test; result is bool.
         IsInf = "isinf",
+        /// The f64 whose bits are the i64 operand; result is f64 (a float scalar of the
+        /// host carried in the size-symbol array, [Note: host scalars]).
+        F64FromBits = "f64_from_bits",
     }
 }
 

@@ -108,6 +108,7 @@ fn unary(u: UnaryOp, v: Lit, d: DType) -> Option<Lit> {
         Neg => Lit::I(i.wrapping_neg()),
         Abs => Lit::I(i.wrapping_abs()),
         Not => Lit::B(i == 0),
+        F64FromBits => Lit::F(f64::from_bits(i as u64)),
         _ => return None,
     })
 }
