@@ -736,3 +736,28 @@ def test_host_scalars_in_kernels(device):
     _no_eager()
     for r in braze.stats.records:
         assert not r["externs"], (r["externs"], r.get("extern_reasons"))
+
+
+def test_sizes_equal_by_guard(device):
+    """Two sizes PyTorch's guards equate though they are different products (`s0*s1` and
+    `s2*s3`: two tensors flattened and added; T5's loss on CUDA compared its targets' count
+    with its logits' rows so) are one size to braze's typing ([Note: equal sizes]): the add,
+    the reshapes and the scatter of the loss's backward ran as ATen calls."""
+    def f(a, b, w, t):
+        logits = (a.reshape(-1, 1) + b.reshape(-1, 1)) * w
+        return torch.nn.functional.cross_entropy(logits, t.reshape(-1))
+
+    c = compiled(f, dynamic=True)
+    for p, q, r, s in ((2, 6, 3, 4), (4, 6, 3, 8), (5, 3, 15, 1)):
+        a = torch.randn(p, q, device=device, requires_grad=True)
+        b = torch.randn(r, s, device=device)
+        w, t = torch.randn(5, device=device), torch.randint(0, 5, (q, p), device=device)
+        a2 = a.detach().clone().requires_grad_()
+        got, want = c(a, b, w, t), f(a2, b, w, t)
+        torch.testing.assert_close(got, want)
+        got.backward()
+        want.backward()
+        torch.testing.assert_close(a.grad, a2.grad)
+    _no_eager()
+    for r in braze.stats.records:
+        assert not r["externs"], (r["name"], r["externs"], r.get("extern_reasons"))

@@ -40,6 +40,45 @@ def dt(d: torch.dtype) -> str:
         raise Unsupported(f"dtype {d}") from None
 
 
+# [Note: equal sizes] Sizes PyTorch knows equal only through a guard on a product (a
+# cross-entropy's flattened targets `s38*s97` against its logits' rows `s14*s94`; a sum of two
+# tensors reshaped flat): the shape environment keeps no replacement for them, so braze's
+# IR, which compares size expressions, saw two sizes that do not broadcast and left the op to
+# ATen. The graph only runs where Dynamo's guards hold, so each such product is declared
+# equal to one representative of its class (`GraphBuilder.assume_equal`), and typing
+# compares sizes through those rules; expressions keep PyTorch's spelling.
+def _size_classes(gm):
+    """(product, representative) for the sizes equal by an `Eq` guard of the graph's shape
+    environment ([Note: equal sizes])."""
+    import sympy
+
+    env = None
+    for n in gm.graph.nodes:
+        v = n.meta.get("val")
+        if isinstance(v, torch.Tensor) and getattr(v, "fake_mode", None) is not None:
+            env = v.fake_mode.shape_env
+        elif isinstance(v, torch.SymInt):
+            env = v.node.shape_env
+        if env is not None:
+            break
+    if env is None:
+        return []
+    parent = {}
+
+    def find(e):
+        while e in parent:
+            e = parent[e]
+        return e
+    for g in getattr(env, "guards", ()):
+        e = g.expr
+        if isinstance(e, sympy.Eq) and not e.lhs.is_number and not e.rhs.is_number:
+            a, b = find(e.lhs), find(e.rhs)
+            if a != b:
+                a, b = sorted((a, b), key=lambda x: (len(str(x)), str(x)))
+                parent[b] = a
+    return [(str(e).replace(" ", ""), str(find(e)).replace(" ", "")) for e in parent if e.is_Mul and all(x.is_Symbol for x in e.args)]
+
+
 def sym_str(v) -> str:
     """A size (int or SymInt) as a braze size expression."""
     if isinstance(v, bool):
@@ -216,6 +255,11 @@ class Lowerer:
         self.name = name
         self.sub_cache = {}  # id(GraphModule) -> compiled subgraph call (invoke_subgraph)
         self.b = _core.GraphBuilder(name)
+        for product, size in _size_classes(gm):
+            try:
+                self.b.assume_equal(product, size)
+            except _core.Unsupported:
+                pass  # a size braze's expressions cannot spell
         self.env = {}
         self.types = {}  # ir id -> (torch dtype, tuple of size strings)
         self.externs = {}

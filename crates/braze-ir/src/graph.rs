@@ -85,11 +85,20 @@ pub struct Graph {
     /// strides they come back with); the ones before keep eager's (`layout` nodes give them).
     /// `None`: every output keeps eager's strides.
     pub free_layout_from: Option<usize>,
+    /// Sizes PyTorch guarantees equal though written differently (monomial -> size:
+    /// `s20*s52` -> `s97*s98`), from Dynamo's guards ([Note: equal sizes] in braze-py);
+    /// typing compares sizes through them.
+    pub size_rules: Vec<(Expr, Expr)>,
 }
 
 impl Graph {
     pub fn new(name: &str) -> Self {
         Graph { name: name.to_string(), ..Default::default() }
+    }
+
+    /// An empty graph with `g`'s name and size rules (a pass's rebuilt graph).
+    pub fn like(g: &Graph) -> Self {
+        Graph { name: g.name.clone(), size_rules: g.size_rules.clone(), ..Default::default() }
     }
 
     pub fn node(&self, id: NodeId) -> &Node {
@@ -131,7 +140,7 @@ impl Graph {
             .map(|&i| self.nodes[i.index()].ty.as_ref().ok_or_else(|| Error::Invalid(format!("{i} is an extern call, not a tensor"))))
             .collect::<Result<_, _>>()
             .or_else(|e| if matches!(op, Op::ExternOut { .. }) { Ok(vec![]) } else { Err(e) })?;
-        let ty = infer(&op, &tys)?;
+        let ty = crate::infer::with_size_rules(&self.size_rules, || infer(&op, &tys))?;
         Ok(self.push(Node { op, inputs, ty }))
     }
 

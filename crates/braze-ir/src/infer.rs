@@ -10,6 +10,32 @@ fn bad(msg: String) -> Error {
     Error::Invalid(msg)
 }
 
+thread_local! {
+    /// The graph's size equalities while its ops are typed ([`with_size_rules`]).
+    static SIZE_RULES: std::cell::RefCell<Vec<(Expr, Expr)>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// Runs `f` with `rules` (monomial -> equal size, [`crate::Graph::size_rules`]) in force for
+/// the size comparisons of typing.
+pub fn with_size_rules<T>(rules: &[(Expr, Expr)], f: impl FnOnce() -> T) -> T {
+    if rules.is_empty() {
+        return f();
+    }
+    let saved = SIZE_RULES.with(|r| std::mem::replace(&mut *r.borrow_mut(), rules.to_vec()));
+    let out = f();
+    SIZE_RULES.with(|r| *r.borrow_mut() = saved);
+    out
+}
+
+/// Whether two sizes are equal: the same expression, or the same once the graph's size
+/// equalities are applied.
+pub fn same_size(a: &Expr, b: &Expr) -> bool {
+    a == b || SIZE_RULES.with(|r| {
+        let r = r.borrow();
+        !r.is_empty() && a.substitute(&r) == b.substitute(&r)
+    })
+}
+
 /// Numpy-style broadcast of shapes.
 pub fn broadcast(a: &[Expr], b: &[Expr]) -> Result<Vec<Expr>, Error> {
     let n = a.len().max(b.len());
@@ -18,7 +44,7 @@ pub fn broadcast(a: &[Expr], b: &[Expr]) -> Result<Vec<Expr>, Error> {
         let x = if i + a.len() >= n { Some(&a[i + a.len() - n]) } else { None };
         let y = if i + b.len() >= n { Some(&b[i + b.len() - n]) } else { None };
         out.push(match (x, y) {
-            (Some(x), Some(y)) if x == y => x.clone(),
+            (Some(x), Some(y)) if same_size(x, y) => x.clone(),
             (Some(x), Some(y)) if x.is_const(1) => y.clone(),
             (Some(x), Some(y)) if y.is_const(1) => x.clone(),
             (Some(x), None) | (None, Some(x)) => x.clone(),
@@ -123,7 +149,7 @@ pub fn infer(op: &Op, ins: &[&TensorTy]) -> Result<Option<TensorTy>, Error> {
         Op::Reshape(shape) => {
             let x = ins[0];
             let n: Expr = shape.iter().fold(Expr::one(), |a, b| a.mul(b));
-            if n != x.numel() {
+            if !same_size(&n, &x.numel()) {
                 return Err(bad(format!("reshape changes the element count: {} vs {}", x.numel(), n)));
             }
             t(x.dtype, shape.clone())

@@ -103,6 +103,22 @@ impl Expr {
         self.as_const() == Some(c)
     }
 
+    /// This expression with every monomial that is the left side of a rule (a monomial of
+    /// coefficient 1) replaced by the rule's right side, scaled by its coefficient
+    /// ([Note: equal sizes] in braze-py).
+    pub fn substitute(&self, rules: &[(Expr, Expr)]) -> Expr {
+        let mut out = Expr::zero();
+        for (m, c) in &self.terms {
+            let hit = rules.iter().find(|(l, _)| l.terms.len() == 1 && l.terms.get(m) == Some(&1));
+            let term = Expr { terms: BTreeMap::from([(m.clone(), *c)]) };
+            out = out.add(&match hit {
+                Some((_, r)) => r.mul(&Expr::constant(*c)),
+                None => term,
+            });
+        }
+        out
+    }
+
     pub fn add(&self, o: &Expr) -> Expr {
         let mut terms = self.terms.clone();
         for (m, c) in &o.terms {
@@ -674,6 +690,20 @@ fn ceil_div(a: &Expr, b: &Expr) -> Expr {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn substitute_monomials() {
+        let p = |t: &str| parse_expr(t).unwrap();
+        let rules = [(p("s2*s3"), p("s0*s1"))];
+        // Whole monomials are replaced, scaled by their coefficient; others stay.
+        assert_eq!(p("2*s2*s3 + s4").substitute(&rules), p("2*s0*s1 + s4"));
+        assert_eq!(p("s2*s3*s4").substitute(&rules), p("s2*s3*s4"));
+        assert_eq!(p("s2").substitute(&rules), p("s2"));
+        // Typing compares sizes through the rules in force.
+        assert!(!crate::infer::same_size(&p("s2*s3"), &p("s0*s1")));
+        assert!(crate::infer::with_size_rules(&rules, || crate::infer::same_size(&p("s2*s3"), &p("s0*s1"))));
+        assert!(crate::infer::with_size_rules(&rules, || crate::infer::broadcast(&[p("s2*s3"), p("4")], &[p("s0*s1"), p("1")])).is_ok());
+    }
 
     #[test]
     fn canonical_and_divmod() {

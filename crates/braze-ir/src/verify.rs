@@ -86,7 +86,7 @@ pub fn verify(g: &Graph) -> Vec<VerifyError> {
                 if tys.len() != n.inputs.len() {
                     continue;
                 }
-                match infer(op, &tys) {
+                match crate::infer::with_size_rules(&g.size_rules, || infer(op, &tys)) {
                     Ok(t) if t == n.ty => {}
                     Ok(t) => e(Some(id), format!("type {:?} differs from inferred {:?}", n.ty, t)),
                     Err(err) => e(Some(id), err.to_string()),

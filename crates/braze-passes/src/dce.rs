@@ -19,7 +19,7 @@ pub fn dce(g: &Graph) -> Graph {
             }
         }
     }
-    let mut out = Graph::new(&g.name);
+    let mut out = Graph::like(g);
     let mut map = vec![NodeId(u32::MAX); g.nodes.len()];
     for id in g.ids().filter(|id| live[id.index()]) {
         let n = g.node(id);

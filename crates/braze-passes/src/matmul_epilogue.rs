@@ -44,7 +44,7 @@ pub fn matmul_epilogue(g: &Graph) -> Graph {
         users[n.index()].iter().any(|&u| matches!(&g.node(u).op, Op::Layout { strides } if *strides != rm))
     };
     let mapped = |map: &[NodeId], ids: &[NodeId]| ids.iter().map(|i| map[i.index()]).collect::<Vec<_>>();
-    let mut out = Graph::new(&g.name);
+    let mut out = Graph::like(g);
     let mut map: Vec<NodeId> = Vec::with_capacity(g.nodes.len());
     for id in g.ids() {
         let n = g.node(id);

@@ -25,7 +25,7 @@ pub enum Arg {
 
 /// Applies `rule` to every node; returns the rewritten graph (not yet dead-code eliminated).
 pub fn rewrite(g: &Graph, mut rule: impl FnMut(&Graph, &Node) -> Option<Rewrite>) -> Graph {
-    let mut out = Graph::new(&g.name);
+    let mut out = Graph::like(g);
     let mut map: Vec<NodeId> = Vec::with_capacity(g.nodes.len());
     for n in &g.nodes {
         let mut n2 = n.clone();
@@ -70,7 +70,7 @@ fn add_chain(out: &mut Graph, ops: Vec<(Op, Vec<Arg>)>, n: Node) -> NodeId {
 /// (given the map from old to new ids so far); a replacement of another type is ignored (the
 /// node is copied). `None` when nothing was replaced. Unused nodes are left for `dce`.
 pub fn rebuild(g: &Graph, mut build: impl FnMut(&Graph, &mut Graph, &[NodeId], NodeId) -> Option<NodeId>) -> Option<Graph> {
-    let mut out = Graph::new(&g.name);
+    let mut out = Graph::like(g);
     let mut map: Vec<NodeId> = Vec::with_capacity(g.nodes.len());
     let mut changed = false;
     for id in g.ids() {

@@ -36,7 +36,7 @@ pub const MIN_PIECE: i64 = 64;
 
 /// Splits every reduction that would run on fewer than `min_blocks` blocks.
 pub fn split_reductions(g: &Graph, min_blocks: i64) -> Graph {
-    let mut out = Graph::new(&g.name);
+    let mut out = Graph::like(g);
     let mut map: Vec<NodeId> = Vec::with_capacity(g.nodes.len());
     let mut changed = false;
     for id in g.ids() {

@@ -137,7 +137,21 @@ impl GraphBuilder {
     fn shape_is(&self, id: u32, shape: Vec<String>) -> PyResult<bool> {
         let n = self.g.nodes.get(id as usize).ok_or_else(|| unsupported("no such node"))?;
         let t = n.ty.as_ref().ok_or_else(|| unsupported("extern node has no type"))?;
-        Ok(t.shape == parse_exprs(&shape)?)
+        let want = parse_exprs(&shape)?;
+        Ok(t.shape.len() == want.len()
+            && braze_ir::infer::with_size_rules(&self.g.size_rules, || t.shape.iter().zip(&want).all(|(a, b)| braze_ir::infer::same_size(a, b))))
+    }
+
+    /// Declares two sizes equal (a product PyTorch's guards equate to another, [Note: equal
+    /// sizes] in lowering.py): `monomial` (a product of symbols) is `size` wherever typing
+    /// compares sizes. Anything else as `monomial` is refused.
+    fn assume_equal(&mut self, monomial: &str, size: &str) -> PyResult<()> {
+        let (l, r) = (braze_ir::sym::parse_expr(monomial).map_err(unsupported)?, braze_ir::sym::parse_expr(size).map_err(unsupported)?);
+        if l.substitute(&[(l.clone(), Expr::zero())]) != Expr::zero() || l.as_const().is_some() {
+            return Err(unsupported(format!("{monomial} is not a product of symbols")));
+        }
+        self.g.size_rules.push((l, r));
+        Ok(())
     }
 
     /// The op name of a node (`"add"`, `"permute"`, `"extern_out"`, ...).
