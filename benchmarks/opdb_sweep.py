@@ -68,6 +68,48 @@ def against_float64(op, sample):
     return "worse than eager against float64" if worse else "as close to float64 as eager or closer"
 
 
+def grads_against_float64(op, sample):
+    """As `against_float64`, for the gradients (GRAD=1): the inputs' gradients under one
+    cotangent, from braze's and eager's 16-bit runs, each against the
+    gradients of a float64 run."""
+    args = [sample.input, *sample.args]
+    pos = [k for k, a in enumerate(args) if isinstance(a, torch.Tensor)]
+
+    def fn(*ts):
+        a = list(args)
+        for k, t in zip(pos, ts):
+            a[k] = t
+        return op(*a, **sample.kwargs)
+
+    def grads(ts, run, cots):
+        ts = [t.detach().clone().requires_grad_(t.requires_grad) for t in ts]
+        outs = [o for o in T._flatten(run(*ts)) if o.requires_grad and o.dtype.is_floating_point]
+        if cots is None:
+            # Representable in the 16-bit dtype: all three runs take the same cotangent.
+            cots = [torch.randn(o.shape, dtype=torch.float64).to(dtype).double() for o in outs]
+        torch.autograd.backward(outs, [c.to(o.dtype) for c, o in zip(cots, outs)])
+        return [t.grad for t in ts if t.requires_grad], cots
+    ts = [args[k].detach().requires_grad_(args[k].requires_grad) for k in pos]
+    up = [t.detach().double().requires_grad_(t.requires_grad) if t.dtype.is_floating_point else t for t in ts]
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            ref, cots = grads(up, fn, None)
+            eager, _ = grads(ts, fn, cots)
+            torch._dynamo.reset()
+            got, _ = grads(ts, torch.compile(fn, backend="braze"), cots)
+    except Exception:
+        return None
+    worse = False
+    for e, g, r in zip(eager, got, ref):
+        if e is None or g is None or r is None:
+            continue
+        de = (e.double() - r).abs().nan_to_num(0).max().item()
+        dg = (g.double() - r).abs().nan_to_num(0).max().item()
+        worse |= dg > de * 1.01 + 1e-12
+    return "gradients worse than eager's against float64" if worse else "gradients as close to float64 as eager's or closer"
+
+
 def main():
     a, b = (int(sys.argv[1]), int(sys.argv[2])) if len(sys.argv) > 2 else (0, len(op_db))
     signal.signal(signal.SIGALRM, _alarm)
@@ -90,7 +132,8 @@ def main():
             except AssertionError as e:
                 bad += 1
                 msg = " ".join(str(e).strip().splitlines()[:3])[:300]
-                extra = f" [{against_float64(op, s)}]" if dtype in (torch.bfloat16, torch.float16) and not grad else ""
+                judge = grads_against_float64 if grad else against_float64
+                extra = f" [{judge(op, s)}]" if dtype in (torch.bfloat16, torch.float16) else ""
                 print("WRONG", name, i, msg + extra, flush=True)
             except Timeout:
                 print("TIMEOUT", name, i, flush=True)
