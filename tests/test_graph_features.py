@@ -763,3 +763,22 @@ def test_sizes_equal_by_guard(device):
     _no_eager()
     for r in braze.stats.records:
         assert not r["externs"], (r["name"], r["externs"], r.get("extern_reasons"))
+
+
+def test_float_arange(device):
+    """`arange` with float bounds or step (positional encodings' `arange(0, d, 2.0)`) is an
+    iota scaled in float64 and rounded once, as ATen's CPU kernel computes it; it ran as an
+    ATen call."""
+    def f(x):
+        a = torch.arange(5.0, device=x.device)
+        b = torch.arange(0, 16, 2.0, dtype=torch.float32, device=x.device)
+        c = torch.arange(-1.5, 2.25, 0.25, dtype=torch.bfloat16, device=x.device)
+        return x * a.sum() + b[: x.shape[1]] + c.float().sum(), c
+
+    c = compiled(f, dynamic=True)
+    for n in (3, 7):
+        x = torch.randn(n, 4, device=device)
+        for got, want in zip(c(x), f(x)):
+            torch.testing.assert_close(got, want)
+    _no_eager()
+    assert not any(r["externs"] for r in braze.stats.records), [r["extern_reasons"] for r in braze.stats.records]

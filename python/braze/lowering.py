@@ -1848,14 +1848,22 @@ def _scalar_tensor(L, node, value, **kw):
 @register(A("arange"))
 def _arange(L, node, *args, **kw):
     """``arange(end)``, ``arange(start, end)``, ``arange(start, end, step)`` as an iota of the
-    result's length: the end may be a size symbol (a graph input with dynamic shapes), start
-    and step are integers."""
+    result's length: the end may be a size symbol (a graph input with dynamic shapes). Integer
+    start and step count directly; a float one (`arange(0, d, 2.0)` of positional encodings)
+    gives `start + i * step` computed in float64 and rounded once, as ATen's CPU kernel
+    computes it in double."""
     v = node.meta["val"]
     start, step = (0, 1) if len(args) == 1 else (args[0], args[2] if len(args) > 2 else 1)
     end = args[0] if len(args) == 1 else args[1]
-    if not (isinstance(start, int) and isinstance(step, int) and (isinstance(end, int) or _is_sym_int(end))):
+    if not (isinstance(end, (int, float)) or _is_sym_int(end)) or isinstance(end, bool):
+        raise Unsupported("arange with a bound computed at run time")
+    if isinstance(start, int) and isinstance(step, int) and not isinstance(start, bool) and not isinstance(step, bool):
+        return L.op("iota", len=sym_val(v.shape[0]), start=start, step=step, dtype=dt(v.dtype))
+    if not (isinstance(start, (int, float)) and isinstance(step, (int, float))) or not v.dtype.is_floating_point:
         raise Unsupported("arange with non-integer bounds")
-    return L.op("iota", len=sym_val(v.shape[0]), start=start, step=step, dtype=dt(v.dtype))
+    i = L.op("iota", len=sym_val(v.shape[0]), start=0, step=1, dtype="i64")
+    x = L.op("add", L.op("mul", L.cast(i, torch.float64), L.scalar(float(step), torch.float64)), L.scalar(float(start), torch.float64))
+    return L.cast(x, v.dtype)
 
 
 def _is_sym_int(a):
