@@ -786,3 +786,32 @@ def test_float_arange(device):
             torch.testing.assert_close(got, want)
     _no_eager()
     assert not any(r["externs"] for r in braze.stats.records), [r["extern_reasons"] for r in braze.stats.records]
+
+
+def test_host_scalars_simulated_on_cpu(monkeypatch):
+    """The host-scalar path ([Note: host scalars]) on the CPU, where no graph has host values:
+    0-dim tensors are made to count as on another device than the graph's. The float inputs
+    reach the kernel as symbols read back by `f64_from_bits`; a new value at the next call of
+    the same sizes is used (values are no part of the plan's key); constants are literals."""
+    from braze import lowering
+
+    real = lowering.check_tensor
+
+    def check(v, lowerer=None):
+        if lowerer is not None and v.dim() == 0 and v.device.type == "cpu":
+            return False
+        return real(v, lowerer)
+    monkeypatch.setattr(lowering, "check_tensor", check)
+
+    def f(x, eps, scale):
+        y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * scale
+        return y.masked_fill(x > 1.5, torch.tensor(-7.0))
+
+    c = compiled(f, dynamic=True)
+    x = torch.randn(4, 16)
+    for eps, scale in ((1e-6, 2.0), (0.5, 3.0), (0.25, -1.0), (0.25, -1.0)):
+        torch.testing.assert_close(c(x, eps, scale), f(x, eps, scale))
+    _no_eager()
+    (rec,) = braze.stats.records
+    assert not rec["externs"], rec["extern_reasons"]
+    assert len(re.findall(r"= f64_from_bits ", rec["schedule"])) == 2, rec["schedule"]

@@ -40,9 +40,10 @@ class SymResolver:
     def __init__(self, input_nodes, needed, host_syms=()):
         self.num_syms = max(needed, default=-1) + 1
         self.sources = {}
-        # 0-dim host inputs carried into kernels as symbols ([Note: host scalars] in lowering).
-        for n, i, is_float in host_syms:
-            self.sources[n] = ("bits" if is_float else "int", i, 0)
+        # 0-dim host inputs carried into kernels as symbols ([Note: host scalars] in
+        # lowering): values, not sizes, so not part of the plan's key (a value that changes
+        # every call rebuilds no plan); `with_values` writes them into each call's symbols.
+        self.values = tuple((n, i, is_float) for n, i, is_float in host_syms if n in needed)
         for i, (kind, info) in enumerate(input_nodes):
             if kind == "sym":
                 self._add(info, ("int", i, 0))
@@ -52,7 +53,7 @@ class SymResolver:
                     self._add(s, ("size", i, d))
                 for d, s in enumerate(strides):
                     self._add(s, ("stride", i, d))
-        missing = sorted(n for n in needed if n not in self.sources)
+        missing = sorted(n for n in needed if n not in self.sources and all(n != v[0] for v in self.values))
         if missing:
             raise Unsupported("size symbol(s) " + ", ".join(f"s{n}" for n in missing) + " not found among the inputs")
         self.sources = {n: src for n, src in self.sources.items() if n in needed}
@@ -64,8 +65,15 @@ class SymResolver:
 
     def key(self, args):
         """The values of the needed symbols, in `sources` order (a plan cache key)."""
-        return tuple([int(args[i]) if kind == "int" else (args[i].shape[d] if kind == "size" else args[i].stride(d) if kind == "stride" else _f64_bits(args[i]))
+        return tuple([int(args[i]) if kind == "int" else (args[i].shape[d] if kind == "size" else args[i].stride(d))
                       for kind, i, d in self.order])
+
+    def with_values(self, syms, args):
+        """`syms` with this call's host scalars written in (a new list)."""
+        out = list(syms)
+        for n, i, is_float in self.values:
+            out[n] = _f64_bits(args[i]) if is_float else int(args[i])
+        return out
 
     def expand(self, key):
         """The full symbol list (`syms[n]` is `sN`) from `key`'s values."""
@@ -321,6 +329,9 @@ class CompiledGraph:
             if hit[6] is not None and on_step is None:
                 return hit[6](args)
             syms, run_syms, vals, shapes, strides, (inputs, plan, out_plan, (simple, copies)), _ = hit
+            if self.syms.values:
+                syms = self.syms.with_values(syms, args)
+                run_syms = self.c.sym_vals(syms)
         else:
             syms, run_syms = _NO_SYMS, self.static_syms
             vals, shapes, strides = self.static
