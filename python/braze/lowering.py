@@ -272,6 +272,7 @@ class Lowerer:
         self.n_host = 0
         self.host_inputs = []
         self.host_syms = []  # (symbol, argument index, float?) of 0-dim host inputs
+        self.known_syms = None  # size symbols the inputs carry, once the walk starts
         self.next_sym = None
         self.constants = []
         self.bugs = {}
@@ -451,6 +452,7 @@ class Lowerer:
         passthrough = []
         mutations = []
         self.device = _graph_device(self.gm)
+        self.known_syms = _known_syms(self.gm)
         if self.device.type == "cpu" and self.static_inputs:
             from .cpu_linear import plan
             self.cpu_linears, self.absorbed = plan(self.gm, self.static_inputs)
@@ -560,6 +562,11 @@ class Lowerer:
             src, k = node.args
             return self.env[src][k]
         if isinstance(val, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+            unknown = val.node.expr.free_symbols - self.known_syms if self.known_syms is not None else ()
+            if unknown:
+                # A size only a tensor's data knows (nonzero's count): braze's runtime
+                # evaluates sizes from the call's inputs alone.
+                raise Unsupported("a size known only at run time: " + ", ".join(sorted(map(str, unknown))))
             return sym_value(val)
         if isinstance(val, (int, float)) and not isinstance(val, bool) or isinstance(val, bool) and _is_sym_op(target):
             return Num(val)
@@ -796,7 +803,35 @@ def check_tensor(v, lowerer=None) -> bool:
             if v.device.type == "cpu" and lowerer.device.type == "cuda":
                 return False
             raise Unsupported(f"mixed devices in one graph: {lowerer.device} and {v.device}")
+        if lowerer.known_syms is not None and not _sizes_known(v, lowerer.known_syms):
+            return False
     dt(v.dtype)
+    return True
+
+
+def _known_syms(gm):
+    """The size symbols a call's inputs carry (bare in an input's sizes or strides, or a
+    SymInt input): what the runtime can find each call."""
+    known = set()
+    for n in gm.graph.nodes:
+        if n.op != "placeholder":
+            continue
+        v = n.meta.get("val")
+        parts = list(v.shape) + list(v.stride()) if is_tensor_meta(v) else [v]
+        for s in parts:
+            if isinstance(s, torch.SymInt) and s.node.expr.is_Symbol:
+                known.add(s.node.expr)
+    return known
+
+
+def _sizes_known(v, known) -> bool:
+    """Whether every symbol of a tensor's sizes and strides is one the inputs carry. A result
+    sized by a symbol of its own (torch 2.11 sizes the RNG state that activation
+    checkpointing saves by a fresh symbol) is an opaque value like a host one: PyTorch makes
+    and takes it; braze's buffers, sized from the call's symbols, cannot hold it."""
+    for s in (*v.shape, *v.stride()):
+        if isinstance(s, torch.SymInt) and not s.node.expr.free_symbols <= known:
+            return False
     return True
 
 
