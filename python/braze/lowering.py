@@ -574,8 +574,10 @@ class Lowerer:
             deferred = self.host_value(node, val)
             if deferred is not None:
                 return deferred
-            # A result on the host (a CPU scalar computed in a CUDA graph) comes from PyTorch.
-            self.reasons.setdefault(op_name(target), "result on another device than the graph's")
+            # A result on the host (a CPU scalar computed in a CUDA graph), or sized by a symbol
+            # the inputs do not carry, comes from PyTorch.
+            on_device = all(t.device == self.device for t in _tensors_in(val))
+            self.reasons.setdefault(op_name(target), "result sized by a symbol no input carries" if on_device else "result on another device than the graph's")
             return self.extern(node)
         if node in self.absorbed:
             return None  # computed inside the library call of its only (transitive) user
