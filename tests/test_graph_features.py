@@ -817,24 +817,23 @@ def test_host_scalars_simulated_on_cpu(monkeypatch):
     assert len(re.findall(r"= f64_from_bits ", rec["schedule"])) == 2, rec["schedule"]
 
 
-def test_data_dependent_sizes_refused_at_compile_time(device, monkeypatch):
+def test_data_dependent_sizes_refused_at_compile_time(device):
     """A size only a tensor's data knows (nonzero's count, Dynamo capturing it) is refused
     when the graph compiles, with the reason: braze's runtime finds sizes in the call's
     inputs. The graph then runs eagerly with eager's values (it failed at its first call,
     evaluating the runtime assert on `u0`, once such results became opaque values)."""
-    monkeypatch.setattr(torch._dynamo.config, "capture_dynamic_output_shape_ops", True)
-
     def f(x):
         return x.sum() * 2, torch.nonzero(x > 0.5)
 
-    x = torch.randn(6, 5, device=device)
-    with pytest.raises(Exception, match="known only at run time: u0"):
-        compiled(f, options={"on_unsupported": "error"})(x)
-    torch._dynamo.reset()
-    c = compiled(f, options={"on_unsupported": "warn"})
-    with pytest.warns(UserWarning, match="known only at run time"):
-        for _ in range(2):
-            x = torch.randn(6, 5, device=device)
-            for got, want in zip(c(x), f(x)):
-                torch.testing.assert_close(got, want)
+    with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True):
+        x = torch.randn(6, 5, device=device)
+        with pytest.raises(Exception, match="known only at run time: u0"):
+            compiled(f, options={"on_unsupported": "error"})(x)
+        torch._dynamo.reset()
+        c = compiled(f, options={"on_unsupported": "warn"})
+        with pytest.warns(UserWarning, match="known only at run time"):
+            for _ in range(2):
+                x = torch.randn(6, 5, device=device)
+                for got, want in zip(c(x), f(x)):
+                    torch.testing.assert_close(got, want)
     assert braze.stats.graphs_eager >= 1
