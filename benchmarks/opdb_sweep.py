@@ -36,9 +36,9 @@ def _alarm(*_):
     raise Timeout()
 
 
-def against_float64(op, sample):
-    """'closer' / 'worse' / None: braze's forward error against eager's, both measured from a
-    float64 run of the same sample."""
+def _sample_fn(op, sample):
+    """(a function of the sample's tensors calling `op` with its other arguments, those
+    tensors)."""
     args = [sample.input, *sample.args]
     pos = [k for k, a in enumerate(args) if isinstance(a, torch.Tensor)]
 
@@ -47,7 +47,26 @@ def against_float64(op, sample):
         for k, t in zip(pos, ts):
             a[k] = t
         return op(*a, **sample.kwargs)
-    ts = [args[k].detach() for k in pos]
+    return fn, [args[k] for k in pos]
+
+
+def _worse_than_eager(eager, got, ref):
+    """Whether any of braze's results (`got`) is further from the float64 run's than eager's."""
+    worse = False
+    for e, g, r in zip(eager, got, ref):
+        if e is None or g is None or r is None or not e.dtype.is_floating_point or e.numel() == 0:
+            continue
+        de = (e.double() - r).abs().nan_to_num(0).max().item()
+        dg = (g.double() - r).abs().nan_to_num(0).max().item()
+        worse |= dg > de * 1.01 + 1e-12
+    return worse
+
+
+def against_float64(op, sample):
+    """'closer' / 'worse' / None: braze's forward error against eager's, both measured from a
+    float64 run of the same sample."""
+    fn, ts = _sample_fn(op, sample)
+    ts = [t.detach() for t in ts]
     up = [t.double() if t.dtype.is_floating_point else t for t in ts]
     try:
         with warnings.catch_warnings():
@@ -58,28 +77,14 @@ def against_float64(op, sample):
             got = T._flatten(torch.compile(fn, backend="braze")(*[t.clone() for t in ts]))
     except Exception:
         return None
-    worse = False
-    for e, g, r in zip(eager, got, ref):
-        if not e.dtype.is_floating_point or e.numel() == 0:
-            continue
-        de = (e.double() - r).abs().nan_to_num(0).max().item()
-        dg = (g.double() - r).abs().nan_to_num(0).max().item()
-        worse |= dg > de * 1.01 + 1e-12
-    return "worse than eager against float64" if worse else "as close to float64 as eager or closer"
+    return "worse than eager against float64" if _worse_than_eager(eager, got, ref) else "as close to float64 as eager or closer"
 
 
 def grads_against_float64(op, sample):
     """As `against_float64`, for the gradients (GRAD=1): the inputs' gradients under one
     cotangent, from braze's and eager's 16-bit runs, each against the
     gradients of a float64 run."""
-    args = [sample.input, *sample.args]
-    pos = [k for k, a in enumerate(args) if isinstance(a, torch.Tensor)]
-
-    def fn(*ts):
-        a = list(args)
-        for k, t in zip(pos, ts):
-            a[k] = t
-        return op(*a, **sample.kwargs)
+    fn, ts = _sample_fn(op, sample)
 
     def grads(ts, run, cots):
         ts = [t.detach().clone().requires_grad_(t.requires_grad) for t in ts]
@@ -89,7 +94,7 @@ def grads_against_float64(op, sample):
             cots = [torch.randn(o.shape, dtype=torch.float64).to(dtype).double() for o in outs]
         torch.autograd.backward(outs, [c.to(o.dtype) for c, o in zip(cots, outs)])
         return [t.grad for t in ts if t.requires_grad], cots
-    ts = [args[k].detach().requires_grad_(args[k].requires_grad) for k in pos]
+    ts = [t.detach().requires_grad_(t.requires_grad) for t in ts]
     up = [t.detach().double().requires_grad_(t.requires_grad) if t.dtype.is_floating_point else t for t in ts]
     try:
         with warnings.catch_warnings():
@@ -100,14 +105,9 @@ def grads_against_float64(op, sample):
             got, _ = grads(ts, torch.compile(fn, backend="braze"), cots)
     except Exception:
         return None
-    worse = False
-    for e, g, r in zip(eager, got, ref):
-        if e is None or g is None or r is None:
-            continue
-        de = (e.double() - r).abs().nan_to_num(0).max().item()
-        dg = (g.double() - r).abs().nan_to_num(0).max().item()
-        worse |= dg > de * 1.01 + 1e-12
-    return "gradients worse than eager's against float64" if worse else "gradients as close to float64 as eager's or closer"
+    if _worse_than_eager(eager, got, ref):
+        return "gradients worse than eager's against float64"
+    return "gradients as close to float64 as eager's or closer"
 
 
 def main():

@@ -273,7 +273,7 @@ class Lowerer:
         self.host_inputs = []
         self.host_syms = []  # (symbol, argument index, float?) of 0-dim host inputs
         self.known_syms = None  # size symbols the inputs carry, once the walk starts
-        self.next_sym = None
+        self.next_sym = 0  # the next symbol number free for a host scalar, once the walk starts
         self.constants = []
         self.bugs = {}
         self.islands = {}
@@ -418,18 +418,6 @@ class Lowerer:
         val = node.meta["val"]
         if val.dim() != 0 or val.dtype not in (torch.float64, torch.float32, torch.int64, torch.int32, torch.bool):
             return None
-        if self.next_sym is None:
-            from .runtime import sym_names
-            top = -1
-            for n in self.gm.graph.nodes:
-                if n.op != "placeholder":
-                    continue
-                pv = n.meta.get("val")
-                parts = list(pv.shape) + list(pv.stride()) if is_tensor_meta(pv) else [pv]
-                for s in parts:
-                    if isinstance(s, (torch.SymInt, torch.SymFloat, torch.SymBool)):
-                        top = max([top, *sym_names(str(s.node.expr))])
-            self.next_sym = top + 1
         self.next_sym += 1
         return self.next_sym - 1
 
@@ -452,7 +440,7 @@ class Lowerer:
         passthrough = []
         mutations = []
         self.device = _graph_device(self.gm)
-        self.known_syms = _known_syms(self.gm)
+        self.known_syms, self.next_sym = _input_syms(self.gm)
         if self.device.type == "cpu" and self.static_inputs:
             from .cpu_linear import plan
             self.cpu_linears, self.absorbed = plan(self.gm, self.static_inputs)
@@ -811,19 +799,24 @@ def check_tensor(v, lowerer=None) -> bool:
     return True
 
 
-def _known_syms(gm):
-    """The size symbols a call's inputs carry (bare in an input's sizes or strides, or a
-    SymInt input): what the runtime can find each call."""
-    known = set()
+def _input_syms(gm):
+    """(the size symbols a call's inputs carry: bare in an input's sizes or strides, or a
+    SymInt input, what the runtime can find each call; the first symbol number past every
+    symbol the inputs mention, free for host scalars)."""
+    from .runtime import sym_names
+
+    known, top = set(), -1
     for n in gm.graph.nodes:
         if n.op != "placeholder":
             continue
         v = n.meta.get("val")
         parts = list(v.shape) + list(v.stride()) if is_tensor_meta(v) else [v]
         for s in parts:
-            if isinstance(s, torch.SymInt) and s.node.expr.is_Symbol:
-                known.add(s.node.expr)
-    return known
+            if isinstance(s, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+                top = max([top, *sym_names(str(s.node.expr))])
+                if isinstance(s, torch.SymInt) and s.node.expr.is_Symbol:
+                    known.add(s.node.expr)
+    return known, top + 1
 
 
 def _sizes_known(v, known) -> bool:

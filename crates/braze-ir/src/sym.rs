@@ -103,13 +103,18 @@ impl Expr {
         self.as_const() == Some(c)
     }
 
-    /// This expression with every monomial that is the left side of a rule (a monomial of
-    /// coefficient 1) replaced by the rule's right side, scaled by its coefficient
+    /// Whether this is one product of atoms with coefficient 1 (`s0*s1`; not a constant).
+    pub fn is_monomial(&self) -> bool {
+        self.terms.len() == 1 && self.terms.iter().all(|(m, c)| !m.is_empty() && *c == 1)
+    }
+
+    /// This expression with every monomial that is the left side of a rule
+    /// ([`Expr::is_monomial`]) replaced by the rule's right side, scaled by its coefficient
     /// ([Note: equal sizes] in braze-py).
     pub fn substitute(&self, rules: &[(Expr, Expr)]) -> Expr {
         let mut out = Expr::zero();
         for (m, c) in &self.terms {
-            let hit = rules.iter().find(|(l, _)| l.terms.len() == 1 && l.terms.get(m) == Some(&1));
+            let hit = rules.iter().find(|(l, _)| l.is_monomial() && l.terms.contains_key(m));
             let term = Expr { terms: BTreeMap::from([(m.clone(), *c)]) };
             out = out.add(&match hit {
                 Some((_, r)) => r.mul(&Expr::constant(*c)),
@@ -699,6 +704,7 @@ mod tests {
         assert_eq!(p("2*s2*s3 + s4").substitute(&rules), p("2*s0*s1 + s4"));
         assert_eq!(p("s2*s3*s4").substitute(&rules), p("s2*s3*s4"));
         assert_eq!(p("s2").substitute(&rules), p("s2"));
+        assert!(p("s2*s3").is_monomial() && !p("2*s2").is_monomial() && !p("s2 + 1").is_monomial() && !p("1").is_monomial());
         // Typing compares sizes through the rules in force.
         assert!(!crate::infer::same_size(&p("s2*s3"), &p("s0*s1")));
         assert!(crate::infer::with_size_rules(&rules, || crate::infer::same_size(&p("s2*s3"), &p("s0*s1"))));
