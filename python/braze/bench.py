@@ -307,7 +307,8 @@ def main(argv=None):
             for r in fsdp_rows:
                 runs = r.get("runs_per_step")
                 runs = f"  runs per step: {runs[0]} replayed, {runs[1]} captured, {runs[2]} launched item by item" if runs else ""
-                print(f"  {r['backend']:9s} {r['median_ms']:9.3f} ms  {r['speedup']:5.2f}x  first {r['first_call_s']:6.1f} s{runs}", flush=True)
+                own = f" (eager {r['eager_ms_same_process']:.3f} ms in its process)" if r["backend"] != "eager" else ""
+                print(f"  {r['backend']:9s} {r['median_ms']:9.3f} ms  {r['speedup']:5.2f}x{own}  first {r['first_call_s']:6.1f} s{runs}", flush=True)
             rows += fsdp_rows
         if args.plot:
             plot_models(rows, args.plot, f"braze {braze.__version__} | torch {torch.__version__} | {card}")
