@@ -13,6 +13,7 @@ recompiles of the same graphs (the C compiler's disk cache answers those), so a 
 busy machine measures both graphs alike.
 """
 import math
+import os
 import time
 
 import pytest
@@ -182,6 +183,47 @@ def test_cuda_kernels_cached_one_by_one(monkeypatch, tmp_path):
             torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-3)
 
     assert _one_kernel_more(compiled) == [4, 1]
+
+
+_WORKERS_CHILD = r"""
+import os, sys, torch, braze
+from braze import _core, cuda
+assert cuda.nvrtc_available()
+print("started", cuda.start_nvrtc_workers())
+def f(x, y):
+    return torch.softmax(x @ y, -1).sum(0), (x.sin() * 2).amax(1), torch.nn.functional.gelu(y).mean(0)
+x, y = torch.randn(64, 96), torch.randn(96, 80)
+got = torch.compile(f, backend="braze", options={"on_unsupported": "error"})(x, y)
+for a, b in zip(got, f(x, y)):
+    torch.testing.assert_close(a, b)
+print("compiled", _core.nvrtc_kernels_compiled(), "on workers", _core.nvrtc_worker_compiles())
+try:
+    _core.nvrtc_compile('extern "C" __global__ void k(float* x) { x[0] = undeclared; }', "sm_90")
+except Exception as e:
+    print("error", "undeclared" in str(e) and "NVRTC failed" in str(e))
+"""
+
+
+@pytest.mark.skipif(not braze.cuda.nvrtc_available(), reason="needs NVRTC")
+@pytest.mark.parametrize("workers", [2, 0])
+def test_nvrtc_worker_processes(tmp_path, workers):
+    """[Note: NVRTC worker processes]: with workers started, a graph's CUDA kernels (a CPU graph
+    checked with NVRTC, BRAZE_CHECK_CUDA) compile on them, a kernel that does not compile
+    reports NVRTC's log as before, and the results match eager; BRAZE_NVRTC_WORKERS=0 starts
+    none and compiles in-process. In a child process: the workers live as long as it."""
+    import subprocess
+    import sys
+
+    env = dict(os.environ, BRAZE_CACHE_DIR=str(tmp_path), BRAZE_CHECK_CUDA="1", BRAZE_NVRTC_WORKERS=str(workers))
+    out = subprocess.run([sys.executable, "-c", _WORKERS_CHILD], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = dict(line.split(" ", 1) for line in out.stdout.splitlines())
+    assert lines["started"] == str(workers)
+    compiled = lines["compiled"].split()
+    assert int(compiled[0]) >= 2, out.stdout
+    # Every unit compiled went to a worker (units hold one or more kernels), or none did.
+    assert (int(compiled[-1]) > 0) == (workers > 0), out.stdout
+    assert lines["error"] == "True"
 
 
 def _one_kernel_more(compiled):

@@ -134,12 +134,34 @@ def cudnn_ready() -> bool:
         return False
 
 
+# A worker process ([Note: NVRTC worker processes] in braze-runtime) loads braze's extension
+# module alone, by path: importing the package would import PyTorch.
+_WORKER_CODE = (
+    "import importlib.util, sys\n"
+    "spec = importlib.util.spec_from_file_location('braze._core', sys.argv[1])\n"
+    "m = importlib.util.module_from_spec(spec)\n"
+    "spec.loader.exec_module(m)\n"
+    "m.nvrtc_serve(sys.argv[2], sys.argv[3] or None)\n"
+)
+
+
+def start_nvrtc_workers() -> int:
+    """Starts this process's NVRTC worker processes (once; ``BRAZE_NVRTC_WORKERS`` sets how
+    many, 0 none): NVRTC serializes the threads of one process, so kernels compile on
+    processes side by side. Returns how many run."""
+    found = find_nvrtc()
+    if found is None or not sys.executable:
+        return 0
+    return _core.nvrtc_workers_start(sys.executable, _WORKER_CODE, [_core.__file__, found[0], found[1] or ""])
+
+
 _warm_up_started = set()
 
 
 def start_warm_up(device_index: int) -> None:
-    """Loads NVRTC, the driver and cuBLASLt and pays NVRTC's first-use cost (a quarter of a
-    second) on a background thread, once per device, while Dynamo and AOTAutograd trace."""
+    """Starts the NVRTC worker processes, loads NVRTC, the driver and cuBLASLt and pays NVRTC's
+    first-use cost (a quarter of a second) on a background thread, once per device, while
+    Dynamo and AOTAutograd trace."""
     if device_index in _warm_up_started:
         return
     _warm_up_started.add(device_index)
@@ -149,6 +171,7 @@ def start_warm_up(device_index: int) -> None:
 
     def run():
         try:
+            start_nvrtc_workers()
             if cuda_ready() is None:
                 cublaslt_ready()
                 _core.nvrtc_warm_up(f"sm_{major}{minor}")

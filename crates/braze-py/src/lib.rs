@@ -216,6 +216,27 @@ fn cuda_init(nvrtc: &str, builtins: Option<&str>, driver: Option<&str>, cublaslt
     braze_runtime::cuda::nvrtc_version().map_err(runtime_err)
 }
 
+/// Starts this process's NVRTC worker processes ([Note: NVRTC worker processes] in
+/// braze-runtime): `python -S -c code *args`, where `code` calls `nvrtc_serve`. Returns how
+/// many started (0 with `BRAZE_NVRTC_WORKERS=0`).
+#[pyfunction]
+fn nvrtc_workers_start(py: Python<'_>, python: &str, code: &str, args: Vec<String>) -> usize {
+    py.detach(|| braze_runtime::cuda::nvrtc_workers::start(python, code, &args))
+}
+
+/// A worker process's loop: loads NVRTC and answers compile requests on stdin until it closes.
+#[pyfunction]
+#[pyo3(signature = (nvrtc, builtins=None))]
+fn nvrtc_serve(py: Python<'_>, nvrtc: &str, builtins: Option<&str>) -> PyResult<()> {
+    py.detach(|| braze_runtime::cuda::serve_nvrtc_requests(nvrtc, builtins)).map_err(runtime_err)
+}
+
+/// How many compiles this process's NVRTC workers have answered.
+#[pyfunction]
+fn nvrtc_worker_compiles() -> usize {
+    braze_runtime::cuda::nvrtc_workers::compiled()
+}
+
 /// Process-wide counts of runs of kernels replayed as CUDA graphs, captured, and launched
 /// item by item ([Note: replay] in braze-runtime).
 #[pyfunction]
@@ -286,10 +307,11 @@ fn relayout_source() -> &'static str {
     braze_runtime::cuda::relayout::SOURCE
 }
 
-/// Compiles CUDA source with NVRTC for `arch` (a check; returns the cubin's size).
+/// Compiles CUDA source with NVRTC for `arch` through the disk cache (a check; returns the
+/// cubin's size), the GIL released: threads may compile side by side.
 #[pyfunction]
-fn nvrtc_compile(source: &str, arch: &str) -> PyResult<usize> {
-    braze_runtime::cuda::compile_cubin(source, arch, env!("CARGO_PKG_VERSION")).map(|(c, _)| c.len()).map_err(runtime_err)
+fn nvrtc_compile(py: Python<'_>, source: &str, arch: &str) -> PyResult<usize> {
+    py.detach(|| braze_runtime::cuda::compile_cubin(source, arch, env!("CARGO_PKG_VERSION"))).map(|(c, _)| c.len()).map_err(runtime_err)
 }
 
 /// A compiled graph: its plan (read by the Python runtime) and its loaded kernels.
@@ -557,6 +579,9 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(cuda_init, m)?)?;
     m.add_function(wrap_pyfunction!(cudnn_init, m)?)?;
     m.add_function(wrap_pyfunction!(run_counts, m)?)?;
+    m.add_function(wrap_pyfunction!(nvrtc_workers_start, m)?)?;
+    m.add_function(wrap_pyfunction!(nvrtc_serve, m)?)?;
+    m.add_function(wrap_pyfunction!(nvrtc_worker_compiles, m)?)?;
     m.add_function(wrap_pyfunction!(nvrtc_kernels_compiled, m)?)?;
     m.add_function(wrap_pyfunction!(cc_kernels_compiled, m)?)?;
     m.add_function(wrap_pyfunction!(tunings_timed, m)?)?;

@@ -8,6 +8,7 @@
 //! points braze uses are resolved. NVRTC works without a GPU, which is how CI checks that
 //! every generated kernel compiles.
 
+pub mod nvrtc_workers;
 pub mod relayout;
 
 use crate::cache::{cache_dir, key};
@@ -344,12 +345,23 @@ pub fn compile_cubins(units: &[String], arch: &str, version: &str) -> Result<(Ve
 /// its compiler libraries load and initialize) is paid ahead of the first real compile.
 /// Also builds the relayout kernels' cubin (a disk-cache hit after the first process).
 pub fn warm_up(arch: &str) -> Result<(), RuntimeError> {
-    nvrtc_build("extern \"C\" __global__ void braze_warm_up() {}", &nvrtc_options(arch), arch)?;
+    nvrtc_build_here("extern \"C\" __global__ void braze_warm_up() {}", &nvrtc_options(arch))?.map_err(RuntimeError::Compile)?;
     compile_cubin(relayout::SOURCE, arch, env!("CARGO_PKG_VERSION")).map(|_| ())
 }
 
-/// One NVRTC compilation (no cache).
+/// One NVRTC compilation (no cache), on a worker process where there are some ([Note: NVRTC
+/// worker processes]), else here.
 fn nvrtc_build(source: &str, opts: &[String], arch: &str) -> Result<Vec<u8>, RuntimeError> {
+    let built = match nvrtc_workers::compile(source, opts) {
+        Some(r) => r,
+        None => nvrtc_build_here(source, opts)?,
+    };
+    built.map_err(|log| RuntimeError::Compile(format!("NVRTC failed for {arch}:\n{log}")))
+}
+
+/// One NVRTC compilation in this process: the cubin, or NVRTC's log when the source does not
+/// compile.
+fn nvrtc_build_here(source: &str, opts: &[String]) -> Result<Result<Vec<u8>, String>, RuntimeError> {
     let n = nvrtc()?;
     let src = CString::new(source).map_err(|_| RuntimeError::Compile("NUL in source".into()))?;
     let name = CString::new("braze.cu").unwrap();
@@ -368,16 +380,28 @@ fn nvrtc_build(source: &str, opts: &[String], arch: &str) -> Result<Vec<u8>, Run
             let mut buf = vec![0u8; sz.max(1)];
             (n.log)(prog, buf.as_mut_ptr() as *mut c_char);
             (n.destroy)(&mut prog);
-            let log = String::from_utf8_lossy(&buf).trim_end_matches('\0').to_string();
-            return Err(RuntimeError::Compile(format!("NVRTC failed for {arch}:\n{log}")));
+            return Ok(Err(String::from_utf8_lossy(&buf).trim_end_matches('\0').to_string()));
         }
         let mut sz = 0usize;
         (n.cubin_size)(prog, &mut sz);
         let mut cubin = vec![0u8; sz];
         (n.cubin)(prog, cubin.as_mut_ptr() as *mut c_char);
         (n.destroy)(&mut prog);
-        Ok(cubin)
+        Ok(Ok(cubin))
     }
+}
+
+/// A worker process's life ([Note: NVRTC worker processes]): NVRTC loaded from `path` and
+/// warmed up, then requests on stdin answered on stdout until stdin closes.
+pub fn serve_nvrtc_requests(path: &str, builtins: Option<&str>) -> Result<(), RuntimeError> {
+    init_nvrtc(path, builtins)?;
+    nvrtc_build_here("extern \"C\" __global__ void braze_warm_up() {}", &[])?.map_err(RuntimeError::Compile)?;
+    let (mut input, mut output) = (std::io::stdin().lock(), std::io::stdout().lock());
+    nvrtc_workers::serve(&mut input, &mut output, |src, opts| match nvrtc_build_here(src, opts) {
+        Ok(r) => r,
+        Err(e) => Err(e.to_string()),
+    })
+    .map_err(|e| RuntimeError::Environment(format!("NVRTC worker: {e}")))
 }
 
 /// The `sm_XY` name of device `ordinal`, and its multiprocessor count.
