@@ -837,3 +837,61 @@ def test_data_dependent_sizes_refused_at_compile_time(device):
                 for got, want in zip(c(x), f(x)):
                     torch.testing.assert_close(got, want)
     assert braze.stats.graphs_eager >= 1
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_advanced_indexing_lowered(device, dynamic):
+    """`x[i0, i1, ...]` with several integer index tensors, adjacent or separated by whole
+    dims, broadcast against each other, negative entries included: one gather through the
+    linear index, no ATen call; the position grid transformers' masks index too."""
+    x = torch.randn(5, 6, 7, 8, device=device)
+    i0 = torch.randint(-5, 5, (3, 1), device=device)
+    i1 = torch.randint(-6, 6, (4,), device=device)
+    i2 = torch.randint(0, 7, (3, 4), device=device)
+    i3 = torch.randint(0, 8, (2, 1, 1), device=device)
+    cases = [
+        (lambda x, a, b: x[a, b] * 2, (i0, i1)),
+        (lambda x, b, c: x[:, b, c].sin(), (i1, i2)),
+        (lambda x, a, c: x[a, :, c], (i0, i2)),
+        (lambda x, b, d: x[:, b, :, d], (i1, i3)),
+        (lambda x, a, b, c, d: x[a, b, c, d], (i0, i1, i2, i3)),
+        (lambda x, c: x[..., c, :] + 1, (i2,)),
+    ]
+    for f, idx in cases:
+        torch._dynamo.reset()
+        braze.stats.reset()
+        got = compiled(f, dynamic=dynamic)(x, *idx)
+        torch.testing.assert_close(got, f(x, *idx))
+        _no_eager()
+        assert not any(r["externs"] for r in braze.stats.records), [r["extern_reasons"] for r in braze.stats.records]
+
+
+def test_cumsum_and_flip_lowered(device):
+    """`cumsum` along a short dim is a masked sum (exact for integers and booleans) and `flip`
+    an index read backwards, forward and backward (cumsum's gradient is flip, cumsum, flip);
+    a scan longer than the limit stays ATen's and says why."""
+    from braze import lowering
+
+    def f(x, m):
+        return x.cumsum(1).tanh(), (m > 0).cumsum(-1), x.flip(0, 2) * 3, x.bfloat16().cumsum(0)
+
+    x = torch.randn(3, 17, 5, device=device, requires_grad=True)
+    m = torch.randn(4, 33, device=device)
+    torch._dynamo.reset()
+    braze.stats.reset()
+    got = compiled(f)(x, m)
+    want = f(x, m)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, atol=1e-5 if g.dtype == torch.float32 else None, rtol=1e-5 if g.dtype == torch.float32 else None)
+    gx = torch.autograd.grad(got[0].sum() + got[2].sum(), x)[0]
+    wx = torch.autograd.grad(want[0].sum() + want[2].sum(), x)[0]
+    torch.testing.assert_close(gx, wx, atol=1e-5, rtol=1e-5)
+    _no_eager()
+    assert not any(r["externs"] for r in braze.stats.records), [r["extern_reasons"] for r in braze.stats.records]
+
+    long = torch.randn(lowering._SCAN_MAX_LEN + 1, device=device)
+    torch._dynamo.reset()
+    braze.stats.reset()
+    torch.testing.assert_close(compiled(lambda v: v.cumsum(0) * 2)(long), long.cumsum(0) * 2)
+    (rec,) = braze.stats.records
+    assert "cumsum over a long" in rec["extern_reasons"]["aten.cumsum.default"]

@@ -1440,6 +1440,45 @@ def _sum(L, node, x, dims=None, keepdim=False, dtype=None):
     return L.cast(r, od)
 
 
+# A scan lowered as a masked sum does n*n work per row: longer ones stay ATen's.
+_SCAN_MAX_LEN = 4096
+_SCAN_MAX_WORK = 1 << 26
+
+
+@register(A("cumsum"))
+def _cumsum(L, node, x, dim, dtype=None):
+    """`cumsum` along a short dim as a masked sum, `y[..., i] = sum_j [j <= i] x[..., j]`: one
+    reduction kernel, fused with what feeds it (transformers' packed-sequence check counts
+    position jumps along a sequence). Exact for integers and booleans; for floats the order
+    of the additions is a reduction's, not a running sum's. Scans over more than
+    `_SCAN_MAX_LEN` elements, or `_SCAN_MAX_WORK` in all, and symbolic lengths stay ATen's."""
+    v, xv = node.meta["val"], x.meta["val"]
+    od = v.dtype
+    t = L.tensor(x)
+    if xv.dim() == 0:
+        return L.cast(t, od)
+    d = _norm_dim(dim, xv.dim())
+    n = xv.shape[d]
+    if not isinstance(n, int) or not all(isinstance(s, int) for s in xv.shape):
+        raise Unsupported("cumsum over symbolic sizes")
+    if n == 0 or n > _SCAN_MAX_LEN or xv.numel() * n > _SCAN_MAX_WORK:
+        raise Unsupported("cumsum over a long or empty dim")
+    t = L.cast(t, od)
+    rank = xv.dim()
+    perm = [i for i in range(rank) if i != d] + [d]
+    if d != rank - 1:
+        t = L.op("permute", t, dims=perm)
+    rows = [xv.shape[i] for i in perm[:-1]]
+    xe = L.op("expand", L.op("reshape", t, shape=rows + [1, n]), shape=rows + [n, n])
+    j = L.op("reshape", L.op("iota", len=n, start=0, step=1, dtype="i64"), shape=[1, n])
+    i = L.op("reshape", L.op("iota", len=n, start=0, step=1, dtype="i64"), shape=[n, 1])
+    y = L.op("sum", L.op("where", L.op("le", j, i), xe, L.scalar(0, od)), dims=[rank], keepdim=False)
+    y = L.cast(y, od)
+    if d != rank - 1:
+        y = L.op("permute", y, dims=[perm.index(k) for k in range(rank)])
+    return y
+
+
 @register(A("prod"))
 def _prod(L, node, x, dims=None, keepdim=False, dtype=None):
     od = out_dtype(node)
@@ -1916,23 +1955,72 @@ def _index_select(L, node, x, dim, index):
 
 @register(A("index"))
 def _index(L, node, x, indices):
-    """`x[idx]` for one integer index tensor on the first dim (Swin's relative-position bias
-    table read through its index buffer): the rows gathered, shaped as `idx.shape +
-    x.shape[1:]`; negative indices count from the end, as in eager. Other index patterns
-    (boolean masks, several index tensors, indices on later dims) stay ATen's."""
-    if len(indices) != 1 or not isinstance(indices[0], torch.fx.Node):
-        raise Unsupported("index other than one index tensor on the first dim")
-    idx = indices[0]
-    iv, xv = idx.meta.get("val"), x.meta.get("val")
-    if not is_tensor_meta(iv) or iv.dtype not in (torch.int64, torch.int32) or not is_tensor_meta(xv) or xv.dim() == 0:
-        raise Unsupported("index with a non-integer index or a 0-dim source")
+    """`x[i0, i1, ...]` with integer index tensors on some dims (`None` for a dim taken whole):
+    one gather. The indexed dims are brought together (in front when a whole dim separates
+    them, as eager places the result's dims then), flattened into one, and read through the
+    linear index `sum_j i_j * stride_j` of the broadcast index tensors; negative indices count
+    from the end. The result is `pre + broadcast(indices) + post`, as in eager: Swin's
+    relative-position bias table; transformers' masks, which index a position grid with
+    broadcast `arange`s. Boolean masks (sizes the data decides) stay ATen's."""
+    xv = x.meta.get("val")
+    if not is_tensor_meta(xv) or xv.dim() == 0:
+        raise Unsupported("index into a 0-dim source")
+    dims = [d for d, i in enumerate(indices) if i is not None]
+    for d in dims:
+        iv = indices[d].meta.get("val") if isinstance(indices[d], torch.fx.Node) else None
+        if not is_tensor_meta(iv) or iv.dtype not in (torch.int64, torch.int32):
+            raise Unsupported("index with a boolean or non-tensor index")
+    if not dims:
+        raise Unsupported("index with no index tensor")
     v = node.meta["val"]
-    i = L.tensor(idx, torch.int64)
-    n = xv.shape[0]
-    i = L.op("where", L.op("lt", i, L.scalar(0, torch.int64)), L.op("add", i, _size_scalar(L, n, torch.int64)), i)
-    flat = L.op("reshape", i, shape=[sym_val(iv.numel())])
-    rows = L.op("index_select", L.tensor(x), flat, dim=0)
+    t = L.tensor(x)
+    rank = xv.dim()
+    if dims != list(range(dims[0], dims[-1] + 1)):  # separated: indexed dims to the front
+        rest = [d for d in range(rank) if d not in dims]
+        t = L.op("permute", t, dims=dims + rest)
+        sizes = [xv.shape[d] for d in dims + rest]
+        first = 0
+    else:
+        sizes = list(xv.shape)
+        first = dims[0]
+    m = len(dims)
+    lin = None
+    stride = 1
+    for j in reversed(range(m)):
+        n = sizes[first + j]
+        i = L.tensor(indices[dims[j]], torch.int64)
+        i = L.op("where", L.op("lt", i, L.scalar(0, torch.int64)), L.op("add", i, _size_scalar(L, n, torch.int64)), i)
+        if j != m - 1:
+            i = L.op("mul", i, _size_scalar(L, stride, torch.int64))
+        lin = i if lin is None else L.op("add", i, lin)
+        stride = stride * n
+    bshape = torch.broadcast_shapes(*[indices[d].meta["val"].shape for d in dims])
+    count = 1
+    for b in bshape:
+        count = count * b
+    if list(L.shape_of(lin)) != L.sizes(bshape):
+        lin = L.op("expand", lin, shape=L.sizes(bshape))
+    flat = L.op("reshape", lin, shape=[sym_val(count)])
+    pre, post = sizes[:first], sizes[first + m:]
+    if m > 1:
+        t = L.op("reshape", t, shape=L.sizes(pre + [stride] + post))
+    rows = L.op("index_select", t, flat, dim=first)
     return L.op("reshape", rows, shape=L.sizes(v.shape))
+
+
+@register(A("flip"))
+def _flip(L, node, x, dims):
+    """`flip`: each dim read backwards through an index `n-1, n-2, ..., 0` (cumsum's backward
+    flips the gradient, scans and flips back). Symbolic lengths stay ATen's."""
+    xv = x.meta["val"]
+    t = L.tensor(x)
+    for d in sorted({_norm_dim(d, xv.dim()) for d in dims}):
+        n = xv.shape[d]
+        if not isinstance(n, int):
+            raise Unsupported("flip along a symbolic size")
+        if n > 1:
+            t = L.op("index_select", t, L.op("iota", len=n, start=n - 1, step=-1, dtype="i64"), dim=d)
+    return t
 
 
 @register(A("embedding"))

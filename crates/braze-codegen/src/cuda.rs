@@ -718,6 +718,14 @@ fn emit_kernel_by_id(k: &Kernel, sms: u32, out: &mut String) -> Result<Launch, C
 
 /// How an access moves with the last loop variable: 1 (consecutive, vectorizable), 0
 /// (the same element for the whole vector) or neither.
+/// True when an index reads a kernel temporary (a gathered row): its address is known only
+/// inside the lane loop, so no wide access can read it ahead.
+fn mentions_tmp(idx: &Expr) -> bool {
+    let mut t = Vec::new();
+    idx.tmps(&mut t);
+    !t.is_empty()
+}
+
 fn last_coef(idx: &Expr, last: u32) -> Option<i64> {
     idx.linear_coef(last).filter(|c| *c == 0 || *c == 1)
 }
@@ -787,7 +795,7 @@ fn vector_width(k: &Kernel, len: i64, deps: &std::collections::HashMap<u32, u64>
         };
         let steady = mask.is_none_or(|m| deps.get(&m).is_some_and(|d| d & lastbit == 0));
         match last_coef(idx, last) {
-            Some(1) if steady && idx.sub(&Expr::var(last)).all_coefs_divisible(v) && !idx.atoms().any(|a| matches!(a, braze_ir::Atom::Tmp(_))) => moves = true,
+            Some(1) if steady && idx.sub(&Expr::var(last)).all_coefs_divisible(v) && !mentions_tmp(idx) => moves = true,
             Some(0) => {}
             _ => return 1,
         }

@@ -239,7 +239,11 @@ fn steady_masked_loads(k: &Kernel, body: &[Stmt]) -> (Vec<u32>, Vec<usize>) {
     let deps = crate::c_emit::tmp_deps(body);
     let size = |b: u32| k.bufs.iter().find(|r| r.id == b).map_or(8, |r| r.dtype.size()) as i64;
     let def: std::collections::HashMap<u32, usize> = body.iter().enumerate().filter_map(|(j, s)| s.dst().map(|t| (t, j))).collect();
-    let tmps = |e: &Expr| e.atoms().filter_map(|a| if let braze_ir::Atom::Tmp(t) = a { Some(*t) } else { None }).collect::<Vec<_>>();
+    let tmps = |e: &Expr| {
+        let mut t = Vec::new();
+        e.tmps(&mut t);
+        t
+    };
     // The statements computing `roots` (before the loop: no loads among them), or None.
     let chain = |roots: Vec<u32>| -> Option<Vec<usize>> {
         let mut todo = roots;

@@ -289,6 +289,22 @@ impl Expr {
         }
     }
 
+    /// Every kernel temporary this expression mentions (recursively: a gathered index may sit
+    /// inside a division, `t13 / 7`, when the rows it picks are a flattened pair of dims).
+    pub fn tmps(&self, out: &mut Vec<u32>) {
+        for a in self.atoms() {
+            match a {
+                Atom::Tmp(t) if !out.contains(t) => out.push(*t),
+                Atom::Tmp(_) => {}
+                Atom::FloorDiv(x, y) | Atom::Mod(x, y) | Atom::Max(x, y) | Atom::Min(x, y) => {
+                    x.tmps(out);
+                    y.tmps(out);
+                }
+                _ => {}
+            }
+        }
+    }
+
     /// True when the expression mentions loop variable `v`.
     pub fn uses_var(&self, v: u32) -> bool {
         self.atoms().any(|a| a.uses_var(v))
@@ -695,6 +711,20 @@ fn ceil_div(a: &Expr, b: &Expr) -> Expr {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn tmps_inside_divisions() {
+        // A gathered row of a flattened pair of dims: `336*(t13 / 7) + 8*(t13 % 7) + i3`.
+        let t = Expr::tmp(13);
+        let (c7, i3) = (Expr::constant(7), Expr::var(3));
+        let e = t.floordiv(&c7).mul(&Expr::constant(336)).add(&t.rem(&c7).mul(&Expr::constant(8))).add(&i3);
+        let mut found = Vec::new();
+        e.tmps(&mut found);
+        assert_eq!(found, vec![13]);
+        let mut none = Vec::new();
+        i3.add(&Expr::constant(2)).tmps(&mut none);
+        assert!(none.is_empty());
+    }
 
     #[test]
     fn substitute_monomials() {
