@@ -46,7 +46,7 @@ LOWERED = {
     "narrow", "select", "clone", "contiguous", "index_select", "gather", "cat", "nn.functional.embedding",
     "take_along_dim", "constant_pad_nd", "full_like", "zeros_like", "ones_like", "movedim", "expand_as",
     "view_as", "reshape_as", "tril", "triu", "slice_scatter", "select_scatter", "split", "split.list_args",
-    "split_with_sizes", "chunk", "unbind", "stack", "roll", "nn.functional.avg_pool2d", "cumsum", "__getitem__", "flip",
+    "split_with_sizes", "chunk", "unbind", "stack", "roll", "nn.functional.avg_pool2d", "cumsum", "__getitem__", "flip", "cumulative_trapezoid",
     # extern kernels with fused pointwise work around them
     "mm", "addmm", "bmm", "nn.functional.linear", "matmul",
 }

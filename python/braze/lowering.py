@@ -1144,6 +1144,18 @@ def _threshold_bw(L, node, g, x, threshold):
     return L.op("where", L.op("le", xx, L.tensor(threshold, L.dtype_of(xx))), L.scalar(0, od), L.tensor(g, od))
 
 
+@register(A("native_dropout_backward"))
+def _dropout_bw(L, node, g, mask, scale):
+    """Dropout's backward, `mask * grad * scale`, pointwise: it fuses with the gradient's
+    producers and consumers instead of splitting the graph's run of kernels. 16-bit gradients
+    are computed in float32 and rounded once, as eager's CUDA kernel does (its CPU kernel
+    rounds once too: the mask product is exact)."""
+    od = out_dtype(node)
+    cd = torch.float32 if od in (torch.float16, torch.bfloat16) else od
+    r = L.op("mul", L.op("mul", L.tensor(mask, cd), L.tensor(g, cd)), L.scalar(float(scale), cd))
+    return L.cast(r, od)
+
+
 @register(A("_to_copy"), torch.ops.prims.convert_element_type)
 def _to_copy(L, node, x, *args, **kw):
     """A dtype cast (``_to_copy`` on one device; ``prims.convert_element_type``, which

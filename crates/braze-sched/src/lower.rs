@@ -260,8 +260,15 @@ impl Builder<'_, '_> {
     }
 
     /// An index read from memory, used in a dim of size `hi`: widened to i64 and checked.
+    /// Under a mask (a gather inside a pad's or cat's masked-off region: `flip` then
+    /// `slice_backward` in cumsum's backward) the index is only checked where the mask holds;
+    /// elsewhere it is 0, and the masked load it feeds reads nothing.
     fn as_index(&mut self, t: Tmp, hi: Expr) -> Expr {
-        let t = if self.tmp_dtypes[t as usize] == DType::I64 { t } else { self.emit(DType::I64, |dst| Stmt::Cast { dst, a: t }) };
+        let mut t = if self.tmp_dtypes[t as usize] == DType::I64 { t } else { self.emit(DType::I64, |dst| Stmt::Cast { dst, a: t }) };
+        if let Some(m) = self.mask {
+            let zero = self.emit(DType::I64, |dst| Stmt::Const { dst, value: braze_ir::Lit::I(0) });
+            t = self.emit(DType::I64, |dst| Stmt::Where { dst, c: m, a: t, b: zero });
+        }
         let t = self.emit(DType::I64, |dst| Stmt::Bounded { dst, a: t, hi });
         Expr::tmp(t)
     }
