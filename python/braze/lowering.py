@@ -1482,8 +1482,8 @@ def _cumsum(L, node, x, dim, dtype=None):
         t = L.op("permute", t, dims=perm)
     rows = [xv.shape[i] for i in perm[:-1]]
     xe = L.op("expand", L.op("reshape", t, shape=rows + [1, n]), shape=rows + [n, n])
-    j = L.op("reshape", L.op("iota", len=n, start=0, step=1, dtype="i64"), shape=[1, n])
-    i = L.op("reshape", L.op("iota", len=n, start=0, step=1, dtype="i64"), shape=[n, 1])
+    pos = L.op("iota", len=n, start=0, step=1, dtype="i64")
+    j, i = L.op("reshape", pos, shape=[1, n]), L.op("reshape", pos, shape=[n, 1])
     y = L.op("sum", L.op("where", L.op("le", j, i), xe, L.scalar(0, od)), dims=[rank], keepdim=False)
     y = L.cast(y, od)
     if d != rank - 1:
@@ -2010,7 +2010,7 @@ def _index(L, node, x, indices):
     count = 1
     for b in bshape:
         count = count * b
-    if list(L.shape_of(lin)) != L.sizes(bshape):
+    if L.shape_of(lin) != [sym_str(b) for b in bshape]:
         lin = L.op("expand", lin, shape=L.sizes(bshape))
     flat = L.op("reshape", lin, shape=[sym_val(count)])
     pre, post = sizes[:first], sizes[first + m:]

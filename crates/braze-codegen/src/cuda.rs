@@ -716,8 +716,6 @@ fn emit_kernel_by_id(k: &Kernel, sms: u32, out: &mut String) -> Result<Launch, C
     Ok(launch(outer_total, 1, 1 << 30))
 }
 
-/// How an access moves with the last loop variable: 1 (consecutive, vectorizable), 0
-/// (the same element for the whole vector) or neither.
 /// True when an index reads a kernel temporary (a gathered row): its address is known only
 /// inside the lane loop, so no wide access can read it ahead.
 fn mentions_tmp(idx: &Expr) -> bool {
@@ -726,6 +724,8 @@ fn mentions_tmp(idx: &Expr) -> bool {
     !t.is_empty()
 }
 
+/// How an access moves with the last loop variable: 1 (consecutive, vectorizable), 0
+/// (the same element for the whole vector) or neither.
 fn last_coef(idx: &Expr, last: u32) -> Option<i64> {
     idx.linear_coef(last).filter(|c| *c == 0 || *c == 1)
 }

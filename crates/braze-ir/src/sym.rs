@@ -274,35 +274,41 @@ impl Expr {
         self.terms.keys().flat_map(|m| m.iter())
     }
 
-    /// Every size symbol this expression mentions (recursively).
-    pub fn syms(&self, out: &mut Vec<u32>) {
+    /// Calls `f` on every leaf atom (symbol, loop variable, temporary) of this expression,
+    /// inside floor divisions, moduli, `Max` and `Min` too.
+    fn visit_leaves(&self, f: &mut impl FnMut(&Atom)) {
         for a in self.atoms() {
             match a {
-                Atom::Sym(s) if !out.contains(s) => out.push(*s),
-                Atom::Sym(_) => {}
                 Atom::FloorDiv(x, y) | Atom::Mod(x, y) | Atom::Max(x, y) | Atom::Min(x, y) => {
-                    x.syms(out);
-                    y.syms(out);
+                    x.visit_leaves(f);
+                    y.visit_leaves(f);
                 }
-                _ => {}
+                leaf => f(leaf),
             }
         }
+    }
+
+    /// Every size symbol this expression mentions (recursively).
+    pub fn syms(&self, out: &mut Vec<u32>) {
+        self.visit_leaves(&mut |a| {
+            if let Atom::Sym(s) = a {
+                if !out.contains(s) {
+                    out.push(*s);
+                }
+            }
+        });
     }
 
     /// Every kernel temporary this expression mentions (recursively: a gathered index may sit
     /// inside a division, `t13 / 7`, when the rows it picks are a flattened pair of dims).
     pub fn tmps(&self, out: &mut Vec<u32>) {
-        for a in self.atoms() {
-            match a {
-                Atom::Tmp(t) if !out.contains(t) => out.push(*t),
-                Atom::Tmp(_) => {}
-                Atom::FloorDiv(x, y) | Atom::Mod(x, y) | Atom::Max(x, y) | Atom::Min(x, y) => {
-                    x.tmps(out);
-                    y.tmps(out);
+        self.visit_leaves(&mut |a| {
+            if let Atom::Tmp(t) = a {
+                if !out.contains(t) {
+                    out.push(*t);
                 }
-                _ => {}
             }
-        }
+        });
     }
 
     /// True when the expression mentions loop variable `v`.

@@ -345,9 +345,12 @@ pub fn compile_cubins(units: &[String], arch: &str, version: &str) -> Result<(Ve
 /// its compiler libraries load and initialize) is paid ahead of the first real compile.
 /// Also builds the relayout kernels' cubin (a disk-cache hit after the first process).
 pub fn warm_up(arch: &str) -> Result<(), RuntimeError> {
-    nvrtc_build_here("extern \"C\" __global__ void braze_warm_up() {}", &nvrtc_options(arch))?.map_err(RuntimeError::Compile)?;
+    nvrtc_build_here(WARM_UP_KERNEL, &nvrtc_options(arch))?.map_err(RuntimeError::Compile)?;
     compile_cubin(relayout::SOURCE, arch, env!("CARGO_PKG_VERSION")).map(|_| ())
 }
+
+/// The kernel whose compile pays NVRTC's first-use cost in a process.
+const WARM_UP_KERNEL: &str = "extern \"C\" __global__ void braze_warm_up() {}";
 
 /// One NVRTC compilation (no cache), on a worker process where there are some ([Note: NVRTC
 /// worker processes]), else here.
@@ -395,7 +398,7 @@ fn nvrtc_build_here(source: &str, opts: &[String]) -> Result<Result<Vec<u8>, Str
 /// warmed up, then requests on stdin answered on stdout until stdin closes.
 pub fn serve_nvrtc_requests(path: &str, builtins: Option<&str>) -> Result<(), RuntimeError> {
     init_nvrtc(path, builtins)?;
-    nvrtc_build_here("extern \"C\" __global__ void braze_warm_up() {}", &[])?.map_err(RuntimeError::Compile)?;
+    nvrtc_build_here(WARM_UP_KERNEL, &[])?.map_err(RuntimeError::Compile)?;
     let (mut input, mut output) = (std::io::stdin().lock(), std::io::stdout().lock());
     nvrtc_workers::serve(&mut input, &mut output, |src, opts| match nvrtc_build_here(src, opts) {
         Ok(r) => r,
