@@ -71,7 +71,7 @@ for g in graphs:
     print(f"{g.name}: {len(plan)} step(s) ({len(runs)} kernel runs, {n_ext} extern calls), {len(allocs)} allocations, arena {g.arena_bytes} B")
     print(f"   whole call          {per_call(lambda: g(list(args))):7.1f} us")
     if n_ext == 0:  # every buffer a run reads is bound above
-        print(f"   runs alone          {per_call(lambda: [g.c.run(r, ptrs, g.static_syms, stream, arena.data_ptr()) for r in runs]):7.1f} us")
+        print(f"   runs alone          {per_call(lambda: [g.c.run(r, ptrs, [], stream, arena.data_ptr()) for r in runs]):7.1f} us")
     print(f"   allocations         {per_call(lambda: [g.empty(s, st, d) for _, s, st, d, _ in allocs]):7.1f} us")
     print(f"   data_ptr list       {per_call(lambda: [0 if t is None else t.data_ptr() for t in bufs]):7.1f} us")
     print(f"   arena allocation    {per_call(lambda: g.empty((g.arena_bytes,), (1,), torch.uint8)):7.1f} us")

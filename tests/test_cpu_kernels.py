@@ -314,10 +314,13 @@ def test_small_static_kernels_run_without_a_parallel_region(shape):
         assert "omp parallel" in src and ">= 32768) {" in src and "} else {" in src, src
 
 
-def test_straight_calls(compiled_graphs):
-    """A static graph of kernel runs only takes the straight call ([Note: straight calls])
-    and a graph with an extern call the general loop; both match eager on fresh inputs,
-    call after call, the input's layout copied where it differs."""
+def test_call_loop_in_rust(compiled_graphs):
+    """A whole call is one Rust call ([Note: the call loop in Rust]): a graph of kernel runs
+    and a graph with an extern call in the middle both match eager on fresh inputs, call after
+    call, an input of another layout copied into the compiled one; the debugging hook sees
+    every step in plan order, kernels and the ATen call, with the live buffers."""
+    from braze import _core
+
     torch._dynamo.reset()
     fn = lambda x: (x * 2 + 1).relu() - x.mean(-1, keepdim=True)
     f = compiled(fn, dynamic=False)
@@ -326,13 +329,29 @@ def test_straight_calls(compiled_graphs):
         _close(f(x), fn(x))
     xt = torch.randn(64, 16).t()  # another layout: copied into the compiled one
     _close(f(xt), fn(xt))
-    assert compiled_graphs[-1].straight is not None
+    assert isinstance(compiled_graphs[-1].static_exec, _core.Executor)
     torch._dynamo.reset()
-    g = lambda x: torch.cumprod(x, -1) * 2  # cumprod runs through ATen
+    g = lambda x: (torch.cumprod(x.sin(), -1) * 2).cos()  # cumprod runs through ATen
     fg = compiled(g, dynamic=False)
+    for _ in range(2):
+        x = torch.randn(16, 64)
+        _close(fg(x), g(x))
+    cg = compiled_graphs[-1]
+    seen = []
     x = torch.randn(16, 64)
-    _close(fg(x), g(x))
-    assert compiled_graphs[-1].straight is None
+    out = cg([x], on_step=lambda kind, what, bufs: seen.append((kind, what, sum(t is not None for t in bufs))))
+    _close(out[0], g(x))
+    assert [k for k, _, _ in seen] == [0, 1, 0], seen
+    assert seen[1][1] is torch.ops.aten.cumprod.default and all(n > 0 for _, _, n in seen), seen
+    # The executor holds a bound method of its graph: the pair is freed once dropped.
+    import gc
+    import weakref
+    ref = weakref.ref(cg)
+    del cg, fg, f, seen
+    compiled_graphs.clear()
+    torch._dynamo.reset()
+    gc.collect()
+    assert ref() is None, gc.get_referrers(ref())
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

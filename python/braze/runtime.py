@@ -1,7 +1,7 @@
-"""Running a compiled graph: the plan from ``_core.Compiled``, followed step by step.
-
-Python allocates buffers through PyTorch's allocator, calls extern (ATen) ops, and hands
-data pointers to Rust, which runs consecutive kernels in one call.
+"""Running a compiled graph: the plan from ``_core.Compiled``, prepared once per size set
+and handed to Rust, which runs a whole call ([Note: the call loop in Rust] in braze-py's
+exec.rs): buffers from PyTorch's allocator, runs of kernels, extern (ATen) calls, frees and
+the outputs. Python picks a dynamic graph's plan and finishes what is not a tensor.
 """
 from __future__ import annotations
 
@@ -153,64 +153,18 @@ class CompiledGraph:
         # with arenas made per call, 284 ms with them kept. No tensor view of arena memory escapes a call (kernels address it; an extern call reading an operand there returns fresh results, [Note: extern operands in arenas]),
         # so a closed window's arena is free for the next call. CUDA arenas come from
         # PyTorch's caching allocator, which already keeps its blocks.
-        self.arena_pool = {} if self.device.type == "cpu" and self.arena_windows else None
+        self.keeps_arenas = self.device.type == "cpu" and bool(self.arena_windows)
         ti = self.tensor_inputs
         consts = self.constants
         if consts:
             self.tensor_args_of = lambda args: [*(args[i] for i in ti), *consts]
         else:
             self.tensor_args_of = (lambda args: args) if ti == list(range(len(ti))) else (lambda args: [args[i] for i in ti])
-        self.plans = {}  # needed symbol values -> (syms, SymVals, vals, shapes, strides, plan) of a dynamic graph
+        self.plans = {}  # needed symbol values -> (syms, executor, vals, shapes, strides, plan) of a dynamic graph
         if not self.dynamic:
-            self.static_syms = compiled.sym_vals([])
             self.static = self._layouts(compiled.eval([]))
             self.static_plan = self._plan(*self.static)
-        self.straight = None if self.dynamic else self._straight_call(self.static_plan, self.static_syms)
-
-    def _straight_call(self, prepared, syms):
-        """[Note: straight calls] For a graph that is only runs of kernels and matmuls (no
-        extern calls, arenas, host values, input mutations, reused or in-place buffers,
-        output views or copies; `x + 1`, a chain of pointwise ops, a LayerNorm+MLP block),
-        a call without the general loop's branches: inputs checked and bound, each run's
-        buffers allocated, the run, its frees, the outputs. (`x + 1` on the 2-core CPU: the
-        general loop took 3.0 us of the call, the primitives it calls about 1.7.) Made once
-        for a static graph's plan, and for each plan of a dynamic graph (`prepared`, with
-        the run's symbol values `syms`). None for any other graph."""
-        if self.n_host or self.mutated_args:
-            return None
-        inputs, plan, out_plan, (simple, copies) = prepared
-        if not simple or copies or any(view is not None or copy for _, view, copy in out_plan):
-            return None
-        steps = []
-        for kind, allocs, frees, a, _, (opens, closes) in plan:
-            if kind != 0 or opens or closes or any(shape is None or dying is not None for _, shape, _, _, dying in allocs):
-                return None
-            steps.append((tuple((buf, shape, stride, dtype) for buf, shape, stride, dtype, _ in allocs), frees, a))
-        steps = tuple(steps)
-        outs = tuple(b for b, _, _ in out_plan)
-        n, empty, tensor_args_of, in_layout = self.n_bufs, self.empty, self.tensor_args_of, self._in_layout
-        cuda, raw_stream, dev = self.cuda, getattr(self, "raw_stream", None), getattr(self, "device_index", None)
-
-        def call(args):
-            bufs = [None] * n
-            ptrs = [0] * n
-            stream = raw_stream(dev) if cuda else 0
-            tensor_args = tensor_args_of(args)
-            _bind_inputs(inputs, tensor_args, bufs, ptrs, in_layout, stream)
-            # [Note: inputs freed at their last use]: the list is handed over.
-            args.clear()
-            tensor_args = t = None
-            run = self.c.run
-            for allocs, frees, a in steps:
-                for buf, shape, stride, dtype in allocs:
-                    t = bufs[buf] = empty(shape, stride, dtype)
-                    ptrs[buf] = t.data_ptr()
-                run(a, ptrs, syms, stream, 0)
-                for buf in frees:
-                    bufs[buf] = None
-                    ptrs[buf] = 0
-            return [bufs[b] for b in outs]
-        return call
+            self.static_exec = self._executor(self.static_plan, [])
 
     def _in_layout(self, t, shape, stride, stream):
         """`t`, or a copy of it laid out with `stride` when its layout differs."""
@@ -234,11 +188,12 @@ class CompiledGraph:
         return vals, shapes, strides
 
     def _plan(self, vals, shapes, strides):
-        """Per-step work with every size resolved: built once for static graphs, per call
-        for dynamic ones. Steps are (kind, ...) tuples the call loop reads directly."""
+        """Per-step work with every size resolved: built once for a static graph, once per
+        size set of a dynamic one. `_executor` hands it to Rust as tagged rows; debugging
+        tools (`benchmarks/step_probe.py`, `call_parts.py`) read it as it is."""
         dts = [_TORCH_DTYPES[b[2]] for b in self.bufs]
         ins = [b for b, b_ in enumerate(self.bufs) if b_[0] == "input"]
-        # Graph inputs as columns: argument index, buffer, shape, strides (`_bind_inputs`).
+        # Graph inputs as columns: index into the tensor arguments, buffer, shape, strides.
         inputs = ([self.bufs[b][1] for b in ins], ins, [shapes[b] for b in ins], [strides[b] for b in ins])
         # [Note: input mutations] (lowering.py): a new input value whose buffer is a temp of
         # the input's layout is stored by its kernel straight into the input ("in place");
@@ -295,6 +250,45 @@ class CompiledGraph:
         simple = len(self.out_spec) == len(outs) and all(k == "t" for k, _ in self.out_spec)
         return inputs, plan, outs, (simple, tuple(copies))
 
+    def _executor(self, prepared, syms):
+        """The Rust executor of a prepared plan ([Note: the call loop in Rust] in braze-py's
+        exec.rs) for the symbol values `syms`: the plan's rows tagged and handed over once."""
+        (idx, bs, shapes, strides), plan, outs, _ = prepared
+        ti, consts = self.tensor_inputs, self.constants
+        inputs = [(ti[k], None, b, sh, st) if k < len(ti) else (-1, consts[k - len(ti)], b, sh, st)
+                  for k, b, sh, st in zip(idx, bs, shapes, strides)]
+        steps = []
+        for kind, allocs, frees, a, host_outs, (opens, closes) in plan:
+            rows = []
+            for buf, shape, stride, dtype, dying in allocs:
+                if dying is not None:
+                    rows.append(("reuse", buf, dying[0], dying[1], shape, stride))
+                elif shape is None:
+                    arg, shape, stride, dtype = stride
+                    rows.append(("input", buf, arg, shape, stride, dtype))
+                else:
+                    rows.append(("new", buf, shape, stride, dtype))
+            if kind == 0:
+                steps.append((rows, a, list(frees), opens, closes, None))
+            else:
+                target, build, views, results, in_arena, what = a
+                steps.append((rows, what, list(frees), opens, closes,
+                              (target, build, list(views), list(results), list(in_arena), list(host_outs))))
+        return self.c.executor(inputs, steps, list(outs), self.empty, self._in_layout, list(syms),
+                               self.keeps_arenas)
+
+    @property
+    def arena_pool(self):
+        """The arenas kept for the next calls, by bytes ([Note: CPU arenas]; each plan's
+        executor keeps its own), or None where they are not kept."""
+        if not self.keeps_arenas:
+            return None
+        pool = {}
+        for ex in ([self.static_exec] if not self.dynamic else [hit[1] for hit in self.plans.values()]):
+            for n, ts in ex.arena_pool().items():
+                pool.setdefault(n, []).extend(ts)
+        return pool
+
     def output_strides(self):
         """The strides of each tensor output (in the graph's output order) as returned, or
         None for a graph with symbolic sizes."""
@@ -310,8 +304,6 @@ class CompiledGraph:
         its buffers are freed, as `on_step(kind, what, bufs)` with kind 0 (a run of kernels
         and matmuls; `what` its plan step) or 1 (an extern call; `what` its target), and
         `bufs` the live tensors by buffer id."""
-        if self.straight is not None and on_step is None:
-            return self.straight(args)
         if self.dynamic:
             # Plans by symbol values: a loop calling with the sizes it called with before
             # reuses the plan (and the symbol values as the runs take them) instead of
@@ -321,129 +313,36 @@ class CompiledGraph:
             if hit is None:
                 syms = self.syms.expand(key)
                 vals, shapes, strides = self._layouts(self.c.eval(syms))
-                run_syms, prepared = self.c.sym_vals(syms), self._plan(vals, shapes, strides)
-                hit = (syms, run_syms, vals, shapes, strides, prepared, self._straight_call(prepared, run_syms))
+                prepared = self._plan(vals, shapes, strides)
+                hit = (syms, self._executor(prepared, syms), vals, shapes, strides, prepared)
                 if len(self.plans) >= _PLANS_KEPT:
                     del self.plans[next(iter(self.plans))]
                 self.plans[key] = hit
-            if hit[6] is not None and on_step is None:
-                return hit[6](args)
-            syms, run_syms, vals, shapes, strides, (inputs, plan, out_plan, (simple, copies)), _ = hit
+            syms, ex, *_, (_, _, _, (simple, copies)) = hit
+            run_syms = None
             if self.syms.values:
                 syms = self.syms.with_values(syms, args)
                 run_syms = self.c.sym_vals(syms)
         else:
-            syms, run_syms = _NO_SYMS, self.static_syms
-            vals, shapes, strides = self.static
-            inputs, plan, out_plan, (simple, copies) = self.static_plan
-        bufs = [None] * self.n_bufs
-        # Data pointers by buffer id, kept in step with `bufs` (one list for the whole call:
-        # rebuilding it for every run of kernels cost O(runs x buffers) host time).
-        ptrs = [0] * self.n_bufs
-        tensor_args = self.tensor_args_of(args)
+            syms, ex, run_syms = _NO_SYMS, self.static_exec, None
+            simple, copies = self.static_plan[3]
         hosts = None
         if self.n_host:
             hosts = [None] * self.n_host
             for slot, i in self.host_inputs:
                 hosts[slot] = args[i]
+        # Inputs the graph mutates are kept for the stores into them ([Note: inputs freed at
+        # their last use]: the call clears `args`).
+        margs = extra = None
+        if self.mutated_args:
+            margs, extra = {a: args[a] for a in self.mutated_args}, []
         stream = self.raw_stream(self.device_index) if self.cuda else 0
-        # Graph inputs, in the layout the kernels were compiled for.
-        _bind_inputs(inputs, tensor_args, bufs, ptrs, self._in_layout, stream)
-        # [Note: inputs freed at their last use] The boxed calling convention hands the list
-        # over: cleared, it leaves `bufs` the only reference braze holds to each input, dropped
-        # at the input's last reader (the plan's frees). A backward's saved activations are
-        # then freed as it goes, as eager frees them, instead of all living to its end.
-        # Inputs the graph mutates are kept for the stores into them.
-        margs = {a: args[a] for a in self.mutated_args} if self.mutated_args else None
-        args.clear()
-        tensor_args = t = None  # `t` held the last input bound
-        # The buffers only braze's kernels touch live in arenas, one per window of steps
-        # ([Note: arena] in braze-driver).
-        # On the CPU a window's arena comes from the graph's pool and goes back to it when the
-        # window closes ([Note: CPU arenas]).
-        empty = self.empty
-        pool = self.arena_pool
-        arena = None
-        arena_ptr = 0
-        arena_views = {}  # dtype -> the open window's arena viewed as it
-        run = self.c.run
-        for kind, allocs, frees, a, b, (opens, closes) in plan:
-            if opens:
-                arena = None
-                if pool is not None:
-                    try:  # one pop: another thread may take the last arena between a check and it
-                        arena = pool[opens].pop()
-                    except (KeyError, IndexError):
-                        pass
-                if arena is None:
-                    arena = empty((opens,), (1,), torch.uint8)
-                arena_ptr = arena.data_ptr()
-                arena_views = {}
-            for buf, shape, stride, dtype, dying in allocs:
-                if dying is not None:  # the memory of a buffer dying at this step
-                    t = bufs[dying[0]]
-                    if dying[1]:
-                        t = t.as_strided(shape, stride, t.storage_offset())
-                elif shape is None:  # an input's new value, stored in place when the input allows
-                    arg, shape, stride, dtype = stride
-                    t = margs[arg]
-                    if t.stride() != stride or t.dtype != dtype or t.shape != shape:
-                        t = empty(shape, stride, dtype)
-                        copies = (*copies, (None, arg, t))
-                else:
-                    t = empty(shape, stride, dtype)
-                bufs[buf] = t
-                ptrs[buf] = t.data_ptr()
-            if kind == 0:
-                run(a, ptrs, run_syms, stream, arena_ptr)
-            else:
-                target, build, views, results, in_arena, _ = a
-                for buf, dtype, shape, stride, off in in_arena:
-                    base = arena_views.get(dtype)
-                    if base is None:
-                        base = arena_views[dtype] = arena.view(dtype)
-                    bufs[buf] = torch.as_strided(base, shape, stride, off)
-                base = None
-                tensors = [bufs[b] if v is None else bufs[b].as_strided(v[0], v[1], bufs[b].storage_offset() + v[2]) for b, v in views]
-                args_, kwargs_ = build(tensors, syms, hosts)
-                r = target(*args_, **kwargs_)
-                for path, slot in b:  # results on the host
-                    t = r
-                    for k in path:
-                        t = t[k]
-                    hosts[slot] = t
-                for o, path, shape, stride in results:
-                    t = r
-                    for k in path:
-                        t = t[k]
-                    if t.stride() != stride:
-                        t = self._in_layout(t, shape, stride, stream)
-                    bufs[o] = t
-                    ptrs[o] = t.data_ptr()
-                # [Note: no stray references]: the call's operands (views of a window's
-                # arena among them) and results are held by `bufs` alone from here, so the
-                # plan's frees and a closing window release their memory.
-                tensors = args_ = kwargs_ = r = None
-            t = None
-            if on_step is not None:
-                on_step(kind, a if kind == 0 else a[5], bufs)
-            for buf in frees:
-                bufs[buf] = None
-                ptrs[buf] = 0
-            if closes:
-                if pool is not None:
-                    pool.setdefault(arena.numel(), []).append(arena)
-                arena = None
-                arena_ptr = 0
-                arena_views = {}
-        outs = []
-        for b, view, copy in out_plan:
-            t = bufs[b]
-            if view is not None:
-                t = t.as_strided(view[0], view[1], t.storage_offset() + view[2])
-            outs.append(t.clone() if copy else t)
-        for pos, arg, *t in copies:
-            margs[arg].copy_(t[0] if t else outs[pos])
+        outs = ex.call(args, stream, syms, run_syms, margs, hosts, extra, on_step)
+        for pos, arg in copies:
+            margs[arg].copy_(outs[pos])
+        if extra:
+            for _, arg, t in extra:
+                margs[arg].copy_(t)
         if simple:
             return outs
         res = []
@@ -465,19 +364,6 @@ def _callable(target):
     convolution's ~30 us of host time)."""
     op = getattr(target, "_op", None) if isinstance(target, torch._ops.OpOverload) else None
     return op if callable(op) else target
-
-
-def _bind_inputs(inputs, tensor_args, bufs, ptrs, in_layout, stream):
-    """Binds a plan's graph inputs (`inputs`: argument indices, buffers, shapes, strides) to
-    their buffers: one comparison of all strides in the common case (ResNet-50 inference has
-    267 inputs), relayouts otherwise."""
-    idx, bs, shapes, strides = inputs
-    ts = [tensor_args[i] for i in idx]
-    if [t.stride() for t in ts] != strides:
-        ts = [in_layout(t, shape, st, stream) for t, shape, st in zip(ts, shapes, strides)]
-    for b, t in zip(bs, ts):
-        bufs[b] = t
-        ptrs[b] = t.data_ptr()
 
 
 def _allocator(device):

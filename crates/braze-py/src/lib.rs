@@ -18,6 +18,8 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyDict, PyFloat, PyList, PyString, PyTuple};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 
+mod exec;
+
 create_exception!(_core, Unsupported, PyException, "braze cannot compile this graph; it runs eagerly.");
 create_exception!(_core, InternalError, PyException, "A braze bug: an invariant was broken.");
 create_exception!(_core, EnvironmentError_, PyException, "The machine lacks something braze needs (C compiler, cache dir).");
@@ -471,6 +473,42 @@ impl Compiled {
     /// (`torch.get_num_threads()`, read on every call: the user may change it at any time).
     #[pyo3(signature = (step, ptrs, syms, stream=0, arena=0))]
     fn run(&self, py: Python<'_>, step: usize, ptrs: &Bound<'_, PyList>, syms: &Bound<'_, PyAny>, stream: usize, arena: usize) -> PyResult<()> {
+        // Prepared values (`sym_vals`) as they are; a list converted (a type check first:
+        // a failed extraction would build a Python exception per call).
+        let owned;
+        let vals = syms.cast::<SymVals>().ok().map(|v| v.get());
+        let s: &[i64] = match vals {
+            Some(v) => &v.v,
+            None => {
+                owned = syms.extract::<Vec<i64>>()?;
+                &owned
+            }
+        };
+        self.run_step(py, step, |b| ptrs.get_item(b)?.extract(), s, stream, arena)
+    }
+
+    /// An executor of one prepared plan ([Note: the call loop in Rust], `exec.rs`).
+    #[allow(clippy::too_many_arguments)]
+    fn executor(
+        slf: &Bound<'_, Self>,
+        inputs: Vec<exec::InputRow>,
+        steps: &Bound<'_, PyList>,
+        outs: Vec<exec::OutRow>,
+        empty: Py<PyAny>,
+        in_layout: Py<PyAny>,
+        syms: Vec<i64>,
+        pool: bool,
+    ) -> PyResult<exec::Executor> {
+        let n_bufs = slf.borrow().plan.buffers.len();
+        let num_syms = slf.borrow().plan.num_syms;
+        exec::Executor::new(slf.py(), slf.clone().unbind(), n_bufs, inputs, steps, outs, empty, in_layout, padded(syms, num_syms), pool)
+    }
+}
+
+impl Compiled {
+    /// Runs plan step `step`'s kernels and matmuls: `ptr(b)` is buffer `b`'s data pointer,
+    /// asked only for the step's own buffers outside the arena.
+    fn run_step(&self, py: Python<'_>, step: usize, ptr: impl Fn(usize) -> PyResult<usize>, syms: &[i64], stream: usize, arena: usize) -> PyResult<()> {
         let m = self.module.as_ref().ok_or_else(|| InternalError::new_err("no kernels"))?;
         let (Some(row), Some(used)) = (self.plan.steps.get(step), self.plan.step_bufs.get(step)) else {
             return Err(InternalError::new_err(format!("no step {step}")));
@@ -483,23 +521,15 @@ impl Compiled {
             let b = b as usize;
             table[b] = match offsets[b] {
                 off if off >= 0 && arena != 0 => arena + off as usize,
-                _ => ptrs.get_item(b)?.extract()?,
+                _ => ptr(b)?,
             };
         }
-        // Prepared values (`sym_vals`) as they are; a list converted (a type check first:
-        // a failed extraction would build a Python exception per call).
         let owned;
-        let vals = syms.cast::<SymVals>().ok().map(|v| v.get());
-        let s: &[i64] = match vals {
-            Some(v) if v.v.len() >= self.plan.num_syms.max(1) => &v.v,
-            Some(v) => {
-                owned = padded(v.v.clone(), self.plan.num_syms);
-                &owned
-            }
-            None => {
-                owned = padded(syms.extract()?, self.plan.num_syms);
-                &owned
-            }
+        let s: &[i64] = if syms.len() >= self.plan.num_syms.max(1) {
+            syms
+        } else {
+            owned = padded(syms.to_vec(), self.plan.num_syms);
+            &owned
         };
         let threads = if matches!(m, Module::Cpu(_)) { torch_num_threads(py)? } else { 0 };
         // SAFETY: the Python runtime allocates every buffer as the plan describes before
@@ -576,6 +606,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Compiled>()?;
     m.add_class::<ScalarFn>()?;
     m.add_class::<SymVals>()?;
+    m.add_class::<exec::Executor>()?;
     m.add_function(wrap_pyfunction!(cuda_init, m)?)?;
     m.add_function(wrap_pyfunction!(cudnn_init, m)?)?;
     m.add_function(wrap_pyfunction!(run_counts, m)?)?;

@@ -1,0 +1,435 @@
+//! [Note: the call loop in Rust] One compiled graph's call, run by one Rust call
+//! (`Executor.call`): the graph inputs bound (their strides checked, relayouts where they
+//! differ), each plan step's buffers allocated through PyTorch's allocator, its kernels and
+//! matmuls run straight from here (no Python list of pointers per run), its extern ATen call
+//! made through the callable and argument builder prepared at compile time, its dead buffers
+//! freed, the windows' arenas opened and closed (a CPU graph's kept in a pool), and the
+//! outputs assembled. Python keeps what is per graph rather than per step: choosing the plan
+//! of a dynamic graph's sizes, the mutated inputs' copies and the outputs that are not tensors.
+//!
+//! The plan arrives once per plan (static graph: once; dynamic graph: once per size set) as
+//! tagged rows from `runtime.py`'s `_plan` and is kept here as typed steps. Tensors stay
+//! Python objects: buffers are a Python list (what `on_step` debugging hooks see), data
+//! pointers a Rust vector beside it.
+
+use crate::{Compiled, SymVals};
+use pyo3::intern;
+use pyo3::prelude::*;
+use pyo3::types::{PyDict, PyList, PyTuple};
+use std::collections::HashMap;
+use std::sync::Mutex;
+
+/// A Python object the plan holds (a shape or stride tuple, a dtype, a tensor, a callable).
+type Obj = Py<PyAny>;
+/// An extern call's result: (buffer, path into what the call returned, shape, strides).
+type ResultRow = (usize, Vec<Obj>, Obj, Obj);
+/// An extern operand in the window's arena: (buffer, dtype, shape, strides, element offset).
+type ArenaOperand = (usize, Obj, Obj, Obj, i64);
+
+/// A graph input: argument `arg` of the call, or a tensor constant of the graph.
+pub struct Input {
+    arg: Option<usize>,
+    constant: Option<Obj>,
+    buf: usize,
+    shape: Obj,
+    stride: Obj,
+}
+
+/// How a step's new buffer gets its tensor.
+enum Alloc {
+    /// A new tensor from the allocator.
+    New { buf: usize, shape: Obj, stride: Obj, dtype: Obj },
+    /// The memory of buffer `from`, dying at this step ([Note: in-place kernels]), viewed
+    /// with this buffer's layout where it differs.
+    Reuse { buf: usize, from: usize, restride: bool, shape: Obj, stride: Obj },
+    /// Input `arg`'s new value stored into it when its layout allows ([Note: input mutations]).
+    InPlace { buf: usize, arg: usize, shape: Obj, stride: Obj, dtype: Obj },
+}
+
+/// A tensor as a plan reads it: buffer `buf`, or a strided view of it (sizes, strides, element
+/// offset added to the buffer's own).
+struct View {
+    buf: usize,
+    view: Option<(Obj, Obj, i64)>,
+}
+
+/// An extern (ATen) call of a step.
+struct Extern {
+    target: Obj,
+    /// (tensors, syms, hosts) -> (args, kwargs): the call's arguments, only the tensor, size
+    /// and host positions filled per call (`runtime._arg_builder`).
+    build: Obj,
+    operands: Vec<View>,
+    results: Vec<ResultRow>,
+    in_arena: Vec<ArenaOperand>,
+    /// Results kept on the host: (path into the result, host slot).
+    host_outs: Vec<(Vec<Obj>, usize)>,
+}
+
+enum Work {
+    /// Plan step `n`'s kernels and matmuls.
+    Run(usize),
+    Extern(Extern),
+}
+
+struct Step {
+    allocs: Vec<Alloc>,
+    work: Work,
+    /// What an `on_step` hook is told (the plan step, or the extern call's target).
+    what: Obj,
+    frees: Vec<usize>,
+    /// Bytes of the arena window opening before this step (0: none opens).
+    opens: i64,
+    closes: bool,
+}
+
+struct Out {
+    view: View,
+    copy: bool,
+}
+
+fn view_of(v: Option<(Obj, Obj, i64)>, buf: usize) -> View {
+    View { buf, view: v }
+}
+
+#[pyclass(module = "braze._core", frozen)]
+pub struct Executor {
+    compiled: Py<Compiled>,
+    n_bufs: usize,
+    inputs: Vec<Input>,
+    steps: Vec<Step>,
+    outs: Vec<Out>,
+    /// (shape, stride, dtype) -> a new tensor on the graph's device.
+    empty: Obj,
+    /// (tensor, shape, stride, stream) -> the tensor laid out so (`CompiledGraph._in_layout`).
+    in_layout: Obj,
+    uint8: Obj,
+    /// The symbol values runs read (`sym_vals`), unless a call passes its own.
+    syms: Vec<i64>,
+    /// [Note: CPU arenas] Arenas by bytes, kept between calls (None on the GPU).
+    pool: Option<Mutex<HashMap<i64, Vec<Obj>>>>,
+}
+
+/// Rows as `runtime._plan` writes them.
+pub type InputRow = (i64, Option<Obj>, usize, Obj, Obj);
+pub type OutRow = (usize, Option<(Obj, Obj, i64)>, bool);
+
+fn data_ptr(t: &Bound<'_, PyAny>) -> PyResult<usize> {
+    t.call_method0(intern!(t.py(), "data_ptr"))?.extract()
+}
+
+/// `t.as_strided(shape, stride, t.storage_offset() + off)`.
+fn strided<'py>(t: &Bound<'py, PyAny>, shape: &Obj, stride: &Obj, off: i64) -> PyResult<Bound<'py, PyAny>> {
+    let py = t.py();
+    let base: i64 = t.call_method0(intern!(py, "storage_offset"))?.extract()?;
+    t.call_method1(intern!(py, "as_strided"), (shape.bind(py), stride.bind(py), base + off))
+}
+
+fn walk<'py>(r: &Bound<'py, PyAny>, path: &[Obj]) -> PyResult<Bound<'py, PyAny>> {
+    let mut t = r.clone();
+    for k in path {
+        t = t.get_item(k.bind(r.py()))?;
+    }
+    Ok(t)
+}
+
+fn alloc_row(row: &Bound<'_, PyAny>) -> PyResult<Alloc> {
+    let tag: String = row.get_item(0)?.extract()?;
+    let item = |i: usize| -> PyResult<Obj> { Ok(row.get_item(i)?.unbind()) };
+    let int = |i: usize| -> PyResult<usize> { row.get_item(i)?.extract() };
+    Ok(match tag.as_str() {
+        "new" => Alloc::New { buf: int(1)?, shape: item(2)?, stride: item(3)?, dtype: item(4)? },
+        "reuse" => Alloc::Reuse { buf: int(1)?, from: int(2)?, restride: row.get_item(3)?.extract()?, shape: item(4)?, stride: item(5)? },
+        "input" => Alloc::InPlace { buf: int(1)?, arg: int(2)?, shape: item(3)?, stride: item(4)?, dtype: item(5)? },
+        _ => return Err(crate::InternalError::new_err(format!("unknown allocation {tag:?}"))),
+    })
+}
+
+type ExternRow = (
+    Obj,
+    Obj,
+    Vec<(usize, Option<(Obj, Obj, i64)>)>,
+    Vec<ResultRow>,
+    Vec<ArenaOperand>,
+    Vec<(Vec<Obj>, usize)>,
+);
+
+impl Executor {
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        py: Python<'_>,
+        compiled: Py<Compiled>,
+        n_bufs: usize,
+        inputs: Vec<InputRow>,
+        steps: &Bound<'_, PyList>,
+        outs: Vec<OutRow>,
+        empty: Obj,
+        in_layout: Obj,
+        syms: Vec<i64>,
+        pool: bool,
+    ) -> PyResult<Executor> {
+        let inputs = inputs
+            .into_iter()
+            .map(|(arg, constant, buf, shape, stride)| Input { arg: usize::try_from(arg).ok(), constant, buf, shape, stride })
+            .collect();
+        let mut typed = Vec::with_capacity(steps.len());
+        for row in steps.iter() {
+            let allocs: Vec<Bound<'_, PyAny>> = row.get_item(0)?.extract()?;
+            let allocs = allocs.iter().map(alloc_row).collect::<PyResult<Vec<_>>>()?;
+            let what = row.get_item(1)?;
+            let frees: Vec<usize> = row.get_item(2)?.extract()?;
+            let opens: i64 = row.get_item(3)?.extract()?;
+            let closes: bool = row.get_item(4)?.extract()?;
+            let ext = row.get_item(5)?;
+            let work = if ext.is_none() {
+                Work::Run(what.extract()?)
+            } else {
+                let (target, build, operands, results, in_arena, host_outs): ExternRow = ext.extract()?;
+                Work::Extern(Extern { target, build, operands: operands.into_iter().map(|(b, v)| view_of(v, b)).collect(), results, in_arena, host_outs })
+            };
+            typed.push(Step { allocs, work, what: what.unbind(), frees, opens, closes });
+        }
+        let outs = outs.into_iter().map(|(b, v, copy)| Out { view: view_of(v, b), copy }).collect();
+        let uint8 = py.import("torch")?.getattr("uint8")?.unbind();
+        Ok(Executor { compiled, n_bufs, inputs, steps: typed, outs, empty, in_layout, uint8, syms, pool: pool.then(|| Mutex::new(HashMap::new())) })
+    }
+
+    /// Operand `v` of an extern call as a tensor.
+    fn operand<'py>(bufs: &Bound<'py, PyList>, v: &View) -> PyResult<Bound<'py, PyAny>> {
+        let t = bufs.get_item(v.buf)?;
+        match &v.view {
+            None => Ok(t),
+            Some((shape, stride, off)) => strided(&t, shape, stride, *off),
+        }
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn call_extern<'py>(
+        &self,
+        e: &Extern,
+        bufs: &Bound<'py, PyList>,
+        ptrs: &mut [usize],
+        arena: Option<&Bound<'py, PyAny>>,
+        arena_views: &mut Vec<(usize, Bound<'py, PyAny>)>,
+        syms: &Bound<'py, PyAny>,
+        hosts: Option<&Bound<'py, PyList>>,
+        stream: usize,
+    ) -> PyResult<()> {
+        let py = bufs.py();
+        for (buf, dtype, shape, stride, off) in &e.in_arena {
+            let key = dtype.as_ptr() as usize;
+            let base = match arena_views.iter().find(|(k, _)| *k == key) {
+                Some((_, b)) => b.clone(),
+                None => {
+                    let arena = arena.ok_or_else(|| crate::InternalError::new_err("an arena operand outside a window"))?;
+                    let b = arena.call_method1(intern!(py, "view"), (dtype.bind(py),))?;
+                    arena_views.push((key, b.clone()));
+                    b
+                }
+            };
+            bufs.set_item(*buf, base.call_method1(intern!(py, "as_strided"), (shape.bind(py), stride.bind(py), *off))?)?;
+        }
+        let tensors = PyList::empty(py);
+        for v in &e.operands {
+            tensors.append(Self::operand(bufs, v)?)?;
+        }
+        let hosts_arg = match hosts {
+            Some(h) => h.clone().into_any(),
+            None => py.None().into_bound(py),
+        };
+        let built = e.build.bind(py).call1((tensors, syms, hosts_arg))?;
+        let args = built.get_item(0)?;
+        let args = match args.cast::<PyTuple>() {
+            Ok(t) => t.clone(),
+            Err(_) => PyTuple::new(py, args.try_iter()?.collect::<PyResult<Vec<_>>>()?)?,
+        };
+        let kwargs = built.get_item(1)?;
+        let kwargs = kwargs.cast::<PyDict>()?;
+        let r = e.target.bind(py).call(args, if kwargs.is_empty() { None } else { Some(kwargs) })?;
+        for (path, slot) in &e.host_outs {
+            let hosts = hosts.ok_or_else(|| crate::InternalError::new_err("host results without host slots"))?;
+            hosts.set_item(*slot, walk(&r, path)?)?;
+        }
+        for (o, path, shape, stride) in &e.results {
+            let mut t = walk(&r, path)?;
+            if !t.call_method0(intern!(py, "stride"))?.eq(stride.bind(py))? {
+                t = self.in_layout.bind(py).call1((t, shape.bind(py), stride.bind(py), stream))?;
+            }
+            ptrs[*o] = data_ptr(&t)?;
+            bufs.set_item(*o, t)?;
+        }
+        // [Note: no stray references]: the operands (views of the window's arena among them)
+        // and results are held by `bufs` alone once this returns.
+        Ok(())
+    }
+}
+
+#[pymethods]
+impl Executor {
+    /// The Python objects it holds, for the cycle collector: `in_layout` is a bound method of
+    /// the `CompiledGraph` that holds this executor, so the two make a cycle that only the
+    /// collector frees once the graph is dropped (`torch._dynamo.reset()`).
+    fn __traverse__(&self, visit: pyo3::PyVisit<'_>) -> Result<(), pyo3::PyTraverseError> {
+        visit.call(&self.compiled)?;
+        visit.call(&self.empty)?;
+        visit.call(&self.in_layout)?;
+        for i in &self.inputs {
+            visit.call(&i.constant)?;
+        }
+        for st in &self.steps {
+            visit.call(&st.what)?;
+            if let Work::Extern(e) = &st.work {
+                visit.call(&e.target)?;
+                visit.call(&e.build)?;
+            }
+        }
+        if let Some(Ok(p)) = self.pool.as_ref().map(|p| p.try_lock()) {
+            for t in p.values().flatten() {
+                visit.call(t)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The arenas kept for the next calls, by bytes (empty where none are kept).
+    fn arena_pool<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let d = PyDict::new(py);
+        if let Some(Ok(p)) = self.pool.as_ref().map(|p| p.lock()) {
+            for (n, ts) in p.iter() {
+                d.set_item(n, PyList::new(py, ts.iter().map(|t| t.bind(py)))?)?;
+            }
+        }
+        Ok(d)
+    }
+
+    /// Runs the plan on `args` (boxed: the list is cleared once its inputs are bound, so each
+    /// input lives until its last reader, [Note: inputs freed at their last use]). `syms`: the
+    /// call's symbol values as extern calls' size arguments read them; `vals`: the runs' symbol
+    /// values when they differ from the plan's (host scalars); `margs`: the mutated inputs by
+    /// argument index; `hosts`: the host-value slots; `copies`: where a mutated input whose
+    /// layout did not allow storing in place gets `(None, arg, new value)` appended; `on_step`:
+    /// a debugging hook called after each step, before its frees, as `on_step(kind, what,
+    /// bufs)`. Returns the output tensors of the plan.
+    #[pyo3(signature = (args, stream, syms, vals=None, margs=None, hosts=None, copies=None, on_step=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn call<'py>(
+        &self,
+        py: Python<'py>,
+        args: &Bound<'py, PyAny>,
+        stream: usize,
+        syms: &Bound<'py, PyAny>,
+        vals: Option<PyRef<'py, SymVals>>,
+        margs: Option<&Bound<'py, PyDict>>,
+        hosts: Option<&Bound<'py, PyList>>,
+        copies: Option<&Bound<'py, PyList>>,
+        on_step: Option<&Bound<'py, PyAny>>,
+    ) -> PyResult<Bound<'py, PyList>> {
+        let compiled = self.compiled.bind(py).borrow();
+        let run_syms: &[i64] = match &vals {
+            Some(v) => &v.v,
+            None => &self.syms,
+        };
+        let none = py.None().into_bound(py);
+        let bufs = PyList::new(py, std::iter::repeat_n(&none, self.n_bufs))?;
+        let mut ptrs = vec![0usize; self.n_bufs];
+        // Graph inputs in the layout the kernels were compiled for: one stride comparison
+        // each in the common case.
+        let stride_s = intern!(py, "stride");
+        let mut bound = Vec::with_capacity(self.inputs.len());
+        let mut same = true;
+        for inp in &self.inputs {
+            let t = match (inp.arg, &inp.constant) {
+                (Some(i), _) => args.get_item(i)?,
+                (None, Some(c)) => c.bind(py).clone(),
+                (None, None) => return Err(crate::InternalError::new_err("an input with no source")),
+            };
+            if same && !t.call_method0(stride_s)?.eq(inp.stride.bind(py))? {
+                same = false;
+            }
+            bound.push(t);
+        }
+        if !same {
+            for (t, inp) in bound.iter_mut().zip(&self.inputs) {
+                *t = self.in_layout.bind(py).call1((t.clone(), inp.shape.bind(py), inp.stride.bind(py), stream))?;
+            }
+        }
+        for (t, inp) in bound.into_iter().zip(&self.inputs) {
+            ptrs[inp.buf] = data_ptr(&t)?;
+            bufs.set_item(inp.buf, t)?;
+        }
+        args.call_method0(intern!(py, "clear"))?;
+        let empty = self.empty.bind(py);
+        let mut arena: Option<Bound<'py, PyAny>> = None;
+        let mut arena_bytes = 0i64;
+        let mut arena_ptr = 0usize;
+        let mut arena_views: Vec<(usize, Bound<'py, PyAny>)> = Vec::new();
+        for st in &self.steps {
+            if st.opens > 0 {
+                arena = self.pool.as_ref().and_then(|p| p.lock().ok()?.get_mut(&st.opens)?.pop()).map(|a| a.into_bound(py));
+                if arena.is_none() {
+                    arena = Some(empty.call1(((st.opens,), (1,), self.uint8.bind(py)))?);
+                }
+                arena_bytes = st.opens;
+                arena_ptr = data_ptr(arena.as_ref().expect("opened"))?;
+                arena_views.clear();
+            }
+            for a in &st.allocs {
+                let (buf, t) = match a {
+                    Alloc::New { buf, shape, stride, dtype } => (*buf, empty.call1((shape.bind(py), stride.bind(py), dtype.bind(py)))?),
+                    Alloc::Reuse { buf, from, restride, shape, stride } => {
+                        let t = bufs.get_item(*from)?;
+                        (*buf, if *restride { strided(&t, shape, stride, 0)? } else { t })
+                    }
+                    Alloc::InPlace { buf, arg, shape, stride, dtype } => {
+                        let margs = margs.ok_or_else(|| crate::InternalError::new_err("an in-place store without the mutated inputs"))?;
+                        let mut t = margs.get_item(*arg)?.ok_or_else(|| crate::InternalError::new_err("a mutated input missing"))?;
+                        let fits = t.call_method0(stride_s)?.eq(stride.bind(py))?
+                            && t.getattr(intern!(py, "dtype"))?.is(dtype.bind(py))
+                            && t.getattr(intern!(py, "shape"))?.eq(shape.bind(py))?;
+                        if !fits {
+                            t = empty.call1((shape.bind(py), stride.bind(py), dtype.bind(py)))?;
+                            let copies = copies.ok_or_else(|| crate::InternalError::new_err("no list for the mutated inputs' copies"))?;
+                            copies.append((py.None(), *arg, t.clone()))?;
+                        }
+                        (*buf, t)
+                    }
+                };
+                ptrs[buf] = data_ptr(&t)?;
+                bufs.set_item(buf, t)?;
+            }
+            let kind = match &st.work {
+                Work::Run(n) => {
+                    compiled.run_step(py, *n, |b| Ok(ptrs[b]), run_syms, stream, arena_ptr)?;
+                    0
+                }
+                Work::Extern(e) => {
+                    self.call_extern(e, &bufs, &mut ptrs, arena.as_ref(), &mut arena_views, syms, hosts, stream)?;
+                    1
+                }
+            };
+            if let Some(f) = on_step {
+                f.call1((kind, st.what.bind(py), &bufs))?;
+            }
+            for &b in &st.frees {
+                bufs.set_item(b, py.None())?;
+                ptrs[b] = 0;
+            }
+            if st.closes {
+                arena_views.clear();
+                if let (Some(pool), Some(a)) = (&self.pool, arena.take()) {
+                    if let Ok(mut p) = pool.lock() {
+                        p.entry(arena_bytes).or_default().push(a.unbind());
+                    }
+                }
+                arena = None;
+                arena_ptr = 0;
+            }
+        }
+        let outs = PyList::empty(py);
+        for o in &self.outs {
+            let t = Self::operand(&bufs, &o.view)?;
+            outs.append(if o.copy { t.call_method0(intern!(py, "clone"))? } else { t })?;
+        }
+        Ok(outs)
+    }
+}
