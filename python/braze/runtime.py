@@ -234,12 +234,12 @@ class CompiledGraph:
                 call = self.ext_calls[target]
                 views = tuple((b, None if v is None else (tuple(vals[i] for i in v[0]), tuple(vals[i] for i in v[1]), vals[v[2]])) for b, v in args)
                 results = tuple((o, path, shapes[o], strides[o]) for o, path in zip(outs, call.out_paths) if o != _UNUSED)
-                build = _arg_builder(call, self.syms)
+                template = _template(call)
                 # Operands in the window's arena ([Note: extern operands in arenas] in
                 # braze-driver): views of it, as (buffer, dtype, shape, strides, element offset).
                 offs = self.arena_offsets
                 in_arena = tuple((b, dts[b], shapes[b], strides[b], offs[b] // dts[b].itemsize) for b in dict.fromkeys(b for b, _ in args) if offs[b] >= 0)
-                plan.append((1, allocs, frees, (_callable(call.target), build, views, results, in_arena, call.target), tuple(call.host_outs), arena))
+                plan.append((1, allocs, frees, (_callable(call.target), template, views, results, in_arena, call.target), tuple(call.host_outs), arena))
         outs = []
         for (b, view), copy in zip(self.outputs, self.copy_out):
             v = None
@@ -271,9 +271,9 @@ class CompiledGraph:
             if kind == 0:
                 steps.append((rows, a, list(frees), opens, closes, None))
             else:
-                target, build, views, results, in_arena, what = a
+                target, template, views, results, in_arena, what = a
                 steps.append((rows, what, list(frees), opens, closes,
-                              (target, build, list(views), list(results), list(in_arena), list(host_outs))))
+                              (target, template, list(views), list(results), list(in_arena), list(host_outs))))
         return self.c.executor(inputs, steps, list(outs), self.empty, self._in_layout, list(syms),
                                self.keeps_arenas)
 
@@ -379,45 +379,31 @@ def _allocator(device):
     return lambda shape, stride, dtype: torch.empty_strided(shape, stride, dtype=dtype, device=device)
 
 
-def _arg_builder(call, resolver):
-    """A function (tensors, syms, hosts) -> (args, kwargs) for an extern call, prepared once:
-    only the positions that hold a tensor, a size expression or a host value are filled per
-    call; everything else (a convolution's stride and padding lists) is reused as it is."""
-    make_args = _maker(tuple(call.args), resolver) or (lambda t, s, h, a=tuple(call.args): a)
-    make_kwargs = _maker(dict(call.kwargs), resolver) or (lambda t, s, h, k=dict(call.kwargs): k)
-
-    def build(tensors, syms, hosts):
-        return make_args(tensors, syms, hosts), make_kwargs(tensors, syms, hosts)
-    return build
+def _template(call):
+    """An extern call's arguments as the executor fills them per call ([Note: the call loop in
+    Rust]): (positional rows, keyword rows), each row tagged: ("c", value) used as it is, ("t",
+    k) operand k, ("s", expr) a size expression, ("h", slot) a host value, ("l"/"u"/"d", rows) a
+    list, tuple or dict holding any of those. A convolution's stride and padding lists stay one
+    value, made once."""
+    return [_arg_row(a) for a in call.args], [(k, _arg_row(v)) for k, v in call.kwargs.items()]
 
 
-def _maker(a, resolver):
-    """None when `a` holds no Ref, SymRef or Host (it is used as it is); else a function
-    (tensors, syms, hosts) -> `a` with those filled in."""
+def _arg_row(a):
     if isinstance(a, Ref):
-        k = a.k
-        return lambda t, s, h: t[k]
+        return ("t", a.k)
     if isinstance(a, SymRef):
-        expr = a.expr
-        return lambda t, s, h: _eval_sym(expr, resolver, s)
+        return ("s", a.expr)
     if isinstance(a, Host):
-        slot = a.slot
-        return lambda t, s, h: h[slot]
+        return ("h", a.slot)
     if isinstance(a, (list, tuple, dict)):
-        keys = list(a.keys()) if isinstance(a, dict) else range(len(a))
-        filled = [(k, m) for k in keys if (m := _maker(a[k], resolver)) is not None]
-        if not filled:
-            return None
-        base = dict(a) if isinstance(a, dict) else list(a)
-        kind = type(a)
-
-        def fill(t, s, h):
-            out = base.copy()
-            for k, m in filled:
-                out[k] = m(t, s, h)
-            return out if kind in (list, dict) else kind(out)
-        return fill
-    return None
+        items = list(a.items()) if isinstance(a, dict) else list(enumerate(a))
+        rows = [(k, _arg_row(v)) for k, v in items]
+        if all(r[0] == "c" for _, r in rows):
+            return ("c", a)
+        if isinstance(a, dict):
+            return ("d", rows)
+        return ("l" if isinstance(a, list) else "u", [r for _, r in rows])
+    return ("c", a)
 
 
 def _same_layout(t, shape, strides):

@@ -26,6 +26,90 @@ type ResultRow = (usize, Vec<Obj>, Obj, Obj);
 /// An extern operand in the window's arena: (buffer, dtype, shape, strides, element offset).
 type ArenaOperand = (usize, Obj, Obj, Obj, i64);
 
+/// An extern call's argument as prepared at compile time: a value used as it is, or a
+/// position filled per call (an operand tensor, a size expression, a host value), inside
+/// lists, tuples and dicts as the op's schema nests them.
+enum Arg {
+    Fixed(Obj),
+    Tensor(usize),
+    Sym(braze_ir::scalar_expr::ScalarExpr, String),
+    Host(usize),
+    List(Vec<Arg>),
+    Tuple(Vec<Arg>),
+    Dict(Vec<(Obj, Arg)>),
+}
+
+impl Arg {
+    /// From `runtime._template`'s tagged rows.
+    fn from_row(row: &Bound<'_, PyAny>) -> PyResult<Arg> {
+        let tag: String = row.get_item(0)?.extract()?;
+        let v = row.get_item(1)?;
+        let items = |v: &Bound<'_, PyAny>| -> PyResult<Vec<Arg>> { v.try_iter()?.map(|r| Arg::from_row(&r?)).collect() };
+        Ok(match tag.as_str() {
+            "c" => Arg::Fixed(v.unbind()),
+            "t" => Arg::Tensor(v.extract()?),
+            "s" => {
+                let text: String = v.extract()?;
+                Arg::Sym(braze_ir::scalar_expr::ScalarExpr::parse(&text).map_err(crate::unsupported)?, text)
+            }
+            "h" => Arg::Host(v.extract()?),
+            "l" => Arg::List(items(&v)?),
+            "u" => Arg::Tuple(items(&v)?),
+            "d" => Arg::Dict(v.try_iter()?.map(|kv| -> PyResult<(Obj, Arg)> {
+                let kv = kv?;
+                Ok((kv.get_item(0)?.unbind(), Arg::from_row(&kv.get_item(1)?)?))
+            }).collect::<PyResult<_>>()?),
+            _ => return Err(crate::InternalError::new_err(format!("unknown argument {tag:?}"))),
+        })
+    }
+
+    /// Reports the fixed values to the cycle collector (`Executor.__traverse__`).
+    fn visit(&self, visit: &pyo3::PyVisit<'_>) -> Result<(), pyo3::PyTraverseError> {
+        match self {
+            Arg::Fixed(o) => visit.call(o),
+            Arg::List(v) | Arg::Tuple(v) => v.iter().try_for_each(|a| a.visit(visit)),
+            Arg::Dict(v) => v.iter().try_for_each(|(k, a)| {
+                visit.call(k)?;
+                a.visit(visit)
+            }),
+            _ => Ok(()),
+        }
+    }
+
+    /// Whether the symbol values are read.
+    fn reads_syms(&self) -> bool {
+        match self {
+            Arg::Sym(..) => true,
+            Arg::List(v) | Arg::Tuple(v) => v.iter().any(Arg::reads_syms),
+            Arg::Dict(v) => v.iter().any(|(_, a)| a.reads_syms()),
+            _ => false,
+        }
+    }
+
+    fn fill<'py>(&self, py: Python<'py>, tensors: &[Bound<'py, PyAny>], syms: &[i64], hosts: Option<&Bound<'py, PyList>>) -> PyResult<Bound<'py, PyAny>> {
+        use braze_ir::scalar_expr::Value;
+        Ok(match self {
+            Arg::Fixed(o) => o.bind(py).clone(),
+            Arg::Tensor(k) => tensors[*k].clone(),
+            Arg::Sym(e, text) => match e.eval(syms).map_err(|m| pyo3::exceptions::PyRuntimeError::new_err(format!("braze: evaluating `{text}`: {m}")))? {
+                Value::Int(i) => i.into_pyobject(py)?.into_any(),
+                Value::Float(x) => x.into_pyobject(py)?.into_any(),
+                Value::Bool(b) => pyo3::types::PyBool::new(py, b).to_owned().into_any(),
+            },
+            Arg::Host(slot) => hosts.ok_or_else(|| crate::InternalError::new_err("a host argument without host slots"))?.get_item(*slot)?,
+            Arg::List(v) => PyList::new(py, v.iter().map(|a| a.fill(py, tensors, syms, hosts)).collect::<PyResult<Vec<_>>>()?)?.into_any(),
+            Arg::Tuple(v) => PyTuple::new(py, v.iter().map(|a| a.fill(py, tensors, syms, hosts)).collect::<PyResult<Vec<_>>>()?)?.into_any(),
+            Arg::Dict(v) => {
+                let d = PyDict::new(py);
+                for (k, a) in v {
+                    d.set_item(k.bind(py), a.fill(py, tensors, syms, hosts)?)?;
+                }
+                d.into_any()
+            }
+        })
+    }
+}
+
 /// A graph input: argument `arg` of the call, or a tensor constant of the graph.
 pub struct Input {
     arg: Option<usize>,
@@ -53,12 +137,15 @@ struct View {
     view: Option<(Obj, Obj, i64)>,
 }
 
-/// An extern (ATen) call of a step.
+/// An extern (ATen) call of a step: its arguments built in Rust from the template prepared at
+/// compile time, then one call of the op's callable (`runtime._callable`).
 struct Extern {
     target: Obj,
-    /// (tensors, syms, hosts) -> (args, kwargs): the call's arguments, only the tensor, size
-    /// and host positions filled per call (`runtime._arg_builder`).
-    build: Obj,
+    /// Positional arguments (a tuple's items) and keyword arguments.
+    args: Vec<Arg>,
+    kwargs: Vec<(Obj, Arg)>,
+    /// Whether the arguments read the call's symbol values.
+    reads_syms: bool,
     operands: Vec<View>,
     results: Vec<ResultRow>,
     in_arena: Vec<ArenaOperand>,
@@ -145,9 +232,9 @@ fn alloc_row(row: &Bound<'_, PyAny>) -> PyResult<Alloc> {
     })
 }
 
-type ExternRow = (
+type ExternRow<'py> = (
     Obj,
-    Obj,
+    Bound<'py, PyAny>,
     Vec<(usize, Option<(Obj, Obj, i64)>)>,
     Vec<ResultRow>,
     Vec<ArenaOperand>,
@@ -184,8 +271,19 @@ impl Executor {
             let work = if ext.is_none() {
                 Work::Run(what.extract()?)
             } else {
-                let (target, build, operands, results, in_arena, host_outs): ExternRow = ext.extract()?;
-                Work::Extern(Extern { target, build, operands: operands.into_iter().map(|(b, v)| view_of(v, b)).collect(), results, in_arena, host_outs })
+                let (target, template, operands, results, in_arena, host_outs): ExternRow = ext.extract()?;
+                let args = template.get_item(0)?.try_iter()?.map(|r| Arg::from_row(&r?)).collect::<PyResult<Vec<_>>>()?;
+                let kwargs = template
+                    .get_item(1)?
+                    .try_iter()?
+                    .map(|kv| -> PyResult<(Obj, Arg)> {
+                        let kv = kv?;
+                        Ok((kv.get_item(0)?.unbind(), Arg::from_row(&kv.get_item(1)?)?))
+                    })
+                    .collect::<PyResult<Vec<_>>>()?;
+                let reads_syms = args.iter().any(Arg::reads_syms) || kwargs.iter().any(|(_, a)| a.reads_syms());
+                let operands = operands.into_iter().map(|(b, v)| view_of(v, b)).collect();
+                Work::Extern(Extern { target, args, kwargs, reads_syms, operands, results, in_arena, host_outs })
             };
             typed.push(Step { allocs, work, what: what.unbind(), frees, opens, closes });
         }
@@ -229,23 +327,26 @@ impl Executor {
             };
             bufs.set_item(*buf, base.call_method1(intern!(py, "as_strided"), (shape.bind(py), stride.bind(py), *off))?)?;
         }
-        let tensors = PyList::empty(py);
-        for v in &e.operands {
-            tensors.append(Self::operand(bufs, v)?)?;
-        }
-        let hosts_arg = match hosts {
-            Some(h) => h.clone().into_any(),
-            None => py.None().into_bound(py),
+        let tensors = e.operands.iter().map(|v| Self::operand(bufs, v)).collect::<PyResult<Vec<_>>>()?;
+        let owned;
+        let syms: &[i64] = if e.reads_syms {
+            owned = syms.extract::<Vec<i64>>()?;
+            &owned
+        } else {
+            &[]
         };
-        let built = e.build.bind(py).call1((tensors, syms, hosts_arg))?;
-        let args = built.get_item(0)?;
-        let args = match args.cast::<PyTuple>() {
-            Ok(t) => t.clone(),
-            Err(_) => PyTuple::new(py, args.try_iter()?.collect::<PyResult<Vec<_>>>()?)?,
+        let args = PyTuple::new(py, e.args.iter().map(|a| a.fill(py, &tensors, syms, hosts)).collect::<PyResult<Vec<_>>>()?)?;
+        let kwargs = if e.kwargs.is_empty() {
+            None
+        } else {
+            let d = PyDict::new(py);
+            for (k, a) in &e.kwargs {
+                d.set_item(k.bind(py), a.fill(py, &tensors, syms, hosts)?)?;
+            }
+            Some(d)
         };
-        let kwargs = built.get_item(1)?;
-        let kwargs = kwargs.cast::<PyDict>()?;
-        let r = e.target.bind(py).call(args, if kwargs.is_empty() { None } else { Some(kwargs) })?;
+        drop(tensors);
+        let r = e.target.bind(py).call(args, kwargs.as_ref())?;
         for (path, slot) in &e.host_outs {
             let hosts = hosts.ok_or_else(|| crate::InternalError::new_err("host results without host slots"))?;
             hosts.set_item(*slot, walk(&r, path)?)?;
@@ -280,7 +381,9 @@ impl Executor {
             visit.call(&st.what)?;
             if let Work::Extern(e) = &st.work {
                 visit.call(&e.target)?;
-                visit.call(&e.build)?;
+                for a in e.args.iter().chain(e.kwargs.iter().map(|(_, a)| a)) {
+                    a.visit(&visit)?;
+                }
             }
         }
         if let Some(Ok(p)) = self.pool.as_ref().map(|p| p.try_lock()) {
