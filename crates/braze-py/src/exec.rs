@@ -197,7 +197,7 @@ pub struct Executor {
     pool: Option<Mutex<HashMap<i64, Vec<Obj>>>>,
 }
 
-/// Rows as `runtime._plan` writes them.
+/// Rows as `CompiledGraph._executor` writes them.
 pub type InputRow = (i64, Option<Obj>, usize, Obj, Obj);
 pub type OutRow = (usize, Option<(Obj, Obj, i64)>, bool);
 
