@@ -55,12 +55,28 @@ impl Arg {
             "h" => Arg::Host(v.extract()?),
             "l" => Arg::List(items(&v)?),
             "u" => Arg::Tuple(items(&v)?),
-            "d" => Arg::Dict(v.try_iter()?.map(|kv| -> PyResult<(Obj, Arg)> {
-                let kv = kv?;
-                Ok((kv.get_item(0)?.unbind(), Arg::from_row(&kv.get_item(1)?)?))
-            }).collect::<PyResult<_>>()?),
+            "d" => Arg::Dict(Arg::pairs(&v)?),
             _ => return Err(crate::InternalError::new_err(format!("unknown argument {tag:?}"))),
         })
+    }
+
+    /// (key, argument) rows: a dict's items, or a call's keyword arguments.
+    fn pairs(rows: &Bound<'_, PyAny>) -> PyResult<Vec<(Obj, Arg)>> {
+        rows.try_iter()?
+            .map(|kv| {
+                let kv = kv?;
+                Ok((kv.get_item(0)?.unbind(), Arg::from_row(&kv.get_item(1)?)?))
+            })
+            .collect()
+    }
+
+    /// A dict of `pairs` filled.
+    fn fill_dict<'py>(pairs: &[(Obj, Arg)], py: Python<'py>, tensors: &[Bound<'py, PyAny>], syms: &[i64], hosts: Option<&Bound<'py, PyList>>) -> PyResult<Bound<'py, PyDict>> {
+        let d = PyDict::new(py);
+        for (k, a) in pairs {
+            d.set_item(k.bind(py), a.fill(py, tensors, syms, hosts)?)?;
+        }
+        Ok(d)
     }
 
     /// Reports the fixed values to the cycle collector (`Executor.__traverse__`).
@@ -99,13 +115,7 @@ impl Arg {
             Arg::Host(slot) => hosts.ok_or_else(|| crate::InternalError::new_err("a host argument without host slots"))?.get_item(*slot)?,
             Arg::List(v) => PyList::new(py, v.iter().map(|a| a.fill(py, tensors, syms, hosts)).collect::<PyResult<Vec<_>>>()?)?.into_any(),
             Arg::Tuple(v) => PyTuple::new(py, v.iter().map(|a| a.fill(py, tensors, syms, hosts)).collect::<PyResult<Vec<_>>>()?)?.into_any(),
-            Arg::Dict(v) => {
-                let d = PyDict::new(py);
-                for (k, a) in v {
-                    d.set_item(k.bind(py), a.fill(py, tensors, syms, hosts)?)?;
-                }
-                d.into_any()
-            }
+            Arg::Dict(v) => Arg::fill_dict(v, py, tensors, syms, hosts)?.into_any(),
         })
     }
 }
@@ -273,14 +283,7 @@ impl Executor {
             } else {
                 let (target, template, operands, results, in_arena, host_outs): ExternRow = ext.extract()?;
                 let args = template.get_item(0)?.try_iter()?.map(|r| Arg::from_row(&r?)).collect::<PyResult<Vec<_>>>()?;
-                let kwargs = template
-                    .get_item(1)?
-                    .try_iter()?
-                    .map(|kv| -> PyResult<(Obj, Arg)> {
-                        let kv = kv?;
-                        Ok((kv.get_item(0)?.unbind(), Arg::from_row(&kv.get_item(1)?)?))
-                    })
-                    .collect::<PyResult<Vec<_>>>()?;
+                let kwargs = Arg::pairs(&template.get_item(1)?)?;
                 let reads_syms = args.iter().any(Arg::reads_syms) || kwargs.iter().any(|(_, a)| a.reads_syms());
                 let operands = operands.into_iter().map(|(b, v)| view_of(v, b)).collect();
                 Work::Extern(Extern { target, args, kwargs, reads_syms, operands, results, in_arena, host_outs })
@@ -336,15 +339,7 @@ impl Executor {
             &[]
         };
         let args = PyTuple::new(py, e.args.iter().map(|a| a.fill(py, &tensors, syms, hosts)).collect::<PyResult<Vec<_>>>()?)?;
-        let kwargs = if e.kwargs.is_empty() {
-            None
-        } else {
-            let d = PyDict::new(py);
-            for (k, a) in &e.kwargs {
-                d.set_item(k.bind(py), a.fill(py, &tensors, syms, hosts)?)?;
-            }
-            Some(d)
-        };
+        let kwargs = if e.kwargs.is_empty() { None } else { Some(Arg::fill_dict(&e.kwargs, py, &tensors, syms, hosts)?) };
         drop(tensors);
         let r = e.target.bind(py).call(args, kwargs.as_ref())?;
         for (path, slot) in &e.host_outs {
