@@ -56,7 +56,7 @@ for g in graphs:
         continue
     (arg_idx, in_bufs, _, _), plan, outs, _ = g.static_plan
     bufs = [None] * g.n_bufs
-    tensor_args = g.tensor_args_of(args)
+    tensor_args = [*(args[i] for i in g.tensor_inputs), *g.constants]
     for b, i in zip(in_bufs, arg_idx):
         bufs[b] = tensor_args[i]
     # Fresh allocations (not the in-place stores into inputs nor reused dying buffers).

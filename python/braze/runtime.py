@@ -154,12 +154,6 @@ class CompiledGraph:
         # so a closed window's arena is free for the next call. CUDA arenas come from
         # PyTorch's caching allocator, which already keeps its blocks.
         self.keeps_arenas = self.device.type == "cpu" and bool(self.arena_windows)
-        ti = self.tensor_inputs
-        consts = self.constants
-        if consts:
-            self.tensor_args_of = lambda args: [*(args[i] for i in ti), *consts]
-        else:
-            self.tensor_args_of = (lambda args: args) if ti == list(range(len(ti))) else (lambda args: [args[i] for i in ti])
         self.plans = {}  # needed symbol values -> (syms, executor, vals, shapes, strides, plan) of a dynamic graph
         if not self.dynamic:
             self.static = self._layouts(compiled.eval([]))
@@ -350,7 +344,7 @@ class CompiledGraph:
             if kind == "t":
                 res.append(outs[v])
             elif kind == "sym":
-                res.append(_eval_sym(v, self.syms, syms))
+                res.append(_eval_sym(v, syms))
             elif kind == "host":
                 res.append(hosts[v])
             else:
@@ -416,7 +410,7 @@ def _same_layout(t, shape, strides):
 _SCALAR_FNS: dict = {}
 
 
-def _eval_sym(expr, resolver, syms):
+def _eval_sym(expr, syms):
     """The value of a SymInt/SymFloat/SymBool expression for this call's symbols (in Rust)."""
     fn = _SCALAR_FNS.get(expr)
     if fn is None:

@@ -12,7 +12,7 @@
 //! Python objects: buffers are a Python list (what `on_step` debugging hooks see), data
 //! pointers a Rust vector beside it.
 
-use crate::{Compiled, SymVals};
+use crate::{Compiled, ScalarFn, SymVals};
 use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList, PyTuple};
@@ -32,7 +32,7 @@ type ArenaOperand = (usize, Obj, Obj, Obj, i64);
 enum Arg {
     Fixed(Obj),
     Tensor(usize),
-    Sym(braze_ir::scalar_expr::ScalarExpr, String),
+    Sym(ScalarFn),
     Host(usize),
     List(Vec<Arg>),
     Tuple(Vec<Arg>),
@@ -48,10 +48,7 @@ impl Arg {
         Ok(match tag.as_str() {
             "c" => Arg::Fixed(v.unbind()),
             "t" => Arg::Tensor(v.extract()?),
-            "s" => {
-                let text: String = v.extract()?;
-                Arg::Sym(braze_ir::scalar_expr::ScalarExpr::parse(&text).map_err(crate::unsupported)?, text)
-            }
+            "s" => Arg::Sym(ScalarFn::new(&v.extract::<String>()?)?),
             "h" => Arg::Host(v.extract()?),
             "l" => Arg::List(items(&v)?),
             "u" => Arg::Tuple(items(&v)?),
@@ -103,15 +100,10 @@ impl Arg {
     }
 
     fn fill<'py>(&self, py: Python<'py>, tensors: &[Bound<'py, PyAny>], syms: &[i64], hosts: Option<&Bound<'py, PyList>>) -> PyResult<Bound<'py, PyAny>> {
-        use braze_ir::scalar_expr::Value;
         Ok(match self {
             Arg::Fixed(o) => o.bind(py).clone(),
             Arg::Tensor(k) => tensors[*k].clone(),
-            Arg::Sym(e, text) => match e.eval(syms).map_err(|m| pyo3::exceptions::PyRuntimeError::new_err(format!("braze: evaluating `{text}`: {m}")))? {
-                Value::Int(i) => i.into_pyobject(py)?.into_any(),
-                Value::Float(x) => x.into_pyobject(py)?.into_any(),
-                Value::Bool(b) => pyo3::types::PyBool::new(py, b).to_owned().into_any(),
-            },
+            Arg::Sym(f) => f.value(py, syms)?,
             Arg::Host(slot) => hosts.ok_or_else(|| crate::InternalError::new_err("a host argument without host slots"))?.get_item(*slot)?,
             Arg::List(v) => PyList::new(py, v.iter().map(|a| a.fill(py, tensors, syms, hosts)).collect::<PyResult<Vec<_>>>()?)?.into_any(),
             Arg::Tuple(v) => PyTuple::new(py, v.iter().map(|a| a.fill(py, tensors, syms, hosts)).collect::<PyResult<Vec<_>>>()?)?.into_any(),
@@ -183,10 +175,6 @@ struct Step {
 struct Out {
     view: View,
     copy: bool,
-}
-
-fn view_of(v: Option<(Obj, Obj, i64)>, buf: usize) -> View {
-    View { buf, view: v }
 }
 
 #[pyclass(module = "braze._core", frozen)]
@@ -285,12 +273,12 @@ impl Executor {
                 let args = template.get_item(0)?.try_iter()?.map(|r| Arg::from_row(&r?)).collect::<PyResult<Vec<_>>>()?;
                 let kwargs = Arg::pairs(&template.get_item(1)?)?;
                 let reads_syms = args.iter().any(Arg::reads_syms) || kwargs.iter().any(|(_, a)| a.reads_syms());
-                let operands = operands.into_iter().map(|(b, v)| view_of(v, b)).collect();
+                let operands = operands.into_iter().map(|(buf, view)| View { buf, view }).collect();
                 Work::Extern(Extern { target, args, kwargs, reads_syms, operands, results, in_arena, host_outs })
             };
             typed.push(Step { allocs, work, what: what.unbind(), frees, opens, closes });
         }
-        let outs = outs.into_iter().map(|(b, v, copy)| Out { view: view_of(v, b), copy }).collect();
+        let outs = outs.into_iter().map(|(b, v, copy)| Out { view: View { buf: b, view: v }, copy }).collect();
         let uint8 = py.import("torch")?.getattr("uint8")?.unbind();
         Ok(Executor { compiled, n_bufs, inputs, steps: typed, outs, empty, in_layout, uint8, syms, pool: pool.then(|| Mutex::new(HashMap::new())) })
     }

@@ -499,8 +499,10 @@ impl Compiled {
         syms: Vec<i64>,
         pool: bool,
     ) -> PyResult<exec::Executor> {
-        let n_bufs = slf.borrow().plan.buffers.len();
-        let num_syms = slf.borrow().plan.num_syms;
+        let (n_bufs, num_syms) = {
+            let c = slf.borrow();
+            (c.plan.buffers.len(), c.plan.num_syms)
+        };
         exec::Executor::new(slf.py(), slf.clone().unbind(), n_bufs, inputs, steps, outs, empty, in_layout, padded(syms, num_syms), pool)
     }
 }
@@ -586,17 +588,25 @@ impl ScalarFn {
 
     /// Its value (int, float or bool) for the symbol values `syms`.
     fn __call__(&self, py: Python<'_>, syms: Vec<i64>) -> PyResult<Py<PyAny>> {
-        use braze_ir::scalar_expr::Value;
-        let v = self.e.eval(&syms).map_err(|m| pyo3::exceptions::PyRuntimeError::new_err(format!("braze: evaluating `{}`: {m}", self.text)))?;
-        Ok(match v {
-            Value::Int(i) => i.into_pyobject(py)?.into_any().unbind(),
-            Value::Float(x) => x.into_pyobject(py)?.into_any().unbind(),
-            Value::Bool(b) => pyo3::types::PyBool::new(py, b).to_owned().into_any().unbind(),
-        })
+        Ok(self.value(py, &syms)?.unbind())
     }
 
     fn __repr__(&self) -> String {
         format!("ScalarFn({:?})", self.text)
+    }
+}
+
+impl ScalarFn {
+    /// Its value for the symbol values `syms`, as a Python int, float or bool (also an extern
+    /// call's size argument, `exec.rs`).
+    fn value<'py>(&self, py: Python<'py>, syms: &[i64]) -> PyResult<Bound<'py, PyAny>> {
+        use braze_ir::scalar_expr::Value;
+        let v = self.e.eval(syms).map_err(|m| pyo3::exceptions::PyRuntimeError::new_err(format!("braze: evaluating `{}`: {m}", self.text)))?;
+        Ok(match v {
+            Value::Int(i) => i.into_pyobject(py)?.into_any(),
+            Value::Float(x) => x.into_pyobject(py)?.into_any(),
+            Value::Bool(b) => pyo3::types::PyBool::new(py, b).to_owned().into_any(),
+        })
     }
 }
 
