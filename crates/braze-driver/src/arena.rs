@@ -71,14 +71,25 @@ pub fn plan(sched: &Schedule, arena_externs: &std::collections::HashSet<String>)
         .collect();
     // A member no kernel touches (none is expected) stays in the first window.
     let span = |b: usize| if first[b] == usize::MAX { (0, 0) } else { (first[b], last[b]) };
+    // Everything else the plan allocates, for the peaks of `choose_windows`: chains outside
+    // the arenas (temps, extern results, outputs: held to the end) with static sizes.
+    let is_member: std::collections::HashSet<usize> = members.iter().map(|m| m.0).collect();
+    let n_steps = sched.steps.len();
+    let outputs: std::collections::HashSet<usize> = sched.outputs.iter().map(|a| a.buf as usize).collect();
+    let others: Vec<(usize, usize, i64)> = (0..n)
+        .filter(|&b| root[b] == b && !is_member.contains(&b) && first[b] != usize::MAX && !matches!(sched.buffers[b].kind, BufKind::Input(_)))
+        .filter_map(|b| {
+            let end = if (0..n).any(|c| root[c] == b && outputs.contains(&c)) { n_steps.saturating_sub(1) } else { last[b] };
+            bytes_of(b).map(|bytes| (first[b], end.max(first[b]), bytes))
+        })
+        .collect();
     let mut offsets = vec![-1i64; n];
     let mut windows = Vec::new();
-    for (lo, hi, group) in arena_window_groups(sched.steps.len(), &members, span) {
-        let (offs, total) = arena_layout(&first, &last, &group);
-        for ((b, _), off) in group.iter().zip(offs) {
+    for (lo, hi, group, layout) in choose_windows(n_steps, &members, span, &first, &last, &others) {
+        for ((b, _), off) in group.iter().zip(layout.0) {
             offsets[*b] = off;
         }
-        windows.push((lo, hi, total));
+        windows.push((lo, hi, layout.1));
     }
     for b in 0..n {
         offsets[b] = offsets[root[b]];
@@ -194,6 +205,59 @@ fn lifetimes(sched: &braze_sched::Schedule) -> (Vec<usize>, Vec<usize>) {
 /// An arena window: (first step, last step, members as (buffer, bytes)).
 type Window = (usize, usize, Vec<(usize, i64)>);
 
+/// [Note: spent-bytes cuts] The windows of [`arena_window_groups`] with its cuts before a
+/// large step beside spent arena bytes, or without them, whichever gives the lower peak when
+/// each window's arena is held from its first to its last step and every other buffer (a
+/// member left out of the windows, a temp outside them, an extern result, an output to the
+/// end) from its first to its last step. Those cuts release dead bytes in a ResNet
+/// bottleneck (the ResNet-50 inference peak 245.1 -> 220.5 MiB, `python -m
+/// braze.plan_memory resnet50`); in a transformer layer they doubled the runs and windows
+/// and lowered no peak, so they are kept only where the peak falls. Returns the windows with
+/// their layouts (offsets in member order, bytes).
+fn choose_windows(
+    n_steps: usize,
+    members: &[(usize, i64)],
+    span: impl Fn(usize) -> (usize, usize) + Copy,
+    first: &[usize],
+    last: &[usize],
+    others: &[(usize, usize, i64)],
+) -> Vec<(usize, usize, Vec<(usize, i64)>, (Vec<i64>, i64))> {
+    let laid = |spent_cuts: bool| {
+        let ws: Vec<_> = arena_window_groups(n_steps, members, span, spent_cuts)
+            .into_iter()
+            .map(|(lo, hi, g)| {
+                let layout = arena_layout(first, last, &g);
+                (lo, hi, g, layout)
+            })
+            .collect();
+        let mut at = vec![0i64; n_steps.max(1) + 1];
+        let mut add = |lo: usize, hi: usize, bytes: i64| {
+            at[lo.min(n_steps)] += bytes;
+            at[(hi + 1).min(n_steps)] -= bytes;
+        };
+        let kept: std::collections::HashSet<usize> = ws.iter().flat_map(|w| w.2.iter().map(|m| m.0)).collect();
+        for w in &ws {
+            add(w.0, w.1, w.3 .1);
+        }
+        for &(b, bytes) in members.iter().filter(|m| !kept.contains(&m.0)) {
+            let (f, l) = span(b);
+            add(f, l, bytes);
+        }
+        for &(f, l, bytes) in others {
+            add(f, l, bytes);
+        }
+        let (mut live, mut peak) = (0i64, 0i64);
+        for d in &at[..n_steps.max(1)] {
+            live += d;
+            peak = peak.max(live);
+        }
+        (ws, peak)
+    };
+    let (plain, plain_peak) = laid(false);
+    let (cut, cut_peak) = laid(true);
+    if cut_peak + ARENA_SPENT_MIN <= plain_peak { cut } else { plain }
+}
+
 /// Below this many bytes an arena is one window: splitting it saves less than it costs.
 const ARENA_WINDOW_MIN: i64 = 8 << 20;
 /// A window boundary may fall where the arena bytes live across it are at most this
@@ -211,9 +275,11 @@ const ARENA_SPENT_MIN: i64 = 4 << 20;
 /// activations die, where only the residual stream crosses), once the window holds
 /// `ARENA_WINDOW_MIN` bytes of buffers (fewer cuts, fewer allocations per call), or before a
 /// step that makes `ARENA_WINDOW_MIN` bytes itself while at most 1/`ARENA_WINDOW_CROSSING` of
-/// that crosses into it; a buffer live across a cut leaves the arena and is allocated by itself, like any other temp. Returns (first plan step, last plan step,
-/// members) per window; `span` gives a member's first and last plan step.
-fn arena_window_groups(n_steps: usize, members: &[(usize, i64)], span: impl Fn(usize) -> (usize, usize)) -> Vec<Window> {
+/// that crosses into it, or (`spent_cuts`, [Note: spent-bytes cuts]) while the window holds
+/// `ARENA_SPENT_MIN` dead bytes; a buffer live across a cut leaves the arena and is allocated
+/// by itself, like any other temp. Returns (first plan step, last plan step, members) per
+/// window; `span` gives a member's first and last plan step.
+fn arena_window_groups(n_steps: usize, members: &[(usize, i64)], span: impl Fn(usize) -> (usize, usize), spent_cuts: bool) -> Vec<Window> {
     let spans: Vec<(usize, usize)> = members.iter().map(|&(b, _)| span(b)).collect();
     let whole = |group: Vec<(usize, i64)>, spans: &[(usize, usize)]| {
         let lo = spans.iter().map(|s| s.0).min().unwrap_or(0);
@@ -270,7 +336,7 @@ fn arena_window_groups(n_steps: usize, members: &[(usize, i64)], span: impl Fn(u
         // beside the spent result of its first one, the ResNet-50 inference peak: a test
         // below). What crosses the cut leaves the arena and lives no longer for it.
         let spent = own_peak - own;
-        let ahead = born[t] >= ARENA_WINDOW_MIN && (live * ARENA_WINDOW_CROSSING <= born[t] || spent >= ARENA_SPENT_MIN);
+        let ahead = born[t] >= ARENA_WINDOW_MIN && (live * ARENA_WINDOW_CROSSING <= born[t] || (spent_cuts && spent >= ARENA_SPENT_MIN));
         if held > 0 && ((held >= ARENA_WINDOW_MIN && live * ARENA_WINDOW_CROSSING <= peak) || ahead) {
             cuts.push(t);
             (held, peak) = (0, live);
@@ -306,7 +372,7 @@ mod tests {
     /// Windows are disjoint in steps, every member lies inside its window, and the members
     /// left out are exactly those live across a cut.
     fn check(n: usize, members: &[(usize, i64)], spans: &[(usize, usize)]) -> Vec<Window> {
-        let ws = arena_window_groups(n, members, |b| spans[b]);
+        let ws = arena_window_groups(n, members, |b| spans[b], true);
         for w in ws.windows(2) {
             assert!(w[0].1 < w[1].0, "windows overlap: {ws:?}");
         }
@@ -320,13 +386,14 @@ mod tests {
 
     /// The most bytes allocated at any step when each window's arena is held from its first
     /// to its last step and every member left out of the windows from its first to its last.
+    /// The windows are those `choose_windows` picks.
     fn peak(n: usize, members: &[(usize, i64)], spans: &[(usize, usize)]) -> i64 {
-        let ws = check(n, members, spans);
+        check(n, members, spans);
         let (first, last): (Vec<usize>, Vec<usize>) = spans.iter().copied().unzip();
+        let ws = choose_windows(n, members, |b| spans[b], &first, &last, &[]);
         let mut at = vec![0i64; n];
         let mut kept = vec![false; spans.len()];
-        for (lo, hi, g) in &ws {
-            let (_, bytes) = arena_layout(&first, &last, g);
+        for (lo, hi, g, (_, bytes)) in &ws {
             (*lo..=*hi).for_each(|t| at[t] += bytes);
             g.iter().for_each(|m| kept[m.0] = true);
         }
@@ -369,6 +436,27 @@ mod tests {
         let (n, members, spans) = bottlenecks(4);
         let p = peak(n, &members, &spans);
         assert!(p <= (441 << 19) + (1 << 20), "peak {} MiB", p as f64 / (1 << 20) as f64);
+    }
+
+    #[test]
+    fn spent_bytes_cuts_only_where_the_peak_falls() {
+        // Layers whose large step follows spent bytes (6 MiB dead beside a 10 MiB result
+        // when a 24 MiB one is made), in a graph whose peak is elsewhere: 200 MiB of logits
+        // at the end. The spent-bytes cuts would add windows and lower no peak: not taken.
+        let mut members = Vec::new();
+        let mut spans = Vec::new();
+        for l in 0..4 {
+            let t = 4 * l;
+            for (bytes, f, e) in [(6i64 << 20, t, t + 1), (10 << 20, t + 1, t + 2), (24 << 20, t + 2, t + 3), (1 << 20, t + 3, t + 5)] {
+                members.push((spans.len(), bytes));
+                spans.push((f, e));
+            }
+        }
+        let (first, last): (Vec<usize>, Vec<usize>) = spans.iter().copied().unzip();
+        let (plain, cut) = (arena_window_groups(18, &members, |b| spans[b], false), arena_window_groups(18, &members, |b| spans[b], true));
+        assert!(cut.len() > plain.len(), "{plain:?} {cut:?}");
+        let ws = choose_windows(18, &members, |b| spans[b], &first, &last, &[(17, 17, 200 << 20)]);
+        assert_eq!(ws.len(), plain.len());
     }
 
     #[test]

@@ -327,12 +327,26 @@ pub struct Options {
     /// convolutions run channels_last ask for channels_last inputs the previous one's
     /// BatchNorm and ReLU already produce). Always on for the CPU.
     pub elide_layouts: bool,
+    /// [Note: plans without a GPU] For a CUDA target, stop once the plan is made: no device
+    /// query (an H100/H200's 132 SMs and sm_90 are assumed), no kernel compile, no library
+    /// plans, no module. The plan (steps, buffers, arena windows, frees) is what a GPU would
+    /// run, so its memory can be checked on a machine without one
+    /// (`braze.plan_memory`); it cannot be run.
+    pub plan_only: bool,
 }
 
 impl Default for Options {
     fn default() -> Self {
-        Options { cuda_graphs: true, matmul_tune: true, arena_externs: HashSet::new(), elide_layouts: false }
+        Options { cuda_graphs: true, matmul_tune: true, arena_externs: HashSet::new(), elide_layouts: false, plan_only: false }
     }
+}
+
+/// (arch, SM count) of a CUDA device, or of the assumed one for a plan only.
+fn cuda_device(ordinal: i32, opts: &Options) -> Result<(String, i32), DriverError> {
+    if opts.plan_only {
+        return Ok(("sm_90".to_string(), 132));
+    }
+    braze_runtime::cuda::device_info(ordinal).map_err(DriverError::from)
 }
 
 /// Bytes outside the arena that may die inside one run before it ends ([Note: runs cut where
@@ -358,7 +372,7 @@ pub fn compile_with(g: Graph, target: Target, check_cuda: bool, check_arch: &str
     let mut opt = braze_passes::optimize(&g);
     if let Target::Cuda(ordinal) = target {
         // Few long rows would leave most of the GPU idle: split them (per-target stage).
-        let (_, sms) = braze_runtime::cuda::device_info(ordinal).map_err(DriverError::from)?;
+        let (_, sms) = cuda_device(ordinal, &opts)?;
         opt = braze_passes::split_reductions::split_reductions(&opt, 2 * sms as i64);
         // cuBLASLt's fast kernels need aligned matrices (per-target stage).
         opt = braze_passes::pad_matmuls::pad_matmuls(&opt);
@@ -424,20 +438,20 @@ pub fn compile_with(g: Graph, target: Target, check_cuda: bool, check_arch: &str
             (braze_codegen::openmp::module_source(&distinct), m)
         }
         Target::Cuda(ordinal) => {
-            let (arch, sms) = braze_runtime::cuda::device_info(ordinal).map_err(DriverError::from)?;
+            let (arch, sms) = cuda_device(ordinal, &opts)?;
             let (distinct, mut launches) = braze_codegen::cuda::emit_kernels(&sched.kernels, sms as u32).map_err(unsupported)?;
             lap("codegen", &mut times);
+            let needs_module = !opts.plan_only && sched.steps.iter().any(|st| !matches!(st, Step::Extern { .. }));
             // [Note: NVRTC beside the libraries] The kernels compile on their own threads while
             // the libraries' plans are built (cuBLASLt's algorithm timing and cuDNN's engine
             // builds run on the GPU and inside those libraries): the `nvrtc` stage is what is
             // left of the compile once the plans are ready. One core fewer than the machine's
             // is NVRTC's, so the timing loop's launches are not held up.
-            let needs_module = sched.steps.iter().any(|st| !matches!(st, Step::Extern { .. }));
             let (items, placed) = std::thread::scope(|scope| {
                 let nvrtc = needs_module.then(|| scope.spawn(|| braze_runtime::cuda::compile_kernels(&distinct, &arch, version, 1)));
                 let items = (|| -> Result<Vec<Item>, DriverError> {
                     let mut items = Vec::new();
-                    for st in &sched.steps {
+                    for st in sched.steps.iter().filter(|_| !opts.plan_only) {
                         match st {
                             Step::Kernel(k) => items.push(Item::Kernel(*k)),
                             Step::Matmul { .. } => {

@@ -172,13 +172,14 @@ impl GraphBuilder {
     /// `cuda_graphs` and `matmul_tune` are the user's options of those names (GPU graphs).
     /// `arena_externs`: the extern calls (by key) whose operands may live in arenas.
     /// `elide_layouts`: drop redundant `layout` copies on the GPU too (always done on the CPU).
-    #[pyo3(signature = (device="cpu", check_cuda=false, arch="sm_90", cuda_graphs=true, matmul_tune=true, arena_externs=Vec::new(), elide_layouts=false))]
+    /// `plan_only` (CUDA): the plan without a GPU, not runnable ([Note: plans without a GPU]).
+    #[pyo3(signature = (device="cpu", check_cuda=false, arch="sm_90", cuda_graphs=true, matmul_tune=true, arena_externs=Vec::new(), elide_layouts=false, plan_only=false))]
     #[allow(clippy::too_many_arguments)]
-    fn compile(&self, py: Python<'_>, device: &str, check_cuda: bool, arch: &str, cuda_graphs: bool, matmul_tune: bool, arena_externs: Vec<String>, elide_layouts: bool) -> PyResult<Compiled> {
+    fn compile(&self, py: Python<'_>, device: &str, check_cuda: bool, arch: &str, cuda_graphs: bool, matmul_tune: bool, arena_externs: Vec<String>, elide_layouts: bool, plan_only: bool) -> PyResult<Compiled> {
         let g = self.g.clone();
         let target = Target::parse(device).map_err(driver_err)?;
         let arch = arch.to_string();
-        let opts = braze_driver::Options { cuda_graphs, matmul_tune, arena_externs: arena_externs.into_iter().collect(), elide_layouts };
+        let opts = braze_driver::Options { cuda_graphs, matmul_tune, arena_externs: arena_externs.into_iter().collect(), elide_layouts, plan_only };
         let res = py.detach(move || catch_unwind(AssertUnwindSafe(|| braze_driver::compile_with(g, target, check_cuda, &arch, opts))));
         match res {
             Ok(r) => r.map(|(plan, module)| Compiled { plan, module }).map_err(driver_err),
