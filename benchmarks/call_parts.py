@@ -54,25 +54,25 @@ for g in graphs:
     if g.dynamic:
         print(f"{g.name}: dynamic sizes, skipped")
         continue
-    (arg_idx, in_bufs, _, _), plan, outs, _ = g.static_plan
+    plan = g.static_plan.steps
     bufs = [None] * g.n_bufs
     tensor_args = [*(args[i] for i in g.tensor_inputs), *g.constants]
-    for b, i in zip(in_bufs, arg_idx):
+    for b, i in zip(g.static_plan.inputs.bufs, g.static_plan.inputs.args):
         bufs[b] = tensor_args[i]
     # Fresh allocations (not the in-place stores into inputs nor reused dying buffers).
-    allocs = [a for _, al, _, _, _, _ in plan for a in al if a[1] is not None and a[4] is None]
-    for buf, shp, st, dt, _ in allocs:
+    allocs = [a for st in plan for a in st.allocs if isinstance(a, runtime.NewBuf)]
+    for buf, shp, st, dt in allocs:
         bufs[buf] = g.empty(shp, st, dt)
     arena = torch.empty(max(g.arena_bytes, 1), dtype=torch.uint8, device=dev)
     ptrs = [0 if t is None else t.data_ptr() for t in bufs]
     stream = g.raw_stream(g.device_index) if g.cuda else 0
-    runs = [a for kind, _, _, a, _, _ in plan if kind == 0]
+    runs = [st.work for st in plan if not st.is_extern]
     n_ext = len(plan) - len(runs)
     print(f"{g.name}: {len(plan)} step(s) ({len(runs)} kernel runs, {n_ext} extern calls), {len(allocs)} allocations, arena {g.arena_bytes} B")
     print(f"   whole call          {per_call(lambda: g(list(args))):7.1f} us")
     if n_ext == 0:  # every buffer a run reads is bound above
         print(f"   runs alone          {per_call(lambda: [g.c.run(r, ptrs, [], stream, arena.data_ptr()) for r in runs]):7.1f} us")
-    print(f"   allocations         {per_call(lambda: [g.empty(s, st, d) for _, s, st, d, _ in allocs]):7.1f} us")
+    print(f"   allocations         {per_call(lambda: [g.empty(s, st, d) for _, s, st, d in allocs]):7.1f} us")
     print(f"   data_ptr list       {per_call(lambda: [0 if t is None else t.data_ptr() for t in bufs]):7.1f} us")
     print(f"   arena allocation    {per_call(lambda: g.empty((g.arena_bytes,), (1,), torch.uint8)):7.1f} us")
 x = torch.randn(1024, device=dev)

@@ -49,9 +49,8 @@ def _timed_target(target):
 
 def _instrument(g):
     if not g.dynamic:
-        inputs, plan, out_plan, rest = g.static_plan
-        plan = [(k, al, fr, (_timed_target(a[0]), *a[1:]) if k == 1 else a, b, w) for k, al, fr, a, b, w in plan]
-        g.static_plan = (inputs, plan, out_plan, rest)
+        steps = [st._replace(work=st.work._replace(fn=_timed_target(st.work.fn))) if st.is_extern else st for st in g.static_plan.steps]
+        g.static_plan = g.static_plan._replace(steps=steps)
         g.static_exec = g._executor(g.static_plan, [])
 
 

@@ -100,10 +100,10 @@ def _plan_near(g, peak_step):
     """The plan around the peak step: what each step allocates outside the arena (buffer,
     kind, dtype, shape, MiB, and the buffer whose memory it takes), the operands an extern
     call gets as arena views, what it frees, and the arena window it opens."""
-    _, plan, _, _ = g.static_plan if not g.dynamic else next(iter(g.plans.values()))[5]
+    plan = (g.static_plan if not g.dynamic else next(iter(g.plans.values()))[5]).steps
     for s in range(max(0, peak_step - 3), min(len(plan), peak_step + 2)):
-        kind, allocs, frees, a, _, (opens, closes) = plan[s]
-        label = "kernels" if kind == 0 else f"extern {getattr(a[5], '__name__', a[5])}"
+        st = plan[s]
+        label = f"extern {getattr(st.work.target, '__name__', st.work.target)}" if st.is_extern else "kernels"
         def desc(b):
             kind_, _, dt, *_ = g.bufs[b]
             shape = g.static[1][b] if not g.dynamic else "?"
@@ -111,13 +111,13 @@ def _plan_near(g, peak_step):
             for d in (shape if shape != "?" else ()):
                 n *= d
             return f"b{b} {kind_}:{dt}{list(shape) if shape != '?' else shape} {n * rt._TORCH_DTYPES[dt].itemsize / MiB:.1f}"
-        print(f"    step {s} {label}: arena opens {opens / MiB:.1f} MiB{', closes' if closes else ''}")
-        for x in allocs:
-            print(f"      alloc {desc(x[0])}" + ("" if x[4] is None else f" (memory of b{x[4][0]})"))
-        if kind == 1 and a[4]:
-            print("      arena operands " + ", ".join(desc(x[0]) for x in a[4]))
-        if frees:
-            print("      frees " + ", ".join(desc(b) for b in frees if g.bufs[b][0] != "input"))
+        print(f"    step {s} {label}: arena opens {st.arena_opens / MiB:.1f} MiB{', closes' if st.arena_closes else ''}")
+        for x in st.allocs:
+            print(f"      alloc {desc(x.buf)}" + (f" (memory of b{x.dying})" if isinstance(x, rt.ReuseBuf) else ""))
+        if st.is_extern and st.work.in_arena:
+            print("      arena operands " + ", ".join(desc(x[0]) for x in st.work.in_arena))
+        if st.frees:
+            print("      frees " + ", ".join(desc(b) for b in st.frees if g.bufs[b][0] != "input"))
 
 
 if __name__ == "__main__":

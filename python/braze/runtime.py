@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import re
 import struct
+from typing import Any, NamedTuple, Optional, Union
 
 import torch
 
@@ -21,6 +22,96 @@ _PLANS_KEPT = 16
 
 
 _SYM = re.compile(r"\bs(\d+)\b")
+
+
+# A prepared plan ([Note: the call loop in Rust]): `CompiledGraph._plan` resolves the compiled
+# plan's sizes for one size set into these; `_executor` hands them to Rust once, and debugging
+# tools (`benchmarks/step_probe.py`, `call_parts.py`, `model_host.py`) read them by name.
+class NewBuf(NamedTuple):
+    """A buffer allocated before its step."""
+    buf: int
+    shape: tuple
+    stride: tuple
+    dtype: torch.dtype
+
+
+class ReuseBuf(NamedTuple):
+    """A buffer that takes the tensor of `dying`, which dies at the step writing it
+    ([Note: in-place kernels] in braze-sched); restrided to `shape`, `stride` when
+    `restride`."""
+    buf: int
+    dying: int
+    restride: bool
+    shape: tuple
+    stride: tuple
+
+
+class InputBuf(NamedTuple):
+    """A buffer stored straight into the graph input `arg` it becomes ([Note: input
+    mutations] in lowering.py)."""
+    buf: int
+    arg: int
+    shape: tuple
+    stride: tuple
+    dtype: torch.dtype
+
+
+class ExternWork(NamedTuple):
+    """An extern (ATen) call: the callable, its argument template (`_template`), the operand
+    views it reads as (buffer, (sizes, strides, offset) or None), its results as (buffer,
+    path in the returned value, shape, strides), the operands in the window's arena as
+    (buffer, dtype, shape, strides, element offset), the target, and its host values' slots."""
+    fn: Any
+    template: tuple
+    views: tuple
+    results: tuple
+    in_arena: tuple
+    target: Any
+    host_outs: tuple
+
+
+class PlanStep(NamedTuple):
+    """One plan step: what it allocates first (`NewBuf`, `ReuseBuf`, `InputBuf`), its work
+    (the plan step number of a run of kernels and matmuls, or an `ExternWork`), what it frees
+    after, the arena window it opens (bytes, 0 if none) and whether that window closes after
+    it."""
+    allocs: tuple
+    work: Union[int, ExternWork]
+    frees: tuple
+    arena_opens: int
+    arena_closes: bool
+
+    @property
+    def is_extern(self) -> bool:
+        return isinstance(self.work, ExternWork)
+
+
+class PlanInputs(NamedTuple):
+    """The graph's inputs as columns: index into the tensor arguments (constants after
+    them), buffer, shape, strides."""
+    args: list
+    bufs: list
+    shapes: list
+    strides: list
+
+
+class PlanOutput(NamedTuple):
+    """A tensor output: its buffer, the view of it returned ((sizes, strides, offset) or
+    None) and how it is copied out (None: returned as it is)."""
+    buf: int
+    view: Optional[tuple]
+    copy: Any
+
+
+class Prepared(NamedTuple):
+    """A plan with one size set's values: inputs, steps, tensor outputs, whether the outputs
+    are returned as the executor makes them (`simple`), and the (output, input) copies into
+    mutated inputs made after the call."""
+    inputs: PlanInputs
+    steps: list
+    outputs: list
+    simple: bool
+    copies: tuple
 
 
 def sym_names(expr: str):
@@ -183,12 +274,10 @@ class CompiledGraph:
 
     def _plan(self, vals, shapes, strides):
         """Per-step work with every size resolved: built once for a static graph, once per
-        size set of a dynamic one. `_executor` hands it to Rust as tagged rows; debugging
-        tools (`benchmarks/step_probe.py`, `call_parts.py`) read it as it is."""
+        size set of a dynamic one: a `Prepared` plan."""
         dts = [_TORCH_DTYPES[b[2]] for b in self.bufs]
         ins = [b for b, b_ in enumerate(self.bufs) if b_[0] == "input"]
-        # Graph inputs as columns: index into the tensor arguments, buffer, shape, strides.
-        inputs = ([self.bufs[b][1] for b in ins], ins, [shapes[b] for b in ins], [strides[b] for b in ins])
+        inputs = PlanInputs([self.bufs[b][1] for b in ins], ins, [shapes[b] for b in ins], [strides[b] for b in ins])
         # [Note: input mutations] (lowering.py): a new input value whose buffer is a temp of
         # the input's layout is stored by its kernel straight into the input ("in place");
         # the others are copied into it after the call.
@@ -210,65 +299,70 @@ class CompiledGraph:
         # or a view an op returned).
         reuse = {o: i for o, i in self.reuse if o not in in_place}
         self.reused = len(reuse)
-        plan = []
+
+        def alloc(b):
+            if b in in_place:
+                return InputBuf(b, in_place[b], shapes[b], strides[b], dts[b])
+            if b in reuse:
+                i = reuse[b]
+                return ReuseBuf(b, i, shapes[b] != shapes[i] or strides[b] != strides[i], shapes[b], strides[b])
+            return NewBuf(b, shapes[b], strides[b], dts[b])
+
+        steps = []
         # Arena windows ([Note: arena windows] in braze-driver): bytes to allocate before a
         # step, and whether the window ends after it.
         opens = {lo: n for lo, _, n in self.arena_windows}
         closes = {hi for _, hi, _ in self.arena_windows}
+        offs = self.arena_offsets
         for s, step in enumerate(self.steps):
-            allocs = tuple((b, shapes[b], strides[b], dts[b], None if b not in reuse else (reuse[b], shapes[b] != shapes[reuse[b]] or strides[b] != strides[reuse[b]]))
-                           if b not in in_place else (b, None, (in_place[b], shapes[b], strides[b], dts[b]), None, None)
-                           for b in self.allocs[s])
-            frees = tuple(self.frees[s])
-            arena = (opens.get(s, 0), s in closes)
-            if step[0] == "kernels":
-                plan.append((0, allocs, frees, s, None, arena))
-            else:
+            work = s
+            if step[0] != "kernels":
                 _, _, _, target, args, outs = step
                 call = self.ext_calls[target]
                 views = tuple((b, None if v is None else (tuple(vals[i] for i in v[0]), tuple(vals[i] for i in v[1]), vals[v[2]])) for b, v in args)
                 results = tuple((o, path, shapes[o], strides[o]) for o, path in zip(outs, call.out_paths) if o != _UNUSED)
-                template = _template(call)
                 # Operands in the window's arena ([Note: extern operands in arenas] in
                 # braze-driver): views of it, as (buffer, dtype, shape, strides, element offset).
-                offs = self.arena_offsets
-                in_arena = tuple((b, dts[b], shapes[b], strides[b], offs[b] // dts[b].itemsize) for b in dict.fromkeys(b for b, _ in args) if offs[b] >= 0)
-                plan.append((1, allocs, frees, (_callable(call.target), template, views, results, in_arena, call.target), tuple(call.host_outs), arena))
+                in_arena = tuple((b, dts[b], shapes[b], strides[b], offs[b] // dts[b].itemsize)
+                                 for b in dict.fromkeys(b for b, _ in args) if offs[b] >= 0)
+                work = ExternWork(_callable(call.target), _template(call), views, results, in_arena, call.target, tuple(call.host_outs))
+            steps.append(PlanStep(tuple(alloc(b) for b in self.allocs[s]), work, tuple(self.frees[s]), opens.get(s, 0), s in closes))
         outs = []
         for (b, view), copy in zip(self.outputs, self.copy_out):
             v = None
             if view is not None:
                 sizes, st, off = view
                 v = (tuple(vals[i] for i in sizes), tuple(vals[i] for i in st), vals[off])
-            outs.append((b, v, copy))
+            outs.append(PlanOutput(b, v, copy))
         simple = len(self.out_spec) == len(outs) and all(k == "t" for k, _ in self.out_spec)
-        return inputs, plan, outs, (simple, tuple(copies))
+        return Prepared(inputs, steps, outs, simple, tuple(copies))
 
-    def _executor(self, prepared, syms):
+    def _executor(self, prepared: Prepared, syms):
         """The Rust executor of a prepared plan ([Note: the call loop in Rust] in braze-py's
-        exec.rs) for the symbol values `syms`: the plan's rows tagged and handed over once."""
-        (idx, bs, shapes, strides), plan, outs, _ = prepared
+        exec.rs) for the symbol values `syms`: the steps as tagged rows, handed over once and
+        kept there as typed steps."""
         ti, consts = self.tensor_inputs, self.constants
+        pi = prepared.inputs
         inputs = [(ti[k], None, b, sh, st) if k < len(ti) else (-1, consts[k - len(ti)], b, sh, st)
-                  for k, b, sh, st in zip(idx, bs, shapes, strides)]
+                  for k, b, sh, st in zip(pi.args, pi.bufs, pi.shapes, pi.strides)]
         steps = []
-        for kind, allocs, frees, a, host_outs, (opens, closes) in plan:
+        for st in prepared.steps:
             rows = []
-            for buf, shape, stride, dtype, dying in allocs:
-                if dying is not None:
-                    rows.append(("reuse", buf, dying[0], dying[1], shape, stride))
-                elif shape is None:
-                    arg, shape, stride, dtype = stride
-                    rows.append(("input", buf, arg, shape, stride, dtype))
+            for a in st.allocs:
+                if isinstance(a, ReuseBuf):
+                    rows.append(("reuse", a.buf, a.dying, a.restride, a.shape, a.stride))
+                elif isinstance(a, InputBuf):
+                    rows.append(("input", a.buf, a.arg, a.shape, a.stride, a.dtype))
                 else:
-                    rows.append(("new", buf, shape, stride, dtype))
-            if kind == 0:
-                steps.append((rows, a, list(frees), opens, closes, None))
+                    rows.append(("new", a.buf, a.shape, a.stride, a.dtype))
+            w = st.work
+            if not st.is_extern:
+                steps.append((rows, w, list(st.frees), st.arena_opens, st.arena_closes, None))
             else:
-                target, template, views, results, in_arena, what = a
-                steps.append((rows, what, list(frees), opens, closes,
-                              (target, template, list(views), list(results), list(in_arena), list(host_outs))))
-        return self.c.executor(inputs, steps, list(outs), self.empty, self._in_layout, list(syms),
+                steps.append((rows, w.target, list(st.frees), st.arena_opens, st.arena_closes,
+                              (w.fn, w.template, list(w.views), list(w.results), list(w.in_arena), list(w.host_outs))))
+        outs = [tuple(o) for o in prepared.outputs]
+        return self.c.executor(inputs, steps, outs, self.empty, self._in_layout, list(syms),
                                self.keeps_arenas)
 
     @property
@@ -289,8 +383,7 @@ class CompiledGraph:
         if self.dynamic:
             return None
         _, _, strides = self.static
-        outs = self.static_plan[2]
-        return [tuple(strides[b]) if v is None else tuple(v[1]) for b, v, _ in outs]
+        return [tuple(strides[o.buf]) if o.view is None else tuple(o.view[1]) for o in self.static_plan.outputs]
 
     def __call__(self, args, on_step=None):
         """Runs the graph on `args` (boxed: the list may be cleared by callers). `on_step`, for
@@ -312,14 +405,15 @@ class CompiledGraph:
                 if len(self.plans) >= _PLANS_KEPT:
                     del self.plans[next(iter(self.plans))]
                 self.plans[key] = hit
-            syms, ex, *_, (_, _, _, (simple, copies)) = hit
+            syms, ex, *_, prepared = hit
+            simple, copies = prepared.simple, prepared.copies
             run_syms = None
             if self.syms.values:
                 syms = self.syms.with_values(syms, args)
                 run_syms = self.c.sym_vals(syms)
         else:
             syms, ex, run_syms = _NO_SYMS, self.static_exec, None
-            simple, copies = self.static_plan[3]
+            simple, copies = self.static_plan.simple, self.static_plan.copies
         hosts = None
         if self.n_host:
             hosts = [None] * self.n_host
