@@ -204,6 +204,8 @@ fn lifetimes(sched: &braze_sched::Schedule) -> (Vec<usize>, Vec<usize>) {
 
 /// An arena window: (first step, last step, members as (buffer, bytes)).
 type Window = (usize, usize, Vec<(usize, i64)>);
+/// A window with its layout: (first step, last step, members, (offsets in member order, bytes)).
+type LaidWindow = (usize, usize, Vec<(usize, i64)>, (Vec<i64>, i64));
 
 /// [Note: spent-bytes cuts] The windows of [`arena_window_groups`] with its cuts before a
 /// large step beside spent arena bytes, or without them, whichever gives the lower peak when
@@ -221,7 +223,7 @@ fn choose_windows(
     first: &[usize],
     last: &[usize],
     others: &[(usize, usize, i64)],
-) -> Vec<(usize, usize, Vec<(usize, i64)>, (Vec<i64>, i64))> {
+) -> Vec<LaidWindow> {
     let laid = |spent_cuts: bool| {
         let ws: Vec<_> = arena_window_groups(n_steps, members, span, spent_cuts)
             .into_iter()
@@ -407,6 +409,8 @@ mod tests {
     /// and a 1x1 convolution (A, 24.5 MiB, through its BatchNorm/ReLU kernel), a cast and the
     /// 3x3 convolution (B), a cast and the expanding 1x1 convolution (C, 98 MiB), whose
     /// BatchNorm, residual add and ReLU read the block's input: the previous block's C.
+    /// (steps, members, spans).
+    #[allow(clippy::type_complexity)]
     fn bottlenecks(blocks: usize) -> (usize, Vec<(usize, i64)>, Vec<(usize, usize)>) {
         let (small, mid, big) = (64 << 10, 49 << 19, 98 << 20);
         let mut members = Vec::new();
