@@ -75,11 +75,14 @@ pub fn plan(sched: &Schedule, arena_externs: &std::collections::HashSet<String>)
     // the arenas (temps, extern results, outputs: held to the end) with static sizes.
     let is_member: std::collections::HashSet<usize> = members.iter().map(|m| m.0).collect();
     let n_steps = sched.steps.len();
-    let outputs: std::collections::HashSet<usize> = sched.outputs.iter().map(|a| a.buf as usize).collect();
+    let mut returned = vec![false; n]; // by chain root
+    for a in &sched.outputs {
+        returned[root[a.buf as usize]] = true;
+    }
     let others: Vec<(usize, usize, i64)> = (0..n)
         .filter(|&b| root[b] == b && !is_member.contains(&b) && first[b] != usize::MAX && !matches!(sched.buffers[b].kind, BufKind::Input(_)))
         .filter_map(|b| {
-            let end = if (0..n).any(|c| root[c] == b && outputs.contains(&c)) { n_steps.saturating_sub(1) } else { last[b] };
+            let end = if returned[b] { n_steps.saturating_sub(1) } else { last[b] };
             bytes_of(b).map(|bytes| (first[b], end.max(first[b]), bytes))
         })
         .collect();
