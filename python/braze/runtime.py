@@ -97,10 +97,11 @@ class PlanInputs(NamedTuple):
 
 class PlanOutput(NamedTuple):
     """A tensor output: its buffer, the view of it returned ((sizes, strides, offset) or
-    None) and how it is copied out (None: returned as it is)."""
+    None) and whether it is returned as a copy (an input's buffer the graph does not return
+    as itself: clone(x) must not alias x)."""
     buf: int
     view: Optional[tuple]
-    copy: Any
+    copy: bool
 
 
 class Prepared(NamedTuple):
