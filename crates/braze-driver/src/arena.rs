@@ -73,14 +73,15 @@ pub fn plan(sched: &Schedule, arena_externs: &std::collections::HashSet<String>)
     let span = |b: usize| if first[b] == usize::MAX { (0, 0) } else { (first[b], last[b]) };
     // Everything else the plan allocates, for the peaks of `choose_windows`: chains outside
     // the arenas (temps, extern results, outputs: held to the end) with static sizes.
-    let is_member: std::collections::HashSet<usize> = members.iter().map(|m| m.0).collect();
+    let mut is_member = vec![false; n];
+    members.iter().for_each(|m| is_member[m.0] = true);
     let n_steps = sched.steps.len();
     let mut returned = vec![false; n]; // by chain root
     for a in &sched.outputs {
         returned[root[a.buf as usize]] = true;
     }
     let others: Vec<(usize, usize, i64)> = (0..n)
-        .filter(|&b| root[b] == b && !is_member.contains(&b) && first[b] != usize::MAX && !matches!(sched.buffers[b].kind, BufKind::Input(_)))
+        .filter(|&b| root[b] == b && !is_member[b] && first[b] != usize::MAX && !matches!(sched.buffers[b].kind, BufKind::Input(_)))
         .filter_map(|b| {
             let end = if returned[b] { n_steps.saturating_sub(1) } else { last[b] };
             bytes_of(b).map(|bytes| (first[b], end.max(first[b]), bytes))
@@ -227,40 +228,54 @@ fn choose_windows(
     last: &[usize],
     others: &[(usize, usize, i64)],
 ) -> Vec<LaidWindow> {
-    let laid = |spent_cuts: bool| {
-        let ws: Vec<_> = arena_window_groups(n_steps, members, span, spent_cuts)
+    let lay = |groups: Vec<Window>| -> Vec<LaidWindow> {
+        groups
             .into_iter()
             .map(|(lo, hi, g)| {
                 let layout = arena_layout(first, last, &g);
                 (lo, hi, g, layout)
             })
-            .collect();
-        let mut at = vec![0i64; n_steps.max(1) + 1];
-        let mut add = |lo: usize, hi: usize, bytes: i64| {
-            at[lo.min(n_steps)] += bytes;
-            at[(hi + 1).min(n_steps)] -= bytes;
-        };
-        let kept: std::collections::HashSet<usize> = ws.iter().flat_map(|w| w.2.iter().map(|m| m.0)).collect();
-        for w in &ws {
-            add(w.0, w.1, w.3 .1);
-        }
-        for &(b, bytes) in members.iter().filter(|m| !kept.contains(&m.0)) {
-            let (f, l) = span(b);
-            add(f, l, bytes);
-        }
-        for &(f, l, bytes) in others {
-            add(f, l, bytes);
-        }
-        let (mut live, mut peak) = (0i64, 0i64);
-        for d in &at[..n_steps.max(1)] {
-            live += d;
-            peak = peak.max(live);
-        }
-        (ws, peak)
+            .collect()
     };
-    let (plain, plain_peak) = laid(false);
-    let (cut, cut_peak) = laid(true);
-    if cut_peak + ARENA_SPENT_MIN <= plain_peak { cut } else { plain }
+    let plain = arena_window_groups(n_steps, members, span, false);
+    let cut = arena_window_groups(n_steps, members, span, true);
+    if cut == plain {
+        return lay(plain);
+    }
+    let (plain, cut) = (lay(plain), lay(cut));
+    if modeled_peak(n_steps, &cut, members, span, others) + ARENA_SPENT_MIN <= modeled_peak(n_steps, &plain, members, span, others) {
+        cut
+    } else {
+        plain
+    }
+}
+
+/// The most bytes allocated at one step under the windows `ws`: each window's arena held from
+/// its first to its last step, every member left out of them and every one of `others`
+/// (first step, last step, bytes) from its first to its last ([Note: spent-bytes cuts]).
+fn modeled_peak(n_steps: usize, ws: &[LaidWindow], members: &[(usize, i64)], span: impl Fn(usize) -> (usize, usize), others: &[(usize, usize, i64)]) -> i64 {
+    let mut at = vec![0i64; n_steps.max(1) + 1];
+    let mut add = |lo: usize, hi: usize, bytes: i64| {
+        at[lo.min(n_steps)] += bytes;
+        at[(hi + 1).min(n_steps)] -= bytes;
+    };
+    let kept: std::collections::HashSet<usize> = ws.iter().flat_map(|w| w.2.iter().map(|m| m.0)).collect();
+    for w in ws {
+        add(w.0, w.1, w.3 .1);
+    }
+    for &(b, bytes) in members.iter().filter(|m| !kept.contains(&m.0)) {
+        let (f, l) = span(b);
+        add(f, l, bytes);
+    }
+    for &(f, l, bytes) in others {
+        add(f, l, bytes);
+    }
+    let (mut live, mut peak) = (0i64, 0i64);
+    for d in &at[..n_steps.max(1)] {
+        live += d;
+        peak = peak.max(live);
+    }
+    peak
 }
 
 /// Below this many bytes an arena is one window: splitting it saves less than it costs.
@@ -389,23 +404,12 @@ mod tests {
         ws
     }
 
-    /// The most bytes allocated at any step when each window's arena is held from its first
-    /// to its last step and every member left out of the windows from its first to its last.
-    /// The windows are those `choose_windows` picks.
+    /// The modeled peak of the windows `choose_windows` picks.
     fn peak(n: usize, members: &[(usize, i64)], spans: &[(usize, usize)]) -> i64 {
         check(n, members, spans);
         let (first, last): (Vec<usize>, Vec<usize>) = spans.iter().copied().unzip();
         let ws = choose_windows(n, members, |b| spans[b], &first, &last, &[]);
-        let mut at = vec![0i64; n];
-        let mut kept = vec![false; spans.len()];
-        for (lo, hi, g, (_, bytes)) in &ws {
-            (*lo..=*hi).for_each(|t| at[t] += bytes);
-            g.iter().for_each(|m| kept[m.0] = true);
-        }
-        for &(b, bytes) in members.iter().filter(|m| !kept[m.0]) {
-            (spans[b].0..=spans[b].1).for_each(|t| at[t] += bytes);
-        }
-        at.into_iter().max().unwrap_or(0)
+        modeled_peak(n, &ws, members, |b| spans[b], &[])
     }
 
     /// Bottleneck blocks of a ResNet-50 inference stage (b64, bf16): per block, a weight cast
