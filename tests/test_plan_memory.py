@@ -20,10 +20,10 @@ def test_resnet50_inference_peak_is_one_bottleneck():
     torch.manual_seed(0)
     model = build().eval()
     inputs = make_inputs(torch.device("cpu"))[0]
-    compiled, lowered = plan_memory.inference_plan(model, inputs)
+    graph, lowered = plan_memory.inference_plan(model, inputs)
     assert not lowered.fallbacks, lowered.fallbacks
     assert lowered.library_convs == 53
-    peak, trace = plan_memory.simulate(compiled)
+    peak, trace = plan_memory.simulate(graph)
     wide, narrow = 64 * 256 * 56 * 56 * 2, 64 * 64 * 56 * 56 * 2
     assert peak <= 2 * wide + narrow + MiB, (peak / MiB, sorted(trace, key=lambda r: -r[1])[:3])
     # And no less than that: the model of the plan counts what is live.

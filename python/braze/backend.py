@@ -203,20 +203,25 @@ def _static_inputs(kind):
     return _static_input_indices() if kind == "inference" else ()
 
 
-def _build(lowered, cfg: Config):
+def _build(lowered, cfg: Config, plan_only=False):
     """Passes, scheduling, code generation and the compiler for a lowered graph, for the
-    device its tensors live on (NVRTC for CUDA, the C compiler for the CPU)."""
+    device its tensors live on (NVRTC for CUDA, the C compiler for the CPU). `plan_only`
+    (CUDA): the plan alone, made without a GPU ([Note: plans without a GPU] in
+    braze-driver; `braze.plan_memory`)."""
     device = lowered.device
     arena_externs = [k for k, call in lowered.externs.items() if call.operands_in_arena]
     if device.type == "cuda":
-        why = cuda.cuda_ready()
-        if why is not None:
-            raise Unsupported(why)
-        target = f"cuda:{device.index if device.index is not None else torch.cuda.current_device()}"
+        if plan_only:
+            target = "cuda:0"
+        else:
+            why = cuda.cuda_ready()
+            if why is not None:
+                raise Unsupported(why)
+            target = f"cuda:{device.index if device.index is not None else torch.cuda.current_device()}"
         # Under whole-graph replay the runs of kernels are captured with the rest: no replay
         # of their own.
         return lowered.builder.compile(device=target, cuda_graphs=cfg.cuda_graphs and not cfg.whole_graph_replay, matmul_tune=cfg.matmul_tune, arena_externs=arena_externs,
-                                        elide_layouts=lowered.conv_channels_last or lowered.library_convs > 0)
+                                        elide_layouts=lowered.conv_channels_last or lowered.library_convs > 0, plan_only=plan_only)
     check = os.environ.get("BRAZE_CHECK_CUDA") == "1" and cuda.nvrtc_available()
     return lowered.builder.compile(device="cpu", check_cuda=check, arena_externs=arena_externs)
 

@@ -47,16 +47,21 @@ def _as_on_a_gpu():
 
 
 def inference_plan(model, inputs, autocast=torch.bfloat16, name="inference_0"):
-    """The plan braze makes for `model(**inputs)` in inference on a GPU: `model` and `inputs`
-    (a dict of keyword arguments) are CPU tensors whose shapes, dtypes and strides the fake CUDA ones take (weights are not
-    read). Returns (compiled plan, lowered graph)."""
+    """The plan braze makes for `model(**inputs)` in inference on a GPU, with the default
+    options: `model` and `inputs` (a dict of keyword arguments) are CPU tensors whose shapes,
+    dtypes and strides the fake CUDA ones take (weights are not read). Returns (the graph as
+    the runtime holds it, not callable: `CompiledGraph` with its `Prepared` plan, lowered
+    graph)."""
     from torch._decomp import decomposition_table as torch_decomps
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.proxy_tensor import make_fx
     from torch.func import functional_call
 
+    from braze.backend import _build
+    from braze.config import Config
     from braze.decomp import decomposition_table
     from braze.lowering import lower_graph
+    from braze.runtime import CompiledGraph
 
     state = {**dict(model.named_parameters()), **dict(model.named_buffers())}
     mode = FakeTensorMode(allow_non_fake_inputs=True)
@@ -87,57 +92,51 @@ def inference_plan(model, inputs, autocast=torch.bfloat16, name="inference_0"):
                 n.target = torch.ops.aten.as_strided.default
         gm.recompile()
         lowered = lower_graph(gm, name)
-        arena_externs = [k for k, call in lowered.externs.items() if call.operands_in_arena]
-        compiled = lowered.builder.compile(device="cuda:0", arena_externs=arena_externs, elide_layouts=lowered.conv_channels_last or lowered.library_convs > 0,
-                                           plan_only=True)
-    return compiled, lowered
+        graph = CompiledGraph(_build(lowered, Config.make(), plan_only=True), lowered, name)
+    return graph, lowered
 
 
-def _bytes(compiled, vals):
-    from braze.runtime import _TORCH_DTYPES
+def simulate(graph):
+    """Bytes allocated within one call of `graph` (a static `CompiledGraph`), step by step,
+    walking its `Prepared` plan as the call loop does: a window's arena from the step that
+    opens it to the one that closes it, a `NewBuf` from its step to the step that frees it (a
+    `ReuseBuf` in the memory of the buffer it takes, an `InputBuf` in an input's), an extern
+    call's results from its step; outputs are never freed. Returns (peak bytes, [(plan step,
+    bytes at its peak, bytes after it)])."""
+    from braze.runtime import _TORCH_DTYPES, NewBuf, ReuseBuf
 
-    out = []
-    for kind, _, dtype, shape, strides in compiled.buffers:
-        sizes, st = [vals[i] for i in shape], [vals[i] for i in strides]
-        extent = 0 if any(n == 0 for n in sizes) else 1 + sum((n - 1) * s for n, s in zip(sizes, st))
-        out.append(extent * _TORCH_DTYPES[dtype].itemsize)
-    return out
+    _, shapes, strides = graph.static
 
+    def nbytes(b):
+        sizes, st = shapes[b], strides[b]
+        extent = 0 if 0 in sizes else 1 + sum((n - 1) * s for n, s in zip(sizes, st))
+        return extent * _TORCH_DTYPES[graph.bufs[b][2]].itemsize
 
-def simulate(compiled):
-    """Bytes allocated within one call, step by step, as the call loop allocates them: a
-    window's arena from its first plan step to its last, a temp outside the arenas from the
-    step that allocates it (or in the memory of the buffer it reuses) to the step that frees
-    it, an extern call's results from its step; graph outputs are never freed. Returns
-    (peak bytes, [(plan step, bytes at its peak, bytes after it)])."""
-    vals = compiled.eval([])
-    nbytes = _bytes(compiled, vals)
-    opens = {lo: n for lo, _, n in compiled.arena_windows}
-    closes = {}
-    for _, hi, n in compiled.arena_windows:
-        closes[hi] = closes.get(hi, 0) + n
-    reuse = dict(compiled.reuse)
-    outputs = {b for b, _ in compiled.outputs}
-    owned, live, peak, trace = {}, 0, 0, []
-    for s, step in enumerate(compiled.steps):
-        live += opens.get(s, 0)
-        for b in compiled.allocs[s]:
-            i = reuse.get(b)
-            if i is not None and i in owned and i in compiled.frees[s]:
-                owned[b] = owned.pop(i)
-            else:
-                owned[b] = nbytes[b]
-                live += nbytes[b]
-        if step[0] == "extern":
-            for o in step[5]:
-                if 0 <= o < len(nbytes) and o not in owned:
-                    owned[o] = nbytes[o]
-                    live += nbytes[o]
+    prepared = graph.static_plan
+    outputs = {o.buf for o in prepared.outputs}
+    owned, live, arena, peak, trace = {}, 0, 0, 0, []
+    for s, st in enumerate(prepared.steps):
+        if st.arena_opens:
+            arena = st.arena_opens
+            live += arena
+        for a in st.allocs:
+            if isinstance(a, NewBuf):
+                owned[a.buf] = nbytes(a.buf)
+                live += owned[a.buf]
+            elif isinstance(a, ReuseBuf):
+                owned[a.buf] = owned.pop(a.dying, 0)
+        if st.is_extern:
+            for o, _, _, _ in st.work.results:
+                if o not in owned:
+                    owned[o] = nbytes(o)
+                    live += owned[o]
         at = live
-        for b in compiled.frees[s]:
+        for b in st.frees:
             if b in owned and b not in outputs:
                 live -= owned.pop(b)
-        live -= closes.get(s, 0)
+        if st.arena_closes:
+            live -= arena
+            arena = 0
         peak = max(peak, at)
         trace.append((s, at, live))
     return peak, trace
@@ -151,9 +150,9 @@ def main():
         torch.manual_seed(0)
         model = build().eval()
         inputs = make_inputs(torch.device("cpu"))[0]
-        compiled, lowered = inference_plan(model, inputs, torch.bfloat16 if bm.autocast_of(name) else None)
-        peak, trace = simulate(compiled)
-        print(f"== {desc}, inference: {len(compiled.steps)} plan steps, {len(compiled.arena_windows)} arena windows, "
+        graph, lowered = inference_plan(model, inputs, torch.bfloat16 if bm.autocast_of(name) else None)
+        peak, trace = simulate(graph)
+        print(f"== {desc}, inference: {len(graph.static_plan.steps)} plan steps, {len(graph.arena_windows)} arena windows, "
               f"ATen calls {dict(lowered.fallbacks)}; peak {peak / MiB:.1f} MiB above the inputs")
         top = sorted(trace, key=lambda r: -r[1])[:3]
         print("  highest steps (step, MiB during, MiB after):", [(s, round(a / MiB, 1), round(b / MiB, 1)) for s, a, b in top])
