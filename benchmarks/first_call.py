@@ -7,7 +7,7 @@ against `aot_eager` (no decompositions, the default partitioner) and against Dyn
 AOTAutograd as braze sets them up (its decompositions, the min-cut partitioner; graphs run by
 eager), which is what braze's first call takes outside its own stages.
 
-    python benchmarks/first_call.py gpt2:train bert:inf ... [--inductor] [--device cuda]
+    python benchmarks/first_call.py gpt2:train bert:inf ... [--inductor] [--device cuda] [--profile DIR]
 
 A first call is the model's first step (forward, and in training the backward and the
 optimizer step) from a fresh process with the model built and moved to the device.
@@ -48,11 +48,22 @@ else:
 step = _make_step(model, fn, inputs, train, device, opt, autocast_of(name))
 if device.type == "cuda":
     torch.cuda.synchronize()
+profile = os.environ.get("FIRST_CALL_PROFILE")
+if profile:
+    import cProfile
+    pr = cProfile.Profile()
+    pr.enable()
 t = time.perf_counter()
 step()
 if device.type == "cuda":
     torch.cuda.synchronize()
 wall = time.perf_counter() - t
+if profile:
+    import pstats
+    pr.disable()
+    with open(profile, "w") as f:
+        pstats.Stats(pr, stream=f).sort_stats("cumulative").print_stats(80)
+        pstats.Stats(pr, stream=f).sort_stats("tottime").print_stats(40)
 stages = {}
 if backend == "braze":
     for r in braze.stats.records:
@@ -62,7 +73,9 @@ print(json.dumps({"wall": wall, "stages": stages}))
 '''
 
 
-def child(backend, work, device, env):
+def child(backend, work, device, env, profile=None):
+    if profile:
+        env = dict(env, FIRST_CALL_PROFILE=profile)
     r = subprocess.run([sys.executable, "-c", CHILD, backend, work, device], env=env, capture_output=True, text=True)
     lines = r.stdout.strip().splitlines()
     if r.returncode != 0 or not lines:
@@ -75,6 +88,8 @@ def main():
     ap.add_argument("work", nargs="+", help="workload:inf or workload:train (bench_models names)")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--inductor", action="store_true")
+    ap.add_argument("--profile", metavar="DIR", help="write cProfile statistics of the warm braze first call and of "
+                    "Dynamo + AOTAutograd as braze sets them up to DIR/<workload>.{braze,aot}.txt (the profiler slows both)")
     a = ap.parse_args()
     for work in a.work:
         cache = tempfile.mkdtemp(prefix="braze-first-call-")
@@ -85,6 +100,11 @@ def main():
         aot_b = child("braze_aot", work, a.device, env)
         cold = child("braze", work, a.device, env)
         warm = child("braze", work, a.device, env)
+        if a.profile:
+            os.makedirs(a.profile, exist_ok=True)
+            stem = os.path.join(a.profile, work.replace(":", "_"))
+            child("braze", work, a.device, env, stem + ".braze.txt")
+            child("braze_aot", work, a.device, env, stem + ".aot.txt")
         row = (f"{work:18s} Dynamo+AOT {aot['wall']:6.2f} s, as braze sets them up {aot_b['wall']:6.2f} s | braze cold {cold['wall']:6.2f} s "
                f"(stages {cold['stages'].get('total', 0):5.2f}) | warm {warm['wall']:6.2f} s (stages {warm['stages'].get('total', 0):5.2f}, "
                f"{warm['wall'] / aot['wall']:.2f}x Dynamo+AOT, {warm['wall'] / aot_b['wall']:.2f}x as braze sets them up)")
