@@ -394,6 +394,27 @@ def test_cloned_views_have_eager_strides(device):
     assert rec["status"] == "compiled" and not rec["externs"]
 
 
+@pytest.mark.parametrize("source", ["contiguous", "channels_last", "sliced"])
+def test_copies_of_inputs_have_eager_strides(device, source):
+    """A graph that copies its input into a memory format (`x.contiguous(memory_format=
+    torch.channels_last)`, `x.to(memory_format=...)`, a clone) returns eager's strides: braze
+    lowers the copy to the input itself, and the copy the runtime makes of a returned input
+    kept the input's strides (a contiguous result where eager's is channels_last)."""
+    cl, cf = torch.channels_last, torch.contiguous_format
+    fns = [lambda t: t.contiguous(memory_format=cl), lambda t: t.to(memory_format=cl), lambda t: t.clone(memory_format=cf),
+           lambda t: t.clone(), lambda t: t.contiguous(), lambda t: t.to(torch.float16, memory_format=cl)]
+    x = torch.randn(4, 16, 6, 12, device=device)
+    x = {"contiguous": x, "channels_last": x.contiguous(memory_format=cl), "sliced": x[..., ::2]}[source]
+    for f in fns:
+        torch._dynamo.reset()
+        out, ref = compiled(f, options={"on_unsupported": "error"})(x), f(x)
+        torch.testing.assert_close(out, ref, rtol=0, atol=0)
+        assert out.stride() == ref.stride(), (source, out.stride(), ref.stride())
+        assert (out.data_ptr() == x.data_ptr()) == (ref.data_ptr() == x.data_ptr())
+        rec = braze.stats.records[-1]
+        assert rec["status"] == "compiled" and not rec["externs"], rec
+
+
 @pytest.mark.parametrize("layout", ["nchw", "channels_last"])
 def test_max_pool_inference_is_fused(device, layout):
     """Max pooling in inference lowers to one kernel with the BatchNorm and ReLU before it

@@ -280,6 +280,7 @@ class Lowerer:
         self.relaid = {}  # ir id -> eager strides, for values braze lays out otherwise (channels_last convolutions)
         self.cl_inputs = {}  # ir id -> its channels_last layout made for a convolution
         self.arg_index = {}  # placeholder node -> its position among the graph's arguments
+        self.input_layouts = {}  # ir id of a tensor input -> its strides as compiled (text)
         self.mutations = []  # (placeholder node, FX node of the new value): aten.copy_ into an input
 
     # ---- emitting IR -------------------------------------------------------------------
@@ -479,6 +480,7 @@ class Lowerer:
                     shape = [sym_str(s) for s in val.shape]
                     strides = [str(s) for s in self.input_strides[node.name]] if node.name in self.input_strides else [sym_str(s) for s in val.stride()]
                     self.env[node] = self.b.input(self.n_in, dt(val.dtype), shape, strides)
+                    self.input_layouts[self.env[node]] = strides
                     inputs.append(("tensor", (val.dtype, shape, strides)))
                     self.n_in += 1
                 elif isinstance(val, (torch.SymInt, torch.SymFloat, torch.SymBool)):
@@ -657,6 +659,15 @@ class Lowerer:
         if i in self.relaid:
             return self.layout(i, self.relaid[i])
         target = a.target if a.op == "call_function" else None
+        if (i in self.input_layouts and isinstance(target, torch._ops.OpOverload) and not target.is_view
+                and target._schema.name.split("::")[-1] not in self._MAYBE_VIEWS):
+            # A fresh tensor in eager that braze lowered to a graph input (a clone or a copy
+            # in another memory format: `x.contiguous(memory_format=torch.channels_last)`):
+            # the runtime would return a copy in the input's strides; eager's are asked for.
+            va = a.meta.get("val")
+            if is_tensor_meta(va) and _dense_order(va) is not None and [sym_str(s) for s in va.stride()] != self.input_layouts[i]:
+                return self.layout(i, va.stride())
+            return i
         if (not isinstance(target, torch._ops.OpOverload) or target.is_view or self.b.node_op(i) not in self._VIEW_OPS
                 or target._schema.name.split("::")[-1] in self._MAYBE_VIEWS):
             return i

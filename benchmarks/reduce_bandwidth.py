@@ -1,0 +1,99 @@
+"""Bandwidth of reductions over non-innermost dims and of layout copies on the GPU (issue 9,
+items 2 and 3), as a share of the card's copy bandwidth measured in the same run.
+
+    python benchmarks/reduce_bandwidth.py [--shape 64,256,56,56] [--dtype bf16] [--only NAME ...]
+
+Cases, each under eager, Inductor and braze (`on_unsupported="error"`):
+  bn_stats_cl / bn_stats_nchw   var_mean(x.float(), (0, 2, 3)): BatchNorm statistics of a
+                                channels_last / contiguous activation
+  bn_bwd_cl / bn_bwd_nchw       the two sums of BatchNorm's backward over N, H, W:
+                                sum(g) and sum(g * (x - mean))
+  to_cl                         a contiguous activation laid out channels_last (a copy)
+  transpose                     a 2-d transpose made contiguous (rows = N * C, cols = H * W)
+
+GPU time per call is the sum of the call's kernels in torch.profiler (launch gaps left out),
+the median over rounds. Bytes are what the work must read and write at least. Copy bandwidth
+is `out.copy_(x)` of the activation, (read + written bytes) / time. The issue's targets: the
+BatchNorm statistics >= 70% of copy bandwidth in either layout; an unavoidable copy (to_cl,
+transpose) >= 80%.
+"""
+import argparse
+import statistics
+import sys
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def cases(shape, dtype, device="cuda"):
+    """name -> (function, arguments, bytes it must read and write at least)."""
+    n, c, h, w = shape
+    x = torch.randn(shape, device=device, dtype=dtype)
+    x_cl = x.contiguous(memory_format=torch.channels_last)
+    g = torch.randn_like(x)
+    g_cl = g.contiguous(memory_format=torch.channels_last)
+    mean = torch.randn(1, c, 1, 1, device=device)
+    el = x.numel() * x.element_size()
+    stats = lambda t: torch.var_mean(t.float(), (0, 2, 3), correction=0)  # noqa: E731
+    bwd = lambda g, t, m: (g.float().sum((0, 2, 3)), (g.float() * (t.float() - m)).sum((0, 2, 3)))  # noqa: E731
+    return {
+        "bn_stats_cl": (stats, (x_cl,), el),
+        "bn_stats_nchw": (stats, (x,), el),
+        "bn_bwd_cl": (bwd, (g_cl, x_cl, mean), 2 * el),
+        "bn_bwd_nchw": (bwd, (g, x, mean), 2 * el),
+        "to_cl": (lambda t: t.contiguous(memory_format=torch.channels_last), (x,), 2 * el),
+        "transpose": (lambda t: t.reshape(n * c, h * w).t().contiguous(), (x,), 2 * el),
+    }
+
+
+def gpu_us(fn, args, calls=20, rounds=5):
+    """Median over rounds of the GPU time of one call (µs): its kernels' device time summed."""
+    for _ in range(3):
+        fn(*args)
+    torch.cuda.synchronize()
+    per_round = []
+    for _ in range(rounds):
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(calls):
+                fn(*args)
+            torch.cuda.synchronize()
+        total = sum(e.device_time_total for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA)
+        per_round.append(total / calls)
+    return statistics.median(per_round)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", default="64,256,56,56")
+    ap.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
+    ap.add_argument("--only", nargs="*")
+    a = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("reduce_bandwidth.py measures GPU kernels: no CUDA device here")
+    import braze  # noqa: F401
+
+    shape = [int(v) for v in a.shape.split(",")]
+    dtype = DTYPES[a.dtype]
+    table = cases(shape, dtype)
+    x = table["bn_stats_nchw"][1][0]
+    out = torch.empty_like(x)
+    copy_us = gpu_us(lambda: out.copy_(x), ())
+    copy_bw = 2 * x.numel() * x.element_size() / copy_us / 1e3  # GB/s
+    print(f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}, {a.dtype} {tuple(shape)}")
+    print(f"copy: {copy_us:.1f} us, {copy_bw:.0f} GB/s (read + written)")
+    print(f"{'case':14s} {'eager us':>9s} {'inductor us':>12s} {'braze us':>9s}   braze GB/s  (% of copy)")
+    for name, (fn, args, nbytes) in table.items():
+        if a.only and name not in a.only:
+            continue
+        row = [gpu_us(fn, args)]
+        for backend, opts in (("inductor", None), ("braze", {"on_unsupported": "error"})):
+            torch._dynamo.reset()
+            row.append(gpu_us(torch.compile(fn, backend=backend, options=opts), args))
+        bw = nbytes / row[2] / 1e3
+        print(f"{name:14s} {row[0]:9.1f} {row[1]:12.1f} {row[2]:9.1f}   {bw:10.0f}  ({100 * bw / copy_bw:4.0f}%)", flush=True)
+
+
+if __name__ == "__main__":
+    main()
