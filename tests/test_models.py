@@ -1316,6 +1316,31 @@ def test_batchnorm_per_channel_math_hoisted(device, channels):
     assert "if (j == 0 && t" in src, src  # the pool's masked wide loads
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_column_blocks_fill_sectors(device, dtype):
+    """[Note: column geometry] (braze-codegen): BatchNorm statistics and sums over N, H, W of
+    a channels_last activation are column reductions; their blocks take as many neighbouring
+    channels as fill a 32-byte sector with the narrowest element read (8 of f32, 16 of bf16),
+    512 threads each. Values are eager's (the tree combination over 64 or 32 partials)."""
+    x = torch.randn(16, 96, 20, 20, device=device, dtype=dtype).to(memory_format=torch.channels_last)
+    x[:, 5] += 100  # a channel whose mean is far from 0: Welford's combination is exercised
+
+    def f(x):
+        var, mean = torch.var_mean(x.float(), (0, 2, 3), correction=0)
+        return var, mean, x.float().abs().sum((0, 2, 3)), x.argmax(0)
+
+    out = compiled(f, options={"on_unsupported": "error"})(x)
+    for got, want in zip(out, f(x)):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-3)
+    rec = braze.stats.records[-1]
+    assert not rec["externs"], rec["externs"]
+    src = rec["source"] if device == "cuda" else rec.get("cuda_source")
+    if src is None:
+        pytest.skip("NVRTC not found: the CUDA source was not generated")
+    geometry = "<16, 32>" if dtype == torch.bfloat16 else "<8, 64>"
+    assert f"bz_col_welford{geometry}" in src and f"bz_col_reduce{geometry}" in src, src
+
+
 def test_short_column_reductions_run_a_thread_per_point(device):
     """A global average pool of a channels_last activation (49 elements for each of many
     channels and images) runs one thread per output on the GPU, every load coalesced across

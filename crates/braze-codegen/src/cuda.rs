@@ -48,8 +48,6 @@ typedef unsigned char uint8_t;
 #define bz_min_uint8_t ((uint8_t)0)
 #define bz_max_uint8_t ((uint8_t)255)
 #define BZ __device__ __forceinline__
-#define BZ_COL_Y 64
-#define BZ_COL_X 8
 BZ float bz_self(int c, float a, float b) { return c ? a : b; }
 // Welford's mean update divides by the element count once per element: __fdividef (a
 // reciprocal and a multiply, within 2 ulp) instead of IEEE division, which was most of the
@@ -154,27 +152,28 @@ template <class T> BZ void bz_warp_arg(T& v, long long& idx, bool is_max) {
   }
 }
 
-/* Column kernels: threads with the same threadIdx.x share an outer point; combine over y
-   as a tree in shared memory (log2(BZ_COL_Y) steps; a serial pass over the 64 partials by
-   every thread cost more than the loads when rows are short). */
-template <class T, class F> __device__ T bz_col_reduce(T v, F f) {
-  __shared__ T sh[BZ_COL_Y][BZ_COL_X + 1];
+/* Column kernels (CX outer points per block, CY threads per point): threads with the same
+   threadIdx.x share an outer point; combine over y as a tree in shared memory (log2(CY)
+   steps; a serial pass over the 64 partials by every thread cost more than the loads when
+   rows are short). */
+template <int CX, int CY, class T, class F> __device__ T bz_col_reduce(T v, F f) {
+  __shared__ T sh[CY][CX + 1];
   __syncthreads();
   sh[threadIdx.y][threadIdx.x] = v;
   __syncthreads();
-  for (int s = BZ_COL_Y / 2; s > 0; s >>= 1) {
+  for (int s = CY / 2; s > 0; s >>= 1) {
     if (threadIdx.y < s) sh[threadIdx.y][threadIdx.x] = v = f(v, sh[threadIdx.y + s][threadIdx.x]);
     __syncthreads();
   }
   return sh[0][threadIdx.x];
 }
-template <class T> __device__ void bz_col_welford(T& mean, T& m2, T& n) {
-  __shared__ T sh[3][BZ_COL_Y][BZ_COL_X + 1];
+template <int CX, int CY, class T> __device__ void bz_col_welford(T& mean, T& m2, T& n) {
+  __shared__ T sh[3][CY][CX + 1];
   const int x = threadIdx.x, y = threadIdx.y;
   __syncthreads();
   sh[0][y][x] = mean; sh[1][y][x] = m2; sh[2][y][x] = n;
   __syncthreads();
-  for (int s = BZ_COL_Y / 2; s > 0; s >>= 1) {
+  for (int s = CY / 2; s > 0; s >>= 1) {
     if (y < s) {
       T nb = sh[2][y + s][x], nn = n + nb;
       if (nn > 0) { T d = sh[0][y + s][x] - mean; mean += d * nb / nn; m2 += sh[1][y + s][x] + d * d * n * nb / nn; }
@@ -208,14 +207,14 @@ template <class T> __device__ void bz_block_arg(T& v, long long& idx, bool is_ma
   v = shv[0]; idx = shi[0];
   for (int i = 1; i < nw; i++) if (bz_arg_better(shv[i], shi[i], v, idx, is_max)) { v = shv[i]; idx = shi[i]; }
 }
-template <class T> __device__ void bz_col_arg(T& v, long long& idx, bool is_max) {
-  __shared__ T shv[BZ_COL_Y][BZ_COL_X + 1];
-  __shared__ long long shi[BZ_COL_Y][BZ_COL_X + 1];
+template <int CX, int CY, class T> __device__ void bz_col_arg(T& v, long long& idx, bool is_max) {
+  __shared__ T shv[CY][CX + 1];
+  __shared__ long long shi[CY][CX + 1];
   const int x = threadIdx.x, y = threadIdx.y;
   __syncthreads();
   shv[y][x] = v; shi[y][x] = idx;
   __syncthreads();
-  for (int s = BZ_COL_Y / 2; s > 0; s >>= 1) {
+  for (int s = CY / 2; s > 0; s >>= 1) {
     if (y < s) {
       if (bz_arg_better(shv[y + s][x], shi[y + s][x], v, idx, is_max)) { v = shv[y + s][x]; idx = shi[y + s][x]; }
       shv[y][x] = v; shi[y][x] = idx;
@@ -249,8 +248,23 @@ pub const COL_SERIAL_MIN_POINTS: i64 = 1 << 15;
 /// Column kernels: outer points per block (threadIdx.x) and threads per point (threadIdx.y).
 /// 8 neighbouring floats fill a 32-byte sector; 64 lanes per point keep enough loads in
 /// flight when there are few outer points (a bias gradient of 768 columns is 96 blocks).
+/// Narrower columns take more points per block ([`col_geometry`]).
 pub const COL_X: u32 = 8;
 pub const COL_Y: u32 = 64;
+/// Threads of a column kernel's block.
+pub const COL_THREADS: u32 = COL_X * COL_Y;
+
+/// [Note: column geometry] A column kernel's (points per block, threads per point): as many
+/// neighbouring points as fill a 32-byte sector with the narrowest element the kernel reads,
+/// at [`COL_THREADS`] threads a block. With 8 points, a warp (8 points × 4 rows) reading 2-byte
+/// elements used 16 bytes of each 32-byte sector it fetched, the other half left to the next
+/// block: BatchNorm statistics of a bf16 channels_last activation (64×256×56×56) ran at about
+/// a third of the H100's copy bandwidth. 16 points of 2 bytes (32 of 1 byte) fill the sector.
+pub fn col_geometry(k: &Kernel) -> (u32, u32) {
+    let narrowest = k.bufs.iter().filter(|b| !b.written).map(|b| b.dtype.size()).min().unwrap_or(4).clamp(1, 4) as u32;
+    let x = COL_X * 4 / narrowest;
+    (x, COL_THREADS / x)
+}
 
 fn product(v: &[Expr]) -> Expr {
     v.iter().fold(Expr::one(), |a, b| a.mul(b))
@@ -552,15 +566,16 @@ fn emit_kernel_by_id(k: &Kernel, sms: u32, out: &mut String) -> Result<Launch, C
         && (inner_n.is_some_and(|n| n <= SERIAL_ROW_MAX)
             || (k.column && inner_n.is_some_and(|n| n <= COL_SERIAL_MAX) && outer_total.as_const().is_some_and(|o| o >= COL_SERIAL_MIN_POINTS)));
     let col = k.column && !serial;
-    let threads = if col { COL_X * COL_Y } else { block };
+    let (col_x, col_y) = col_geometry(k);
+    let threads = if col { COL_THREADS } else { block };
     writeln!(out, "extern \"C\" __global__ void __launch_bounds__({threads}) {}({}) {{", k.name, params.join(", ")).unwrap();
     let launch = |work: Expr, per_block: u64, cap: u32| Launch {
         name: k.name.clone(),
         unit: 0,
         bufs: bufs.iter().map(|b| b.id).collect(),
         syms: syms.clone(),
-        block: if col { COL_X } else { block },
-        block_y: if col { COL_Y } else { 1 },
+        block: if col { col_x } else { block },
+        block_y: if col { col_y } else { 1 },
         work,
         per_block,
         cap,
@@ -599,13 +614,14 @@ fn emit_kernel_by_id(k: &Kernel, sms: u32, out: &mut String) -> Result<Launch, C
         return Ok(Launch { grid_multiple, fallback: Some(Fallback { name, source, align }), ..launch(outer_total, per_block, cap) });
     }
     // Row kernels: a block per outer point, threads over the reduced elements (x).
-    // Column kernels: 8 outer points per block (x), 64 threads per point over the reduced
-    // elements (y), so loads of neighbouring outer points coalesce.
+    // Column kernels: 8 to 32 outer points per block (x), 64 to 16 threads per point over the
+    // reduced elements (y), so loads of neighbouring outer points coalesce ([Note: column
+    // geometry]).
     let warp = !col && !serial && product(&k.inner).as_const().is_some_and(|n| n <= WARP_ROW_MAX);
     let (lane, step, store_guard, body_guard) = if serial {
         ("0", "1".to_string(), None, None)
     } else if col {
-        ("threadIdx.y", format!("{COL_Y}"), Some("live && threadIdx.y == 0"), Some("live"))
+        ("threadIdx.y", format!("{col_y}"), Some("live && threadIdx.y == 0"), Some("live"))
     } else if warp {
         ("(threadIdx.x & 31)", "32".to_string(), Some("(threadIdx.x & 31) == 0"), None)
     } else {
@@ -617,7 +633,7 @@ fn emit_kernel_by_id(k: &Kernel, sms: u32, out: &mut String) -> Result<Launch, C
         writeln!(out, "  for (long long o = (long long)blockIdx.x * {w} + (threadIdx.x >> 5); o < {}; o += (long long)gridDim.x * {w}) {{", index(&outer_total), w = BLOCK / 32).unwrap();
     } else if col {
         writeln!(out, "  {{").unwrap();
-        writeln!(out, "    const long long ox = (long long)blockIdx.x * {COL_X} + threadIdx.x;").unwrap();
+        writeln!(out, "    const long long ox = (long long)blockIdx.x * {col_x} + threadIdx.x;").unwrap();
         writeln!(out, "    const bool live = ox < {};", index(&outer_total)).unwrap();
         writeln!(out, "    const long long o = live ? ox : 0;").unwrap();
     } else {
@@ -628,8 +644,10 @@ fn emit_kernel_by_id(k: &Kernel, sms: u32, out: &mut String) -> Result<Launch, C
         writeln!(out, "    {}", emit_stmt(&e, s, store_guard)?).unwrap();
     }
     let inner_total = index(&product(&k.inner));
+    let col_fns;
     let (reduce, welford, arg) = if col {
-        ("bz_col_reduce", "bz_col_welford", "bz_col_arg")
+        col_fns = [format!("bz_col_reduce<{col_x}, {col_y}>"), format!("bz_col_welford<{col_x}, {col_y}>"), format!("bz_col_arg<{col_x}, {col_y}>")];
+        (col_fns[0].as_str(), col_fns[1].as_str(), col_fns[2].as_str())
     } else if warp {
         ("bz_warp_reduce", "bz_warp_welford", "bz_warp_arg")
     } else {
@@ -706,7 +724,7 @@ fn emit_kernel_by_id(k: &Kernel, sms: u32, out: &mut String) -> Result<Launch, C
     }
     if col {
         writeln!(out, "  }}\n}}\n").unwrap();
-        return Ok(launch(outer_total, COL_X as u64, 1 << 30));
+        return Ok(launch(outer_total, col_x as u64, 1 << 30));
     }
     if warp {
         writeln!(out, "  }}\n}}\n").unwrap();

@@ -27,7 +27,9 @@ pub const MIN_SPLIT_LEN: i64 = 1 << 16;
 /// The same for a column reduction (a kept dim innermost in memory), whose blocks each take
 /// several kept points.
 pub const MIN_SPLIT_LEN_COLUMN: i64 = 1 << 12;
-/// Kept points a column kernel's block takes (braze-codegen's `COL_X`).
+/// Kept points a column kernel's block takes (braze-codegen's `COL_X`; a block reading 16-bit
+/// or byte elements takes 2× or 4× as many, [Note: column geometry], and then runs on fewer
+/// blocks than planned here, within the margin of two blocks per wanted block).
 pub const COLUMN_POINTS_PER_BLOCK: i64 = 8;
 /// Smallest part count of the fallback split (no dim has enough parts).
 pub const MIN_PARTS: i64 = 8;
