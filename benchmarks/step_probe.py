@@ -100,7 +100,7 @@ def _plan_near(g, peak_step):
     """The plan around the peak step: what each step allocates outside the arena (buffer,
     kind, dtype, shape, MiB, and the buffer whose memory it takes), the operands an extern
     call gets as arena views, what it frees, and the arena window it opens."""
-    plan = (g.static_plan if not g.dynamic else next(iter(g.plans.values()))[5]).steps
+    plan = (g.static_plan if not g.dynamic else g.template_plan).steps
     for s in range(max(0, peak_step - 3), min(len(plan), peak_step + 2)):
         st = plan[s]
         label = f"extern {getattr(st.work.target, '__name__', st.work.target)}" if st.is_extern else "kernels"

@@ -390,6 +390,34 @@ def test_dynamic_sizes_with_rounding(device):
     _no_eager()
 
 
+def test_dynamic_sizes_instantiate_the_plan_template(device, compiled_graphs, monkeypatch):
+    """[Note: plan templates]: a dynamic graph's plan is prepared once, its sizes indices into
+    the size expressions' values; each new size set is an executor instantiated in Rust (no
+    plan built in Python), kept for the sizes' next call. Kernels, a view returned, a matmul
+    and an extern ATen call with symbolic sizes (`cumprod` between kernels) all take each
+    call's sizes; a size set seen before reuses its executor."""
+    from braze import runtime
+
+    w = torch.randn(16, 8, device=device)
+
+    def f(x):
+        y = torch.cumprod(x.sin() * 0.5 + 1, dim=1)
+        return (y @ w).relu(), y[:, 1:].t(), x.sum(1)
+
+    c = compiled(f, dynamic=True)
+    c(torch.randn(3, 16, device=device))
+    (g,) = compiled_graphs
+    assert g.dynamic and g.template_plan is not None
+    monkeypatch.setattr(runtime.CompiledGraph, "_plan", lambda *a, **k: pytest.fail("a plan built per size set"))
+    for n in (5, 9, 5, 2, 9):
+        x = torch.randn(n, 16, device=device)
+        for a, b in zip(c(x), f(x)):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+            assert a.shape == b.shape and a.stride() == b.stride()
+    assert sorted(k[0] for k in g.plans) == [2, 3, 5, 9], list(g.plans)
+    _no_eager()
+
+
 def test_attention_mask_made_dense_before_tracing():
     """A CUDA attention mask whose last dim has stride 0 (transformers' broadcast padding mask
     under torch.compile) is made contiguous in Dynamo's graph, so AOTAutograd traces a fused

@@ -7,8 +7,10 @@
 //! outputs assembled. Python keeps what is per graph rather than per step: choosing the plan
 //! of a dynamic graph's sizes, the mutated inputs' copies and the outputs that are not tensors.
 //!
-//! The plan arrives once per plan (static graph: once; dynamic graph: once per size set) as
-//! tagged rows from `runtime.py`'s `_plan` and is kept here as typed steps. Tensors stay
+//! The plan arrives once as tagged rows from `runtime.py`'s `_plan` and is kept here as typed
+//! steps: a static graph's with its sizes, a dynamic graph's as a template whose sizes are
+//! indices into its size expressions' values, instantiated here per size set ([Note: plan
+//! templates], `Executor.instantiate`). Tensors stay
 //! Python objects: buffers are a Python list (what `on_step` debugging hooks see), data
 //! pointers a Rust vector beside it.
 
@@ -17,7 +19,7 @@ use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList, PyTuple};
 use std::collections::HashMap;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 /// A Python object the plan holds (a shape or stride tuple, a dtype, a tensor, a callable).
 type Obj = Py<PyAny>;
@@ -142,15 +144,20 @@ struct View {
 /// An extern (ATen) call of a step: its arguments built in Rust from the template prepared at
 /// compile time, then one call of the op's callable (`runtime._callable`).
 struct Extern {
+    /// What no size changes (shared by a dynamic graph's plans, [Note: plan templates]).
+    call: Arc<ExternCall>,
+    operands: Vec<View>,
+    results: Vec<ResultRow>,
+    in_arena: Vec<ArenaOperand>,
+}
+
+struct ExternCall {
     target: Obj,
     /// Positional arguments (a tuple's items) and keyword arguments.
     args: Vec<Arg>,
     kwargs: Vec<(Obj, Arg)>,
     /// Whether the arguments read the call's symbol values.
     reads_syms: bool,
-    operands: Vec<View>,
-    results: Vec<ResultRow>,
-    in_arena: Vec<ArenaOperand>,
     /// Results kept on the host: (path into the result, host slot).
     host_outs: Vec<(Vec<Obj>, usize)>,
 }
@@ -193,6 +200,9 @@ pub struct Executor {
     syms: Vec<i64>,
     /// [Note: CPU arenas] Arenas by bytes, kept between calls (None on the GPU).
     pool: Option<Mutex<HashMap<i64, Vec<Obj>>>>,
+    /// [Note: plan templates] Sizes, strides and view offsets are indices into the values of a
+    /// dynamic graph's size expressions: not callable, only instantiated.
+    template: bool,
 }
 
 /// Rows as `CompiledGraph._executor` writes them.
@@ -252,6 +262,7 @@ impl Executor {
         in_layout: Obj,
         syms: Vec<i64>,
         pool: bool,
+        template: bool,
     ) -> PyResult<Executor> {
         let inputs = inputs
             .into_iter()
@@ -274,13 +285,13 @@ impl Executor {
                 let kwargs = Arg::pairs(&template.get_item(1)?)?;
                 let reads_syms = args.iter().any(Arg::reads_syms) || kwargs.iter().any(|(_, a)| a.reads_syms());
                 let operands = operands.into_iter().map(|(buf, view)| View { buf, view }).collect();
-                Work::Extern(Extern { target, args, kwargs, reads_syms, operands, results, in_arena, host_outs })
+                Work::Extern(Extern { call: Arc::new(ExternCall { target, args, kwargs, reads_syms, host_outs }), operands, results, in_arena })
             };
             typed.push(Step { allocs, work, what: what.unbind(), frees, opens, closes });
         }
         let outs = outs.into_iter().map(|(b, v, copy)| Out { view: View { buf: b, view: v }, copy }).collect();
         let uint8 = py.import("torch")?.getattr("uint8")?.unbind();
-        Ok(Executor { compiled, n_bufs, inputs, steps: typed, outs, empty, in_layout, uint8, syms, pool: pool.then(|| Mutex::new(HashMap::new())) })
+        Ok(Executor { compiled, n_bufs, inputs, steps: typed, outs, empty, in_layout, uint8, syms, pool: pool.then(|| Mutex::new(HashMap::new())), template })
     }
 
     /// Operand `v` of an extern call as a tensor.
@@ -319,18 +330,19 @@ impl Executor {
             bufs.set_item(*buf, base.call_method1(intern!(py, "as_strided"), (shape.bind(py), stride.bind(py), *off))?)?;
         }
         let tensors = e.operands.iter().map(|v| Self::operand(bufs, v)).collect::<PyResult<Vec<_>>>()?;
+        let c = &*e.call;
         let owned;
-        let syms: &[i64] = if e.reads_syms {
+        let syms: &[i64] = if c.reads_syms {
             owned = syms.extract::<Vec<i64>>()?;
             &owned
         } else {
             &[]
         };
-        let args = PyTuple::new(py, e.args.iter().map(|a| a.fill(py, &tensors, syms, hosts)).collect::<PyResult<Vec<_>>>()?)?;
-        let kwargs = if e.kwargs.is_empty() { None } else { Some(Arg::fill_dict(&e.kwargs, py, &tensors, syms, hosts)?) };
+        let args = PyTuple::new(py, c.args.iter().map(|a| a.fill(py, &tensors, syms, hosts)).collect::<PyResult<Vec<_>>>()?)?;
+        let kwargs = if c.kwargs.is_empty() { None } else { Some(Arg::fill_dict(&c.kwargs, py, &tensors, syms, hosts)?) };
         drop(tensors);
-        let r = e.target.bind(py).call(args, kwargs.as_ref())?;
-        for (path, slot) in &e.host_outs {
+        let r = c.target.bind(py).call(args, kwargs.as_ref())?;
+        for (path, slot) in &c.host_outs {
             let hosts = hosts.ok_or_else(|| crate::InternalError::new_err("host results without host slots"))?;
             hosts.set_item(*slot, walk(&r, path)?)?;
         }
@@ -363,8 +375,8 @@ impl Executor {
         for st in &self.steps {
             visit.call(&st.what)?;
             if let Work::Extern(e) = &st.work {
-                visit.call(&e.target)?;
-                for a in e.args.iter().chain(e.kwargs.iter().map(|(_, a)| a)) {
+                visit.call(&e.call.target)?;
+                for a in e.call.args.iter().chain(e.call.kwargs.iter().map(|(_, a)| a)) {
                     a.visit(&visit)?;
                 }
             }
@@ -375,6 +387,72 @@ impl Executor {
             }
         }
         Ok(())
+    }
+
+    /// [Note: plan templates] The executor of one size set of a dynamic graph, from this
+    /// template: every shape and stride (tuples of indices into `vals`, the values of the
+    /// graph's size expressions for the call's symbols, `Compiled.eval`) and every view offset
+    /// resolved; what no size changes (kernel runs, extern callables and argument templates,
+    /// frees, arena windows) shared. `syms`: the symbol values the runs read.
+    fn instantiate(&self, py: Python<'_>, vals: Vec<i64>, syms: Vec<i64>) -> PyResult<Executor> {
+        if !self.template {
+            return Err(crate::InternalError::new_err("only a plan template is instantiated"));
+        }
+        let val = |i: i64| -> PyResult<i64> {
+            usize::try_from(i).ok().and_then(|i| vals.get(i).copied()).ok_or_else(|| crate::InternalError::new_err(format!("no size expression {i}")))
+        };
+        let dims = |o: &Obj| -> PyResult<Obj> {
+            let idx: Vec<i64> = o.extract(py)?;
+            Ok(PyTuple::new(py, idx.into_iter().map(val).collect::<PyResult<Vec<i64>>>()?)?.into_any().unbind())
+        };
+        let view = |v: &View| -> PyResult<View> {
+            Ok(View { buf: v.buf, view: match &v.view {
+                None => None,
+                Some((shape, stride, off)) => Some((dims(shape)?, dims(stride)?, val(*off)?)),
+            } })
+        };
+        let inputs = self.inputs.iter().map(|i| -> PyResult<Input> {
+            Ok(Input { arg: i.arg, constant: i.constant.as_ref().map(|c| c.clone_ref(py)), buf: i.buf, shape: dims(&i.shape)?, stride: dims(&i.stride)? })
+        }).collect::<PyResult<Vec<_>>>()?;
+        let mut steps = Vec::with_capacity(self.steps.len());
+        for st in &self.steps {
+            let allocs = st.allocs.iter().map(|a| -> PyResult<Alloc> {
+                Ok(match a {
+                    Alloc::New { buf, shape, stride, dtype } => Alloc::New { buf: *buf, shape: dims(shape)?, stride: dims(stride)?, dtype: dtype.clone_ref(py) },
+                    Alloc::Reuse { buf, from, restride, shape, stride } => Alloc::Reuse { buf: *buf, from: *from, restride: *restride, shape: dims(shape)?, stride: dims(stride)? },
+                    Alloc::InPlace { buf, arg, shape, stride, dtype } => Alloc::InPlace { buf: *buf, arg: *arg, shape: dims(shape)?, stride: dims(stride)?, dtype: dtype.clone_ref(py) },
+                })
+            }).collect::<PyResult<Vec<_>>>()?;
+            let work = match &st.work {
+                Work::Run(n) => Work::Run(*n),
+                Work::Extern(e) => Work::Extern(Extern {
+                    call: e.call.clone(),
+                    operands: e.operands.iter().map(view).collect::<PyResult<Vec<_>>>()?,
+                    results: e.results.iter().map(|(o, path, shape, stride)| -> PyResult<ResultRow> {
+                        Ok((*o, path.iter().map(|k| k.clone_ref(py)).collect(), dims(shape)?, dims(stride)?))
+                    }).collect::<PyResult<Vec<_>>>()?,
+                    in_arena: e.in_arena.iter().map(|(b, dtype, shape, stride, off)| -> PyResult<ArenaOperand> {
+                        Ok((*b, dtype.clone_ref(py), dims(shape)?, dims(stride)?, *off))
+                    }).collect::<PyResult<Vec<_>>>()?,
+                }),
+            };
+            steps.push(Step { allocs, work, what: st.what.clone_ref(py), frees: st.frees.clone(), opens: st.opens, closes: st.closes });
+        }
+        let outs = self.outs.iter().map(|o| -> PyResult<Out> { Ok(Out { view: view(&o.view)?, copy: o.copy }) }).collect::<PyResult<Vec<_>>>()?;
+        let num_syms = self.compiled.bind(py).borrow().plan.num_syms;
+        Ok(Executor {
+            compiled: self.compiled.clone_ref(py),
+            n_bufs: self.n_bufs,
+            inputs,
+            steps,
+            outs,
+            empty: self.empty.clone_ref(py),
+            in_layout: self.in_layout.clone_ref(py),
+            uint8: self.uint8.clone_ref(py),
+            syms: crate::padded(syms, num_syms),
+            pool: self.pool.as_ref().map(|_| Mutex::new(HashMap::new())),
+            template: false,
+        })
     }
 
     /// The arenas kept for the next calls, by bytes (empty where none are kept).
@@ -410,6 +488,9 @@ impl Executor {
         copies: Option<&Bound<'py, PyList>>,
         on_step: Option<&Bound<'py, PyAny>>,
     ) -> PyResult<Bound<'py, PyList>> {
+        if self.template {
+            return Err(crate::InternalError::new_err("a plan template is instantiated, not called"));
+        }
         let compiled = self.compiled.bind(py).borrow();
         let run_syms: &[i64] = match &vals {
             Some(v) => &v.v,

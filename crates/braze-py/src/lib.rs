@@ -488,7 +488,10 @@ impl Compiled {
         self.run_step(py, step, |b| ptrs.get_item(b)?.extract(), s, stream, arena)
     }
 
-    /// An executor of one prepared plan ([Note: the call loop in Rust], `exec.rs`).
+    /// An executor of one prepared plan ([Note: the call loop in Rust], `exec.rs`); with
+    /// `template`, a dynamic graph's plan whose sizes are indices into its size expressions'
+    /// values ([Note: plan templates]).
+    #[pyo3(signature = (inputs, steps, outs, empty, in_layout, syms, pool, template=false))]
     #[allow(clippy::too_many_arguments)]
     fn executor(
         slf: &Bound<'_, Self>,
@@ -499,12 +502,25 @@ impl Compiled {
         in_layout: Py<PyAny>,
         syms: Vec<i64>,
         pool: bool,
+        template: bool,
     ) -> PyResult<exec::Executor> {
         let (n_bufs, num_syms) = {
             let c = slf.borrow();
             (c.plan.buffers.len(), c.plan.num_syms)
         };
-        exec::Executor::new(slf.py(), slf.clone().unbind(), n_bufs, inputs, steps, outs, empty, in_layout, padded(syms, num_syms), pool)
+        exec::Executor::new(slf.py(), slf.clone().unbind(), n_bufs, inputs, steps, outs, empty, in_layout, padded(syms, num_syms), pool, template)
+    }
+
+    /// How many size expressions the plan has (`eval`'s values, by index).
+    #[getter]
+    fn num_exprs(&self) -> usize {
+        self.plan.exprs.len()
+    }
+
+    /// Each size expression's value where it is a constant, else None.
+    #[getter]
+    fn const_exprs(&self) -> Vec<Option<i64>> {
+        self.plan.exprs.iter().map(|e| e.as_const()).collect()
     }
 }
 
@@ -548,7 +564,7 @@ pub struct SymVals {
 }
 
 /// `v` extended with zeros to at least one entry per symbol id of the plan (and one).
-fn padded(mut v: Vec<i64>, num_syms: usize) -> Vec<i64> {
+pub(crate) fn padded(mut v: Vec<i64>, num_syms: usize) -> Vec<i64> {
     if v.len() < num_syms.max(1) {
         v.resize(num_syms.max(1), 0);
     }
