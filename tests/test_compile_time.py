@@ -194,8 +194,10 @@ def f(x, y):
     return torch.softmax(x @ y, -1).sum(0), (x.sin() * 2).amax(1), torch.nn.functional.gelu(y).mean(0)
 x, y = torch.randn(64, 96), torch.randn(96, 80)
 got = torch.compile(f, backend="braze", options={"on_unsupported": "error"})(x, y)
-for a, b in zip(got, f(x, y)):
-    torch.testing.assert_close(a, b)
+# Against eager in float64: eager's float32 (x.sin() * 2).amax(1) was wrong by 3e-4 in about
+# half the rows in ~3% of fresh processes on the 2-core CPU (torch 2.15, without braze imported).
+for a, b in zip(got, f(x.double(), y.double())):
+    torch.testing.assert_close(a, b.float(), rtol=1e-5, atol=1e-5)
 print("compiled", _core.nvrtc_kernels_compiled(), "on workers", _core.nvrtc_worker_compiles())
 try:
     _core.nvrtc_compile('extern "C" __global__ void k(float* x) { x[0] = undeclared; }', "sm_90")
