@@ -659,20 +659,20 @@ class Lowerer:
         if i in self.relaid:
             return self.layout(i, self.relaid[i])
         target = a.target if a.op == "call_function" else None
-        if (i in self.input_layouts and isinstance(target, torch._ops.OpOverload) and not target.is_view
-                and target._schema.name.split("::")[-1] not in self._MAYBE_VIEWS):
-            # A fresh tensor in eager that braze lowered to a graph input (a clone or a copy
-            # in another memory format: `x.contiguous(memory_format=torch.channels_last)`):
-            # the runtime would return a copy in the input's strides; eager's are asked for.
-            va = a.meta.get("val")
-            if is_tensor_meta(va) and _dense_order(va) is not None and [sym_str(s) for s in va.stride()] != self.input_layouts[i]:
-                return self.layout(i, va.stride())
-            return i
-        if (not isinstance(target, torch._ops.OpOverload) or target.is_view or self.b.node_op(i) not in self._VIEW_OPS
+        if (not isinstance(target, torch._ops.OpOverload) or target.is_view
                 or target._schema.name.split("::")[-1] in self._MAYBE_VIEWS):
+            return i
+        # A fresh tensor in eager: laid out in eager's strides where braze lowered it to a
+        # view, or to a graph input in other strides (a clone or a copy in another memory
+        # format, `x.contiguous(memory_format=torch.channels_last)`: the runtime would return a
+        # copy in the input's strides).
+        is_input = i in self.input_layouts
+        if not is_input and self.b.node_op(i) not in self._VIEW_OPS:
             return i
         va = a.meta.get("val")
         if not is_tensor_meta(va) or _dense_order(va) is None:
+            return i
+        if is_input and [sym_str(s) for s in va.stride()] == self.input_layouts[i]:
             return i
         return self.layout(i, va.stride())
 
