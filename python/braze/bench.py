@@ -27,6 +27,8 @@ from braze.workloads import MatmulHeavy, PointwiseHeavy, TinyBlock
 
 #: "seed": the seed documents' sizes on the CPU too (`--sizes seed`); "default": smaller CPU sizes.
 _SIZES = ["default"]
+#: torch.compile mode for the compiled backends (--mode); None gives no mode.
+_MODE = [None]
 
 
 def workloads(device):
@@ -112,7 +114,7 @@ def first_call(name, be, device):
     torch.manual_seed(0)
     model, inputs, shape, train = dict(workloads(device))[name]()
     make_step(model, inputs, train, model)()  # what eager needs once (CUDA context, cuBLAS)
-    step = make_step(model, inputs, train, torch.compile(model, backend=be))
+    step = make_step(model, inputs, train, torch.compile(model, backend=be, mode=_MODE[0]))
     n0 = len(braze.stats.records)
     gc.collect()
     sync(device)
@@ -130,7 +132,7 @@ def first_call(name, be, device):
 
 
 def first_call_subprocess(name, be, device):
-    cmd = [sys.executable, "-m", "braze.bench", "--first-call", name, "--backend", be, "--device", str(device), "--sizes", _SIZES[0]]
+    cmd = [sys.executable, "-m", "braze.bench", "--first-call", name, "--backend", be, "--device", str(device), "--sizes", _SIZES[0]] + (["--mode", _MODE[0]] if _MODE[0] else [])
     p = subprocess.run(cmd, capture_output=True, text=True)
     for line in reversed(p.stdout.splitlines()):
         if line.startswith("FIRST_CALL "):
@@ -151,7 +153,7 @@ def run_workload(name, build, device, reps, backends, cold):
     for be in backends:
         first[be] = cold[be].get("first_call_s", float("nan"))
         torch._dynamo.reset()
-        compiled = torch.compile(model, backend=be)
+        compiled = torch.compile(model, backend=be, mode=_MODE[0])
         step = make_step(model, inputs, train, compiled)
         n0 = len(braze.stats.records)
         out = step()
@@ -270,6 +272,8 @@ def main(argv=None):
     p.add_argument("--sizes", choices=("default", "seed"), default="default",
                    help="seed suite on the CPU: 'seed' runs the seed documents' sizes (matmul-heavy 1024x4096, TinyBlock "
                         "8x128x768) instead of the smaller default ones; the GPU always runs the seed sizes")
+    p.add_argument("--mode", choices=("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"), default=None,
+                   help="torch.compile mode for Inductor and braze (seed suite; default: none given)")
     p.add_argument("--first-call", help=argparse.SUPPRESS)  # internal: one cold first call
     p.add_argument("--backend", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -279,6 +283,7 @@ def main(argv=None):
     os.environ["BRAZE_CACHE_DIR"] = tempfile.mkdtemp(prefix="braze-bench-cache-")
     device = torch.device(args.device)
     _SIZES[0] = args.sizes
+    _MODE[0] = args.mode
     # Cold first calls for everyone: Inductor's on-disk caches off (the environment variable
     # alone is read too late when braze's package imported torch first).
     import torch._inductor.config as inductor_config
@@ -293,7 +298,7 @@ def main(argv=None):
     backends = ["braze"] if args.no_inductor else ["inductor", "braze"]
     rows = []
     card = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU ({os.cpu_count()} cores)"
-    print(f"braze {braze.__version__} | torch {torch.__version__} | {card} | {time.strftime('%Y-%m-%d')}", flush=True)
+    print(f"braze {braze.__version__} | torch {torch.__version__} | {card} | {time.strftime('%Y-%m-%d')}" + (f" | mode {args.mode}" if args.mode else ""), flush=True)
     if args.suite == "models":
         from .bench_models import run_models
 

@@ -11,7 +11,8 @@ import os
 
 #: Modes torch.compile knows. 'reduce-overhead' (and 'max-autotune', as in Inductor) turns
 #: whole_graph_replay on; 'max-autotune-no-cudagraphs' turns cuda_graphs off. The two
-#: 'max-autotune' modes turn matmul_tune on: they time what the other modes pick by heuristics.
+#: 'max-autotune' modes turn matmul_tune and kernel_tune on: they time what the other modes pick
+#: by heuristics.
 MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
 #: Log names for ``BRAZE_LOGS`` and ``options={"logs": ...}``.
@@ -38,6 +39,11 @@ OPTIONS = {
                    "each convolution at compile time and keep the fastest, remembered on disk for later processes "
                    "(default True under modes 'max-autotune' and 'max-autotune-no-cudagraphs', else False: the "
                    "libraries' heuristics pick and nothing is timed; BRAZE_MATMUL_TUNE=0 turns it off everywhere)",
+    "kernel_tune": "bool: on the GPU, compile each braze kernel of static size in several configurations (threads "
+                   "per block, rows per block, column geometry, vector width, grid size), time them at compile "
+                   "time and keep the fastest, remembered on disk for later processes; a search longer than 2 s "
+                   "prints its progress (default True under modes 'max-autotune' and "
+                   "'max-autotune-no-cudagraphs', else False: static heuristics, nothing timed)",
     "conv_layout": "how 2-d convolutions of tensors contiguous in eager are laid out: 'auto' (channels_last where "
                    "it pays: on the GPU graphs whose convolutions are not grouped across channels, inference and "
                    "training; on the CPU inference graphs whose activations outweigh their weights), 'channels_last' (always), 'eager' (eager's layouts). "
@@ -64,6 +70,7 @@ class Config:
     freeze_weights: bool = False
     cuda_graphs: bool = True
     matmul_tune: bool = False
+    kernel_tune: bool = False
     whole_graph_replay: bool = False
     conv_layout: str = "auto"
     cudnn_convs: bool = True
@@ -100,7 +107,8 @@ class Config:
         if conv_layout not in ("auto", "channels_last", "eager"):
             raise BrazeConfigError("braze: option 'conv_layout' must be 'auto', 'channels_last' or 'eager'")
         flags = {}
-        for name, default in (("cuda_graphs", mode != "max-autotune-no-cudagraphs"), ("matmul_tune", mode.startswith("max-autotune")), ("cudnn_convs", True),
+        for name, default in (("cuda_graphs", mode != "max-autotune-no-cudagraphs"), ("matmul_tune", mode.startswith("max-autotune")),
+                              ("kernel_tune", mode.startswith("max-autotune")), ("cudnn_convs", True),
                               ("whole_graph_replay", mode in ("reduce-overhead", "max-autotune"))):
             flags[name] = options.get(name, default)
             if not isinstance(flags[name], bool):

@@ -266,6 +266,106 @@ pub fn col_geometry(k: &Kernel) -> (u32, u32) {
     (x, COL_THREADS / x)
 }
 
+/// [Note: kernel configurations] How a kernel spreads its work over the GPU, the part of
+/// its code that does not change what it computes: threads per block, the grid's cap, a warp
+/// or a block per short row, a column kernel's geometry, the widest vector access. The
+/// heuristic ([`Config::heuristic`], what every mode but max-autotune uses) is right for most
+/// kernels; `max-autotune` compiles the [`candidates`] of each kernel of static size, times
+/// them on the device and keeps the fastest (braze-runtime's `kernel_tune`). A configuration
+/// is part of the kernel's text, so each candidate is cached like any kernel.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Config {
+    /// Threads per block of a pointwise, tiny-row or block-per-row kernel; 32 times the rows
+    /// per block of a warp-per-row kernel.
+    pub threads: u32,
+    /// Pointwise and tiny-row kernels: the grid's cap in blocks per multiprocessor (past it,
+    /// threads take several grid-stride steps); 0 for the heuristic's (32, or 8 when the
+    /// kernel hoists column-invariant values).
+    pub blocks_per_sm: u32,
+    /// Rows of at most [`WARP_ROW_MAX`] elements: a warp per row (else a block per row).
+    pub warp_rows: bool,
+    /// Column kernels: (outer points per block, threads per point); both powers of two.
+    pub col: (u32, u32),
+    /// Pointwise kernels' vector path: the most elements a thread accesses at once.
+    pub max_vec: u32,
+}
+
+impl Config {
+    /// The static choice for kernel `k`.
+    pub fn heuristic(k: &Kernel) -> Config {
+        Config { threads: BLOCK, blocks_per_sm: 0, warp_rows: true, col: col_geometry(k), max_vec: 8 }
+    }
+
+    /// A short text that [`Config::from_text`] reads back (remembered choices).
+    pub fn to_text(&self) -> String {
+        format!("t{} g{} w{} c{}x{} v{}", self.threads, self.blocks_per_sm, self.warp_rows as u8, self.col.0, self.col.1, self.max_vec)
+    }
+
+    pub fn from_text(s: &str) -> Option<Config> {
+        let mut it = s.split(' ');
+        let mut field = |p: &str| it.next()?.strip_prefix(p).map(str::to_string);
+        let threads = field("t")?.parse().ok()?;
+        let blocks_per_sm = field("g")?.parse().ok()?;
+        let warp_rows = field("w")? == "1";
+        let col = field("c")?;
+        let (x, y) = col.split_once('x')?;
+        let max_vec = field("v")?.parse().ok()?;
+        let c = Config { threads, blocks_per_sm, warp_rows, col: (x.parse().ok()?, y.parse().ok()?), max_vec };
+        c.valid().then_some(c)
+    }
+
+    /// Whether the kernels can be launched this way (power-of-two shapes within a block's
+    /// 1024 threads).
+    fn valid(&self) -> bool {
+        let p2 = |v: u32| v.is_power_of_two();
+        p2(self.threads) && (32..=1024).contains(&self.threads) && p2(self.col.0) && p2(self.col.1) && self.col.1 >= 2 && self.col.0 * self.col.1 <= 1024 && p2(self.max_vec) && self.max_vec <= 16
+    }
+}
+
+/// The configurations max-autotune times for kernel `k`, the heuristic's first: variations of
+/// the block size, the grid's cap, warp or block rows, the column geometry and the vector
+/// width that apply to the kernel's kind. Several may emit the same code (a vector width the
+/// kernel cannot use); [`emit_candidates`] keeps one of each.
+pub fn candidates(k: &Kernel) -> Vec<Config> {
+    let h = Config::heuristic(k);
+    let mut out = vec![h];
+    let mut add = |c: Config| {
+        if c.valid() && !out.contains(&c) {
+            out.push(c);
+        }
+    };
+    let is_red = !k.inner.is_empty() || k.is_reduction() || !k.prelude.is_empty() || k.passes.len() != 1 || k.passes.iter().any(|p| !p.after.is_empty());
+    if !is_red {
+        for threads in [128, 512] {
+            add(Config { threads, ..h });
+        }
+        for blocks_per_sm in [4, 16, 64] {
+            add(Config { blocks_per_sm, ..h });
+        }
+        add(Config { max_vec: 4, ..h });
+        return out;
+    }
+    if k.column {
+        let (x, _) = h.col;
+        for (cx, threads) in [(x, 256), (x, 1024), (x * 2, 512), (x * 2, 1024), (x / 2, 512)] {
+            if cx >= 4 {
+                add(Config { col: (cx, threads / cx), ..h });
+            }
+        }
+        return out;
+    }
+    for threads in [128, 512, 1024] {
+        add(Config { threads, ..h });
+    }
+    for threads in [128, 256, 512] {
+        add(Config { threads, warp_rows: false, ..h });
+    }
+    for blocks_per_sm in [8, 64] {
+        add(Config { blocks_per_sm, ..h });
+    }
+    out
+}
+
 fn product(v: &[Expr]) -> Expr {
     v.iter().fold(Expr::one(), |a, b| a.mul(b))
 }
@@ -496,8 +596,13 @@ fn emit_stmt(e: &Emitter, s: &Stmt, guard: Option<&str>) -> Result<String, Codeg
 /// same text up to names, so it is deduplicated and found in the per-kernel cache
 /// ([Note: kernel dedup], [Note: per-kernel CUDA cache] in braze-runtime).
 pub fn emit_kernel(k: &Kernel, sms: u32, out: &mut String) -> Result<Launch, CodegenError> {
+    emit_kernel_with(k, sms, &Config::heuristic(k), out)
+}
+
+/// [`emit_kernel`] in configuration `cfg` ([Note: kernel configurations]).
+pub fn emit_kernel_with(k: &Kernel, sms: u32, cfg: &Config, out: &mut String) -> Result<Launch, CodegenError> {
     let mut text = String::new();
-    let mut launch = emit_kernel_by_id(k, sms, &mut text)?;
+    let mut launch = emit_kernel_by_id(k, sms, cfg, &mut text)?;
     let body_at = text.find(") {\n").map_or(0, |i| i + 4);
     let order = crate::dedup::first_use_order(&text[body_at..], &launch.bufs);
     if order != launch.bufs {
@@ -538,7 +643,7 @@ fn reorder_params(source: &str, order: &[u32]) -> String {
     out
 }
 
-fn emit_kernel_by_id(k: &Kernel, sms: u32, out: &mut String) -> Result<Launch, CodegenError> {
+fn emit_kernel_by_id(k: &Kernel, sms: u32, cfg: &Config, out: &mut String) -> Result<Launch, CodegenError> {
     let d = Cuda;
     let e = Emitter { k, d: &d };
     let mut bufs = k.bufs.clone();
@@ -553,7 +658,7 @@ fn emit_kernel_by_id(k: &Kernel, sms: u32, out: &mut String) -> Result<Launch, C
     let is_red = !k.inner.is_empty() || k.is_reduction() || !k.prelude.is_empty() || k.passes.len() != 1 || k.passes.iter().any(|p| !p.after.is_empty());
     let n_outer = k.outer.len();
     let outer_total = product(&k.outer);
-    let block = BLOCK;
+    let block = cfg.threads;
     // Tiny rows (a sum over the 4 query heads of a KV head): one thread per outer point
     // walks its row alone; a block or warp per point would leave most threads idle.
     // Short column reductions over many outer points (a global average pool of a
@@ -566,8 +671,8 @@ fn emit_kernel_by_id(k: &Kernel, sms: u32, out: &mut String) -> Result<Launch, C
         && (inner_n.is_some_and(|n| n <= SERIAL_ROW_MAX)
             || (k.column && inner_n.is_some_and(|n| n <= COL_SERIAL_MAX) && outer_total.as_const().is_some_and(|o| o >= COL_SERIAL_MIN_POINTS)));
     let col = k.column && !serial;
-    let (col_x, col_y) = col_geometry(k);
-    let threads = if col { COL_THREADS } else { block };
+    let (col_x, col_y) = cfg.col;
+    let threads = if col { col_x * col_y } else { block };
     writeln!(out, "extern \"C\" __global__ void __launch_bounds__({threads}) {}({}) {{", k.name, params.join(", ")).unwrap();
     let launch = |work: Expr, per_block: u64, cap: u32| Launch {
         name: k.name.clone(),
@@ -589,18 +694,19 @@ fn emit_kernel_by_id(k: &Kernel, sms: u32, out: &mut String) -> Result<Launch, C
         // multiprocessor), each taking several grid-stride steps over which that work is
         // shared: on the H100 that beat a block per 256 vectors for ResNet-50's BatchNorm
         // kernels of 3-13 M elements (layer-3 residual 29 vs 35 us).
-        let (mut per_block, mut cap, mut grid_multiple) = (block as u64, sms.max(1) * 32, 1);
+        let per_sm = |heuristic: u32| if cfg.blocks_per_sm > 0 { cfg.blocks_per_sm } else { heuristic };
+        let (mut per_block, mut cap, mut grid_multiple) = (block as u64, sms.max(1) * per_sm(32), 1);
         let mut scalar = String::new();
         writeln!(scalar, "  for (long long x = (long long)blockIdx.x * blockDim.x + threadIdx.x; x < {total}; x += (long long)gridDim.x * blockDim.x) {{").unwrap();
         decompose(&mut scalar, "    ", "x", &k.outer, 0);
         emit_list(&e, k, &k.passes[0].body, None, "    ", &mut scalar, None)?;
         writeln!(scalar, "  }}\n}}\n").unwrap();
-        let Some(plan) = vector_plan(k) else {
+        let Some(plan) = vector_plan(k, block, cfg.max_vec as i64) else {
             out.push_str(&scalar);
             return Ok(launch(outer_total, per_block, cap));
         };
         if let Some(h) = &plan.hoist {
-            (per_block, cap, grid_multiple) = (block as u64 * plan.v as u64, sms.max(1) * HOIST_BLOCKS_PER_SM, h.grid_multiple);
+            (per_block, cap, grid_multiple) = (block as u64 * plan.v as u64, sms.max(1) * per_sm(HOIST_BLOCKS_PER_SM), h.grid_multiple);
         }
         let align = emit_vector_path(&e, k, &plan, out)?;
         writeln!(out, "}}\n").unwrap();
@@ -617,7 +723,7 @@ fn emit_kernel_by_id(k: &Kernel, sms: u32, out: &mut String) -> Result<Launch, C
     // Column kernels: 8 to 32 outer points per block (x), 64 to 16 threads per point over the
     // reduced elements (y), so loads of neighbouring outer points coalesce ([Note: column
     // geometry]).
-    let warp = !col && !serial && product(&k.inner).as_const().is_some_and(|n| n <= WARP_ROW_MAX);
+    let warp = !col && !serial && cfg.warp_rows && product(&k.inner).as_const().is_some_and(|n| n <= WARP_ROW_MAX);
     let (lane, step, store_guard, body_guard) = if serial {
         ("0", "1".to_string(), None, None)
     } else if col {
@@ -630,7 +736,7 @@ fn emit_kernel_by_id(k: &Kernel, sms: u32, out: &mut String) -> Result<Launch, C
     if serial {
         writeln!(out, "  for (long long o = (long long)blockIdx.x * blockDim.x + threadIdx.x; o < {}; o += (long long)gridDim.x * blockDim.x) {{", index(&outer_total)).unwrap();
     } else if warp {
-        writeln!(out, "  for (long long o = (long long)blockIdx.x * {w} + (threadIdx.x >> 5); o < {}; o += (long long)gridDim.x * {w}) {{", index(&outer_total), w = BLOCK / 32).unwrap();
+        writeln!(out, "  for (long long o = (long long)blockIdx.x * {w} + (threadIdx.x >> 5); o < {}; o += (long long)gridDim.x * {w}) {{", index(&outer_total), w = block / 32).unwrap();
     } else if col {
         writeln!(out, "  {{").unwrap();
         writeln!(out, "    const long long ox = (long long)blockIdx.x * {col_x} + threadIdx.x;").unwrap();
@@ -720,7 +826,7 @@ fn emit_kernel_by_id(k: &Kernel, sms: u32, out: &mut String) -> Result<Launch, C
     }
     if serial {
         writeln!(out, "  }}\n}}\n").unwrap();
-        return Ok(launch(outer_total, block as u64, sms.max(1) * 32));
+        return Ok(launch(outer_total, block as u64, sms.max(1) * if cfg.blocks_per_sm > 0 { cfg.blocks_per_sm } else { 32 }));
     }
     if col {
         writeln!(out, "  }}\n}}\n").unwrap();
@@ -728,7 +834,7 @@ fn emit_kernel_by_id(k: &Kernel, sms: u32, out: &mut String) -> Result<Launch, C
     }
     if warp {
         writeln!(out, "  }}\n}}\n").unwrap();
-        return Ok(launch(outer_total, (BLOCK / 32) as u64, 1 << 30));
+        return Ok(launch(outer_total, (block / 32) as u64, 1 << 30));
     }
     writeln!(out, "    __syncthreads();\n  }}\n}}\n").unwrap();
     Ok(launch(outer_total, 1, 1 << 30))
@@ -824,7 +930,7 @@ fn vector_width(k: &Kernel, len: i64, deps: &std::collections::HashMap<u32, u64>
 /// The vector path of a pointwise kernel, with its column-invariant values hoisted when that
 /// pays and the grid allows it ([Note: column-invariant hoisting]); `None` when there is no
 /// vector path.
-fn vector_plan(k: &Kernel) -> Option<VecPlan> {
+fn vector_plan(k: &Kernel, block: u32, max_vec: i64) -> Option<VecPlan> {
     let n = k.outer.len();
     if n == 0 {
         return None;
@@ -851,18 +957,18 @@ fn vector_plan(k: &Kernel) -> Option<VecPlan> {
             }
         }
         // Fewer lanes when the hoisted registers would not fit.
-        let mut v = vector_width(k, len, &deps, &|s| !hoisted(s), 8);
+        let mut v = vector_width(k, len, &deps, &|s| !hoisted(s), max_vec);
         while v > 2 && frontier.len() as i64 * v > HOIST_MAX_REGS {
             v = vector_width(k, len, &deps, &|s| !hoisted(s), v / 2);
         }
-        let block = BLOCK as i64;
+        let block = block as i64;
         let row_threads = len / v.max(1);
         let g = row_threads / gcd(row_threads, block);
         if v > 1 && !frontier.is_empty() && g <= HOIST_MAX_GRID_MULTIPLE && frontier.len() as i64 * v <= HOIST_MAX_REGS {
             return Some(VecPlan { v, hoist: Some(Hoist { inv, frontier, row_threads, grid_multiple: g as u32 }) });
         }
     }
-    let v = vector_width(k, len, &deps, &|_| true, 8);
+    let v = vector_width(k, len, &deps, &|_| true, max_vec);
     (v > 1).then_some(VecPlan { v, hoist: None })
 }
 
@@ -1036,12 +1142,19 @@ pub struct CudaKernel {
 /// that kernel in the distinct list, until the runtime places the kernels in cubins
 /// (`braze_runtime::cuda::compile_kernels`, [Note: per-kernel CUDA cache]).
 pub fn emit_kernels(kernels: &[Kernel], sms: u32) -> Result<(Vec<CudaKernel>, Vec<Launch>), CodegenError> {
+    emit_kernels_with(kernels, sms, &[])
+}
+
+/// [`emit_kernels`] with kernel `i` in configuration `configs[i]` where that is given (the
+/// heuristic's otherwise, and for every kernel past the slice's end).
+pub fn emit_kernels_with(kernels: &[Kernel], sms: u32, configs: &[Option<Config>]) -> Result<(Vec<CudaKernel>, Vec<Launch>), CodegenError> {
     let mut texts = Vec::with_capacity(kernels.len());
     let mut launches = Vec::with_capacity(kernels.len());
     let mut keys = Vec::with_capacity(kernels.len());
-    for k in kernels {
+    for (i, k) in kernels.iter().enumerate() {
         let mut text = String::new();
-        let launch = emit_kernel(k, sms, &mut text)?;
+        let cfg = configs.get(i).copied().flatten().unwrap_or_else(|| Config::heuristic(k));
+        let launch = emit_kernel_with(k, sms, &cfg, &mut text)?;
         keys.push(crate::dedup::canonical(&text, &k.name, &launch.bufs));
         texts.push(text);
         launches.push(launch);
@@ -1057,6 +1170,32 @@ pub fn emit_kernels(kernels: &[Kernel], sms: u32) -> Result<(Vec<CudaKernel>, Ve
         launches[i].unit = index[owner];
     }
     Ok((distinct, launches))
+}
+
+/// One way to run a kernel that max-autotune times ([Note: kernel configurations]).
+#[derive(Clone, Debug)]
+pub struct Candidate {
+    pub config: Config,
+    /// The kernel in this configuration, its function named `<kernel>_c<i>`.
+    pub kernel: CudaKernel,
+    pub launch: Launch,
+}
+
+/// Kernel `k` in each of its [`candidates`] that emits distinct code, the heuristic's first.
+pub fn emit_candidates(k: &Kernel, sms: u32) -> Result<Vec<Candidate>, CodegenError> {
+    let mut out: Vec<Candidate> = Vec::new();
+    let mut named = k.clone();
+    for (i, config) in candidates(k).into_iter().enumerate() {
+        named.name = format!("{}_c{i}", k.name);
+        let mut text = String::new();
+        let launch = emit_kernel_with(&named, sms, &config, &mut text)?;
+        let key = crate::dedup::canonical(&text, &named.name, &launch.bufs);
+        if out.iter().any(|c| c.kernel.key == key) {
+            continue;
+        }
+        out.push(Candidate { config, kernel: CudaKernel { name: named.name.clone(), key, text }, launch });
+    }
+    Ok(out)
 }
 
 #[cfg(test)]

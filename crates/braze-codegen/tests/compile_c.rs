@@ -171,3 +171,37 @@ fn multi_pass_column_kernel_runs() {
         }
     }
 }
+
+/// [Note: kernel configurations]: each filetest kernel's candidates start with the heuristic's
+/// configuration, emitted exactly as `emit_kernel` emits the kernel (so default mode's code
+/// and cache keys do not depend on max-autotune), read back from their remembered text, and
+/// emit distinct code.
+#[test]
+fn kernel_configurations() {
+    use braze_codegen::cuda::{candidates, emit_candidates, emit_kernel, Config};
+    let mut several = 0;
+    for g in graphs() {
+        let s = schedule(&g).unwrap();
+        for k in &s.kernels {
+            let cs = candidates(k);
+            assert_eq!(cs[0], Config::heuristic(k));
+            for c in &cs {
+                assert_eq!(Config::from_text(&c.to_text()), Some(*c), "{}", c.to_text());
+            }
+            let emitted = emit_candidates(k, 132).unwrap();
+            let mut plain = String::new();
+            let launch = emit_kernel(k, 132, &mut plain).unwrap();
+            let first = &emitted[0];
+            assert_eq!(first.kernel.text.replace(&format!("{}_c0", k.name), &k.name), plain);
+            assert_eq!((first.launch.block, first.launch.block_y, first.launch.per_block, first.launch.cap), (launch.block, launch.block_y, launch.per_block, launch.cap));
+            let mut keys: Vec<&str> = emitted.iter().map(|c| c.kernel.key.as_str()).collect();
+            keys.sort();
+            keys.dedup();
+            assert_eq!(keys.len(), emitted.len());
+            several += (emitted.len() > 1) as usize;
+        }
+    }
+    assert!(several > 10, "{several} kernels with several configurations");
+    assert_eq!(Config::from_text("t256 g0 w1 c8x64"), None);
+    assert_eq!(Config::from_text("t100 g0 w1 c8x64 v8"), None);
+}

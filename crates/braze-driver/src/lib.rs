@@ -15,6 +15,7 @@ use braze_sched::{Access, BufKind, Step};
 use std::collections::HashSet;
 
 mod arena;
+mod kernel_tune;
 use std::time::Instant;
 
 /// Why a graph could not be compiled or run.
@@ -320,6 +321,10 @@ pub struct Options {
     pub cuda_graphs: bool,
     /// Time cuBLASLt's candidate algorithms for large matmuls at compile time.
     pub matmul_tune: bool,
+    /// Time the candidate configurations of braze's own kernels at compile time and keep the
+    /// fastest ([Note: kernel configurations] in braze-codegen). With a CPU target and
+    /// `check_cuda`, every candidate is compiled by NVRTC (the check CI runs).
+    pub kernel_tune: bool,
     /// Extern calls (by target key) whose operands may live in arenas ([Note: extern
     /// operands in arenas]): their results are fresh and they have no effect.
     pub arena_externs: HashSet<String>,
@@ -337,7 +342,7 @@ pub struct Options {
 
 impl Default for Options {
     fn default() -> Self {
-        Options { cuda_graphs: true, matmul_tune: true, arena_externs: HashSet::new(), elide_layouts: false, plan_only: false }
+        Options { cuda_graphs: true, matmul_tune: true, kernel_tune: false, arena_externs: HashSet::new(), elide_layouts: false, plan_only: false }
     }
 }
 
@@ -425,6 +430,11 @@ pub fn compile_with(g: Graph, target: Target, check_cuda: bool, check_arch: &str
                     .filter_map(|(l, _)| l.fallback.as_ref().map(|f| f.source.clone()))
                     .collect();
                 braze_runtime::cuda::compile_kernels(&distinct, check_arch, version, 0).map_err(DriverError::from)?;
+                if opts.kernel_tune {
+                    let (tunables, _) = kernel_tune::tunables(&sched, 132);
+                    let all: Vec<_> = tunables.into_iter().flat_map(|t| t.candidates).map(|c| c.kernel).collect();
+                    braze_runtime::cuda::compile_kernels(&all, check_arch, version, 0).map_err(DriverError::from)?;
+                }
                 braze_runtime::cuda::compile_cubins(&fallbacks, check_arch, version).map_err(DriverError::from)?;
                 cuda_source = braze_codegen::cuda::module_source(&distinct) + &fallbacks.concat();
             }
@@ -439,7 +449,15 @@ pub fn compile_with(g: Graph, target: Target, check_cuda: bool, check_arch: &str
         }
         Target::Cuda(ordinal) => {
             let (arch, sms) = cuda_device(ordinal, &opts)?;
-            let (distinct, mut launches) = braze_codegen::cuda::emit_kernels(&sched.kernels, sms as u32).map_err(unsupported)?;
+            let configs = if opts.kernel_tune && !opts.plan_only {
+                let (tunables, of) = kernel_tune::tunables(&sched, sms as u32);
+                let chosen = braze_runtime::cuda::kernel_tune::choose(&tunables, &arch, version, ordinal).map_err(DriverError::from)?;
+                lap("kernel tuning", &mut times);
+                kernel_tune::per_kernel(&of, &chosen)
+            } else {
+                Vec::new()
+            };
+            let (distinct, mut launches) = braze_codegen::cuda::emit_kernels_with(&sched.kernels, sms as u32, &configs).map_err(unsupported)?;
             lap("codegen", &mut times);
             let needs_module = !opts.plan_only && sched.steps.iter().any(|st| !matches!(st, Step::Extern { .. }));
             // [Note: NVRTC beside the libraries] The kernels compile on their own threads while

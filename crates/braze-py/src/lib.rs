@@ -169,17 +169,19 @@ impl GraphBuilder {
     /// Runs passes, scheduling, code generation and the compiler: the C compiler for
     /// `device="cpu"`, NVRTC for `device="cuda:N"`. `check_cuda` (CPU graphs) also compiles
     /// the graph's CUDA kernels with NVRTC for `arch`, so codegen errors surface without a GPU.
-    /// `cuda_graphs` and `matmul_tune` are the user's options of those names (GPU graphs).
+    /// `cuda_graphs`, `matmul_tune` and `kernel_tune` are the user's options of those names
+    /// (GPU graphs; `kernel_tune` with `check_cuda` also has NVRTC compile every candidate
+    /// configuration of a CPU graph's kernels).
     /// `arena_externs`: the extern calls (by key) whose operands may live in arenas.
     /// `elide_layouts`: drop redundant `layout` copies on the GPU too (always done on the CPU).
     /// `plan_only` (CUDA): the plan without a GPU, not runnable ([Note: plans without a GPU]).
-    #[pyo3(signature = (device="cpu", check_cuda=false, arch="sm_90", cuda_graphs=true, matmul_tune=true, arena_externs=Vec::new(), elide_layouts=false, plan_only=false))]
+    #[pyo3(signature = (device="cpu", check_cuda=false, arch="sm_90", cuda_graphs=true, matmul_tune=true, kernel_tune=false, arena_externs=Vec::new(), elide_layouts=false, plan_only=false))]
     #[allow(clippy::too_many_arguments)]
-    fn compile(&self, py: Python<'_>, device: &str, check_cuda: bool, arch: &str, cuda_graphs: bool, matmul_tune: bool, arena_externs: Vec<String>, elide_layouts: bool, plan_only: bool) -> PyResult<Compiled> {
+    fn compile(&self, py: Python<'_>, device: &str, check_cuda: bool, arch: &str, cuda_graphs: bool, matmul_tune: bool, kernel_tune: bool, arena_externs: Vec<String>, elide_layouts: bool, plan_only: bool) -> PyResult<Compiled> {
         let g = self.g.clone();
         let target = Target::parse(device).map_err(driver_err)?;
         let arch = arch.to_string();
-        let opts = braze_driver::Options { cuda_graphs, matmul_tune, arena_externs: arena_externs.into_iter().collect(), elide_layouts, plan_only };
+        let opts = braze_driver::Options { cuda_graphs, matmul_tune, kernel_tune, arena_externs: arena_externs.into_iter().collect(), elide_layouts, plan_only };
         let res = py.detach(move || catch_unwind(AssertUnwindSafe(|| braze_driver::compile_with(g, target, check_cuda, &arch, opts))));
         match res {
             Ok(r) => r.map(|(plan, module)| Compiled { plan, module }).map_err(driver_err),
@@ -254,11 +256,19 @@ fn nvrtc_kernels_compiled() -> usize {
     braze_runtime::cuda::kernels_compiled()
 }
 
-/// How many matmuls and convolutions this process has timed at compile time, choices
+/// How many matmuls, convolutions and kernels this process has timed at compile time, choices
 /// remembered in memory or on disk not counted ([Note: remembered choices] in braze-runtime).
 #[pyfunction]
 fn tunings_timed() -> usize {
     braze_runtime::cuda::timings()
+}
+
+/// How many of braze's own kernels this process has timed in their candidate configurations
+/// (max-autotune, [Note: kernel configurations] in braze-codegen), remembered choices not
+/// counted.
+#[pyfunction]
+fn kernels_timed() -> usize {
+    braze_runtime::cuda::kernel_tune::kernels_timed()
 }
 
 /// How many kernels the C compiler has compiled in this process, cache hits not counted
@@ -643,6 +653,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(nvrtc_kernels_compiled, m)?)?;
     m.add_function(wrap_pyfunction!(cc_kernels_compiled, m)?)?;
     m.add_function(wrap_pyfunction!(tunings_timed, m)?)?;
+    m.add_function(wrap_pyfunction!(kernels_timed, m)?)?;
     m.add_function(wrap_pyfunction!(nvrtc_compile, m)?)?;
     m.add_function(wrap_pyfunction!(nvrtc_warm_up, m)?)?;
     m.add_function(wrap_pyfunction!(cpu_id, m)?)?;

@@ -397,9 +397,9 @@ impl Prepared {
         if cands.len() == 1 {
             return Ok(cands[0]);
         }
-        let mut sizes = self.extents();
+        let mut sizes: Vec<(usize, u8)> = self.extents().into_iter().map(|n| (n, crate::cuda::FILL_FLOAT)).collect();
         let nbuf = sizes.len();
-        sizes.push(WORKSPACE);
+        sizes.push((WORKSPACE, crate::cuda::FILL_FLOAT));
         let timed = crate::cuda::time_candidates(ordinal, &sizes, cands.len(), &mut |i, ptrs, stream| {
             self.launch(&ptrs[..nbuf], stream, ptrs[nbuf], &cands[i])
         });

@@ -8,6 +8,7 @@
 //! points braze uses are resolved. NVRTC works without a GPU, which is how CI checks that
 //! every generated kernel compiles.
 
+pub mod kernel_tune;
 pub mod nvrtc_workers;
 pub mod relayout;
 
@@ -451,19 +452,28 @@ pub fn timings() -> usize {
 /// Enqueues candidate `i` over the tuning buffers on a stream: `(i, buffers, stream)`.
 pub type CandidateRun<'a> = dyn FnMut(usize, &[usize], usize) -> Result<(), RuntimeError> + 'a;
 
+/// Bytes every tuning buffer is filled with: each float element a small finite value
+/// (0x3c3c is about 0.0115 in bf16, 0x3c3c3c3c about 0.0115 in f32).
+pub const FILL_FLOAT: u8 = 0x3c;
+
 /// Times `candidates` ways of doing one piece of GPU work and returns each one's seconds per
 /// run (infinite where a run failed). `run(i, buffers, stream)` enqueues candidate `i` on
-/// `stream` over fresh device buffers of `sizes` bytes (filled with a small finite value),
-/// private to the tuning: nothing PyTorch has in flight is touched. Used at compile time on
-/// device `ordinal` to pick among cuBLASLt's algorithms.
+/// `stream` over fresh device buffers, one per `(bytes, fill byte)` of `buffers` (integer
+/// buffers that hold indices are filled with zeros, so every index is in range), private to
+/// the tuning: nothing PyTorch has in flight is touched. Used at compile time on device
+/// `ordinal` to pick among cuBLASLt's algorithms, cuDNN's plans and braze's own kernel
+/// configurations. Each candidate runs often enough to take about `TIMED` seconds (at least
+/// `REPS` times), so that microsecond kernels are not timed at the events' resolution.
 pub fn time_candidates(
     ordinal: i32,
-    sizes: &[usize],
+    buffers: &[(usize, u8)],
     candidates: usize,
     run: &mut CandidateRun,
 ) -> Result<Vec<f64>, RuntimeError> {
     const WARM: usize = 2;
     const REPS: usize = 5;
+    const MAX_REPS: usize = 200;
+    const TIMED: f64 = 200e-6;
     let d = driver()?;
     TIMINGS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     let mut bufs: Vec<u64> = Vec::new();
@@ -475,11 +485,11 @@ pub fn time_candidates(
     let result = unsafe {
         (|| -> Result<Vec<f64>, RuntimeError> {
             prev = make_primary_current(d, ordinal)?.1;
-            for &n in sizes {
+            for &(n, fill) in buffers {
                 let mut p: u64 = 0;
                 check(d, (d.mem_alloc)(&mut p, n.max(256)), "cuMemAlloc (tuning)")?;
                 bufs.push(p);
-                check(d, (d.memset_d8)(p, 0x3c, n.max(256)), "cuMemsetD8 (tuning)")?;
+                check(d, (d.memset_d8)(p, fill, n.max(256)), "cuMemsetD8 (tuning)")?;
             }
             check(d, (d.stream_create)(&mut stream, 1), "cuStreamCreate")?;
             for e in ev.iter_mut() {
@@ -492,15 +502,20 @@ pub fn time_candidates(
                     for _ in 0..WARM {
                         run(i, &ptrs, stream as usize)?;
                     }
-                    check(d, (d.event_record)(ev[0], stream), "cuEventRecord")?;
-                    for _ in 0..REPS {
-                        run(i, &ptrs, stream as usize)?;
-                    }
-                    check(d, (d.event_record)(ev[1], stream), "cuEventRecord")?;
-                    check(d, (d.event_sync)(ev[1]), "cuEventSynchronize")?;
-                    let mut ms = 0f32;
-                    check(d, (d.event_elapsed)(&mut ms, ev[0], ev[1]), "cuEventElapsedTime")?;
-                    Ok(ms as f64 * 1e-3 / REPS as f64)
+                    let timed = |reps: usize, run: &mut CandidateRun| -> Result<f64, RuntimeError> {
+                        check(d, (d.event_record)(ev[0], stream), "cuEventRecord")?;
+                        for _ in 0..reps {
+                            run(i, &ptrs, stream as usize)?;
+                        }
+                        check(d, (d.event_record)(ev[1], stream), "cuEventRecord")?;
+                        check(d, (d.event_sync)(ev[1]), "cuEventSynchronize")?;
+                        let mut ms = 0f32;
+                        check(d, (d.event_elapsed)(&mut ms, ev[0], ev[1]), "cuEventElapsedTime")?;
+                        Ok(ms as f64 * 1e-3 / reps as f64)
+                    };
+                    let first = timed(REPS, run)?;
+                    let reps = ((TIMED / first.max(1e-9)).ceil() as usize).clamp(REPS, MAX_REPS);
+                    if reps == REPS { Ok(first) } else { timed(reps, run) }
                 };
                 times.push(go().unwrap_or(f64::INFINITY));
             }

@@ -509,7 +509,8 @@ fn plan_of(h: Handle, cfg: &Descriptor, spec: &ConvSpec, rtc: Option<bool>) -> R
 fn fastest(ordinal: i32, scope: &str, s: &ConvSpec, plans: &[(Descriptor, usize)]) -> usize {
     let es = s.dtype.size();
     let bytes = |shape: &[i64; 4], strides: &[i64; 4]| (shape.iter().zip(strides).map(|(&n, &st)| (n - 1) * st).sum::<i64>() + 1) as usize * es;
-    let sizes = [bytes(&s.x_shape, &s.x_strides), bytes(&s.w_shape, &s.w_strides()), bytes(&s.y_shape, &s.y_strides), crate::cublaslt::WORKSPACE];
+    let f = crate::cuda::FILL_FLOAT;
+    let sizes = [(bytes(&s.x_shape, &s.x_strides), f), (bytes(&s.w_shape, &s.w_strides()), f), (bytes(&s.y_shape, &s.y_strides), f), (crate::cublaslt::WORKSPACE, f)];
     let n = plans.len().min(TUNE_PLANS);
     let timed = crate::cuda::time_candidates(ordinal, &sizes, n, &mut |i, ptrs, stream| execute(&plans[i].0, [ptrs[0], ptrs[1], ptrs[2]], stream, ptrs[3]));
     let Ok(times) = timed else { return 0 };
