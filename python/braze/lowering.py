@@ -667,9 +667,17 @@ class Lowerer:
         # format, `x.contiguous(memory_format=torch.channels_last)`: the runtime would return a
         # copy in the input's strides).
         is_input = i in self.input_layouts
-        if not is_input and self.b.node_op(i) not in self._VIEW_OPS:
-            return i
         va = a.meta.get("val")
+        if not is_input and self.b.node_op(i) not in self._VIEW_OPS:
+            # A clone (`.contiguous()`) of a fresh value braze computes in other strides
+            # (`x.permute(0, 2, 1, 3).sin().contiguous()`: the sine follows its permuted
+            # input in eager): the clone is the same IR value, so it gets eager's strides here.
+            src = a.args[0] if target in (aten.clone.default, aten.lift_fresh_copy.default) and a.args else None
+            vs = src.meta.get("val") if isinstance(src, torch.fx.Node) else None
+            if (is_tensor_meta(vs) and is_tensor_meta(va) and _dense_order(va) is not None
+                    and _dense_order(vs) != _dense_order(va)):
+                return self.layout(i, va.stride())
+            return i
         if not is_tensor_meta(va) or _dense_order(va) is None:
             return i
         if is_input and [sym_str(s) for s in va.stride()] == self.input_layouts[i]:
