@@ -1,7 +1,11 @@
 """Bandwidth of reductions over non-innermost dims and of layout copies on the GPU (issue 9,
 items 2 and 3), as a share of the card's copy bandwidth measured in the same run.
 
-    python benchmarks/reduce_bandwidth.py [--shape 64,256,56,56] [--dtype bf16] [--only NAME ...]
+    python benchmarks/reduce_bandwidth.py [--shape 64,256,56,56] [--dtype bf16] [--only NAME ...] [--tuned]
+
+--tuned adds braze with option kernel_tune (max-autotune's kernel configurations, [Note: kernel
+configurations]) and prints what it chose for each kernel: threads per block, a column
+kernel's geometry, the reduction loop's unrolling.
 
 Cases, each under eager, Inductor and braze (`on_unsupported="error"`):
   bn_stats_cl / bn_stats_nchw   var_mean(x.float(), (0, 2, 3)): BatchNorm statistics of a
@@ -18,6 +22,7 @@ BatchNorm statistics >= 70% of copy bandwidth in either layout; an unavoidable c
 transpose) >= 80%.
 """
 import argparse
+import re
 import statistics
 import sys
 
@@ -69,10 +74,19 @@ def main():
     ap.add_argument("--shape", default="64,256,56,56")
     ap.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
     ap.add_argument("--only", nargs="*")
+    ap.add_argument("--tuned", action="store_true", help="also braze with kernel_tune, and the configurations it chose")
     a = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("reduce_bandwidth.py measures GPU kernels: no CUDA device here")
-    import braze  # noqa: F401
+    from braze import runtime
+
+    made = []
+    init = runtime.CompiledGraph.__init__
+
+    def keep(self, *args):
+        init(self, *args)
+        made.append(self)
+    runtime.CompiledGraph.__init__ = keep
 
     shape = [int(v) for v in a.shape.split(",")]
     dtype = DTYPES[a.dtype]
@@ -83,16 +97,38 @@ def main():
     copy_bw = 2 * x.numel() * x.element_size() / copy_us / 1e3  # GB/s
     print(f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}, {a.dtype} {tuple(shape)}")
     print(f"copy: {copy_us:.1f} us, {copy_bw:.0f} GB/s (read + written)")
-    print(f"{'case':14s} {'eager us':>9s} {'inductor us':>12s} {'braze us':>9s}   braze GB/s  (% of copy)")
+    print(f"{'case':14s} {'eager us':>9s} {'inductor us':>12s} {'braze us':>9s}   braze GB/s  (% of copy)" + ("  tuned us  (% of copy)" if a.tuned else ""))
     for name, (fn, args, nbytes) in table.items():
         if a.only and name not in a.only:
             continue
         row = [gpu_us(fn, args)]
-        for backend, opts in (("inductor", None), ("braze", {"on_unsupported": "error"})):
+        runs = [("inductor", None), ("braze", {"on_unsupported": "error"})]
+        if a.tuned:
+            runs.append(("braze", {"on_unsupported": "error", "kernel_tune": True}))
+        for backend, opts in runs:
             torch._dynamo.reset()
+            made.clear()
             row.append(gpu_us(torch.compile(fn, backend=backend, options=opts), args))
+        chosen = [k for g in made for k in _configs(g.c.source)]
         bw = nbytes / row[2] / 1e3
-        print(f"{name:14s} {row[0]:9.1f} {row[1]:12.1f} {row[2]:9.1f}   {bw:10.0f}  ({100 * bw / copy_bw:4.0f}%)", flush=True)
+        tuned = f"  {row[3]:8.1f}  ({100 * nbytes / row[3] / 1e3 / copy_bw:4.0f}%)" if a.tuned else ""
+        print(f"{name:14s} {row[0]:9.1f} {row[1]:12.1f} {row[2]:9.1f}   {bw:10.0f}  ({100 * bw / copy_bw:4.0f}%){tuned}", flush=True)
+        for line in chosen if a.tuned else ():
+            print(f"    {line}")
+
+
+def _configs(source):
+    """Each kernel of a CUDA module's source: its name, threads per block, column geometry
+    and reduction-loop unrolling, as the code says."""
+    out = []
+    for part in source.split("/* braze_")[1:]:
+        name = part.split(":", 1)[0]
+        bounds = re.search(r"__launch_bounds__\((\d+)\)", part)
+        col = re.search(r"bz_col_\w+<(\d+), (\d+)>", part)
+        unroll = re.search(r"#pragma unroll (\d+)", part)
+        out.append(f"braze_{name}: {bounds.group(1) if bounds else '?'} threads" + (f", columns {col.group(1)}x{col.group(2)}" if col else "")
+                   + (f", unroll {unroll.group(1)}" if unroll else "") + (", tiled" if "__shared__ float tile0" in part else ""))
+    return out
 
 
 if __name__ == "__main__":

@@ -268,7 +268,8 @@ pub fn col_geometry(k: &Kernel) -> (u32, u32) {
 
 /// [Note: kernel configurations] How a kernel spreads its work over the GPU, the part of
 /// its code that does not change what it computes: threads per block, the grid's cap, a warp
-/// or a block per short row, a column kernel's geometry, the widest vector access. The
+/// or a block per short row, a column kernel's geometry, the widest vector access, the loads
+/// a reduction's thread keeps in flight (its loop's unrolling). The
 /// heuristic ([`Config::heuristic`], what every mode but max-autotune uses) is right for most
 /// kernels; `max-autotune` compiles the [`candidates`] of each kernel of static size, times
 /// them on the device and keeps the fastest (braze-runtime's `kernel_tune`). A configuration
@@ -288,17 +289,20 @@ pub struct Config {
     pub col: (u32, u32),
     /// Pointwise kernels' vector path: the most elements a thread accesses at once.
     pub max_vec: u32,
+    /// Reductions: iterations of the loop over reduced elements unrolled (loads in flight per
+    /// thread); 0 for the heuristic's (8 for tiny rows, 4 otherwise).
+    pub unroll: u32,
 }
 
 impl Config {
     /// The static choice for kernel `k`.
     pub fn heuristic(k: &Kernel) -> Config {
-        Config { threads: BLOCK, blocks_per_sm: 0, warp_rows: true, col: col_geometry(k), max_vec: 8 }
+        Config { threads: BLOCK, blocks_per_sm: 0, warp_rows: true, col: col_geometry(k), max_vec: 8, unroll: 0 }
     }
 
     /// A short text that [`Config::from_text`] reads back (remembered choices).
     pub fn to_text(&self) -> String {
-        format!("t{} g{} w{} c{}x{} v{}", self.threads, self.blocks_per_sm, self.warp_rows as u8, self.col.0, self.col.1, self.max_vec)
+        format!("t{} g{} w{} c{}x{} v{} u{}", self.threads, self.blocks_per_sm, self.warp_rows as u8, self.col.0, self.col.1, self.max_vec, self.unroll)
     }
 
     pub fn from_text(s: &str) -> Option<Config> {
@@ -310,7 +314,8 @@ impl Config {
         let col = field("c")?;
         let (x, y) = col.split_once('x')?;
         let max_vec = field("v")?.parse().ok()?;
-        let c = Config { threads, blocks_per_sm, warp_rows, col: (x.parse().ok()?, y.parse().ok()?), max_vec };
+        let unroll = field("u")?.parse().ok()?;
+        let c = Config { threads, blocks_per_sm, warp_rows, col: (x.parse().ok()?, y.parse().ok()?), max_vec, unroll };
         c.valid().then_some(c)
     }
 
@@ -318,7 +323,7 @@ impl Config {
     /// 1024 threads).
     fn valid(&self) -> bool {
         let p2 = |v: u32| v.is_power_of_two();
-        p2(self.threads) && (32..=1024).contains(&self.threads) && p2(self.col.0) && p2(self.col.1) && self.col.1 >= 2 && self.col.0 * self.col.1 <= 1024 && p2(self.max_vec) && self.max_vec <= 16
+        p2(self.threads) && (32..=1024).contains(&self.threads) && p2(self.col.0) && p2(self.col.1) && self.col.1 >= 2 && self.col.0 * self.col.1 <= 1024 && p2(self.max_vec) && self.max_vec <= 16 && self.unroll <= 32
     }
 }
 
@@ -352,6 +357,9 @@ pub fn candidates(k: &Kernel) -> Vec<Config> {
                 add(Config { col: (cx, threads / cx), ..h });
             }
         }
+        for unroll in [8, 16] {
+            add(Config { unroll, ..h });
+        }
         return out;
     }
     for threads in [128, 512, 1024] {
@@ -363,6 +371,8 @@ pub fn candidates(k: &Kernel) -> Vec<Config> {
     for blocks_per_sm in [8, 64] {
         add(Config { blocks_per_sm, ..h });
     }
+    add(Config { unroll: 8, ..h });
+    add(Config { unroll: 8, warp_rows: false, ..h });
     out
 }
 
@@ -795,7 +805,8 @@ fn emit_kernel_by_id(k: &Kernel, sms: u32, cfg: &Config, out: &mut String) -> Re
         } else {
             // Four iterations' loads in flight per thread: one 2-byte load at a time left a
             // 50 257-wide bf16 log-softmax at 1.2 TB/s on the H100.
-            writeln!(out, "    #pragma unroll {}", if serial { 8 } else { 4 }).unwrap();
+            let unroll = if cfg.unroll > 0 { cfg.unroll } else if serial { 8 } else { 4 };
+            writeln!(out, "    #pragma unroll {unroll}").unwrap();
             writeln!(out, "    for (long long r = {lane}; r < {inner_total}; r += {step}) {{").unwrap();
         }
         decompose(out, "      ", "r", &k.inner, n_outer);

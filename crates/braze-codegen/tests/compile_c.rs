@@ -203,5 +203,5 @@ fn kernel_configurations() {
     }
     assert!(several > 10, "{several} kernels with several configurations");
     assert_eq!(Config::from_text("t256 g0 w1 c8x64"), None);
-    assert_eq!(Config::from_text("t100 g0 w1 c8x64 v8"), None);
+    assert_eq!(Config::from_text("t100 g0 w1 c8x64 v8 u0"), None);
 }

@@ -448,12 +448,17 @@ fn mark_inlined(g: &Graph, n: NodeId, stored: &[bool], users_in: &mut [HashSet<u
 
 type Fused = (Vec<Group>, Vec<Option<usize>>, Vec<(usize, NodeId)>);
 
+/// Most groups a root tries to join because they read what it reads ([Note: sibling fusion]).
+const MAX_SIBLING_TRIALS: usize = 4;
+
 fn fuse(g: &Graph, stored: &[bool], log: &mut Vec<String>) -> Result<Fused, SchedError> {
     let mut groups: Vec<Group> = Vec::new();
     let mut group_of: Vec<Option<usize>> = vec![None; g.nodes.len()];
     let mut step_of: Vec<Option<usize>> = vec![None; g.nodes.len()];
     let mut externs = Vec::new();
     let mut next_order = 0;
+    // Groups by the stored values and inputs they read ([Note: sibling fusion]).
+    let mut readers: std::collections::HashMap<NodeId, Vec<usize>> = std::collections::HashMap::new();
     let dummy = |id: NodeId| if stored[id.index()] || matches!(g.node(id).op, Op::Reduce { .. }) { Some((id.0, contiguous_strides(&g.ty(id).shape))) } else { None };
     for id in g.ids() {
         let node = g.node(id);
@@ -483,6 +488,14 @@ fn fuse(g: &Graph, stored: &[bool], log: &mut Vec<String>) -> Result<Fused, Sche
                 cands.push(last);
             }
         }
+        // [Note: sibling fusion] Groups that read what this root reads, latest first: two
+        // reductions of one input with another kernel between them (BatchNorm backward's
+        // sum(g) and sum(g * (x - mean)) once split in two stages, the first sum's second
+        // stage between them) read the input once when fused.
+        let mut siblings: Vec<usize> = rs.iter().filter_map(|x| readers.get(x)).flatten().copied().filter(|k| !cands.contains(k)).collect();
+        siblings.sort_by_key(|&k| std::cmp::Reverse(groups[k].order));
+        siblings.dedup();
+        cands.extend(siblings.into_iter().take(MAX_SIBLING_TRIALS));
         let mut joined = None;
         // The root's own domain, computed once (its loop order walks the graph).
         let own = std::cell::OnceCell::new();
@@ -513,6 +526,13 @@ fn fuse(g: &Graph, stored: &[bool], log: &mut Vec<String>) -> Result<Fused, Sche
                     break;
                 }
                 Err(Illegal(m)) => log.push(format!("{id} not fused into group {k}: {m}")),
+            }
+        }
+        let group = joined.as_ref().map_or(groups.len(), |j| j.0);
+        for x in &rs {
+            let r = readers.entry(*x).or_default();
+            if !r.contains(&group) {
+                r.push(group);
             }
         }
         match joined {
