@@ -150,3 +150,27 @@ def test_random_ops_draw_fresh_numbers_each_replay(device):
     for o in outs:  # kept elements are scaled by 1 / (1 - p), then doubled
         assert set(o.unique().tolist()) <= {0.0, 4.0}
         assert 0.4 < (o != 0).float().mean().item() < 0.6
+
+
+@pytest.mark.parametrize("mode", ["reduce-overhead", "max-autotune"])
+def test_broadcast_gradient_is_copied_in(device, mode):
+    """`model(x).float().sum().backward()` hands the backward graph an expanded gradient (all
+    strides 0): its capture copies the distinct element into a buffer of those strides, and
+    replays run with eager's gradients (the benchmark's training step failed to capture it)."""
+    torch.manual_seed(0)
+    ref = _block(32).to(device)
+    mine = _block(32).to(device)
+    mine.load_state_dict(ref.state_dict())
+    c = braze.compile(mine, mode=mode, options={"on_unsupported": "error"})
+    before, refused = counts(), len(cudagraphs.stats.not_captured)
+    for _ in range(4):
+        x = torch.randn(16, 32, device=device)
+        for net, fn in ((ref, ref), (mine, c)):
+            net.zero_grad(set_to_none=True)
+            fn(x).float().sum().backward()
+        for a, b in zip(mine.parameters(), ref.parameters()):
+            torch.testing.assert_close(a.grad, b.grad, rtol=1e-4, atol=1e-4)
+    caps, reps, plain = (a - b for a, b in zip(counts(), before))
+    if device == "cuda":
+        assert caps == 2 and reps == 6 and plain == 0, (caps, reps, plain)
+        assert len(cudagraphs.stats.not_captured) == refused, cudagraphs.stats.not_captured[refused:]

@@ -55,6 +55,16 @@ class Stats:
 stats = Stats()
 
 
+def _distinct(t):
+    """`t` with its broadcast dims (stride 0, as `expand` makes them) narrowed to one element:
+    each of its distinct elements once, so a copy between two tensors of those strides writes
+    every element once (a copy into an expanded tensor is an error in PyTorch)."""
+    for d, (n, st) in enumerate(zip(t.shape, t.stride())):
+        if st == 0 and n > 1:
+            t = t.narrow(d, 0, 1)
+    return t
+
+
 class _Pool:
     """One device's memory pool and the outputs of its graphs' latest calls."""
 
@@ -144,8 +154,14 @@ class WholeGraph:
             if i in self.static_inputs or _storage_key(a) in live_keys or a.data_ptr() in pool.static_ptrs:
                 self.in_place[i] = (a.data_ptr(), a.shape, a.stride())
             else:
+                # A broadcast input (the gradient `sum().backward()` hands the backward is an
+                # expanded scalar) keeps its stride-0 dims: the copy writes its distinct
+                # elements once.
                 buf = torch.empty_strided(a.shape, a.stride(), dtype=a.dtype, device=a.device)
-                buf.copy_(a)
+                if torch._debug_has_internal_overlap(_distinct(buf)) != 0:
+                    self._turn_off(f"input {i} has overlapping strides {tuple(a.stride())}")
+                    return self.g(args)
+                _distinct(buf).copy_(_distinct(a))
                 self.copied[i] = buf
                 cap_args[i] = buf
         pool.static_ptrs.update(args[i].data_ptr() for i in self.static_inputs if i < len(args) and isinstance(args[i], torch.Tensor))
@@ -203,6 +219,9 @@ class WholeGraph:
             a = args[i]
             if a.data_ptr() != ptr or a.shape != shape or a.stride() != stride:
                 return self._plain(args, f"input {i} moved since the capture")
+        for i, buf in self.copied.items():
+            if 0 in buf.stride() and args[i].stride() != buf.stride():
+                return self._plain(args, f"input {i} is broadcast otherwise than at the capture")
         return self._launch(args, check=True)
 
     def _plain(self, args, why):
@@ -225,7 +244,7 @@ class WholeGraph:
             for key in stale:
                 _invalidate(pool.live.pop(key))
         for i, buf in self.copied.items():
-            buf.copy_(args[i])
+            _distinct(buf).copy_(_distinct(args[i]))
         self.graph.replay()
         stats.replays += 1
         for i in self.mutated:
