@@ -13,8 +13,10 @@ the same addresses, and a call returns fresh tensors viewing them.
 
 Inputs. Parameters and buffers (AOTAutograd's static inputs) and outputs of another whole
 graph (a backward's saved activations) are read where they are, at the address they had at
-capture; any other tensor input is copied into a buffer of the graph's own first. An input
-the graph mutates that is not read in place is copied back after the replay.
+capture; any other tensor input is copied into a buffer of the graph's own first (a broadcast
+input, such as the expanded gradient ``out.sum().backward()`` hands a backward, into a buffer
+of its strides, by its distinct elements; a later call broadcasting it otherwise runs plainly).
+An input the graph mutates that is not read in place is copied back after the replay.
 
 How long outputs stay valid (as PyTorch documents for its CUDA-graph trees):
 
