@@ -683,7 +683,7 @@ fn emit_kernel_by_id(k: &Kernel, sms: u32, cfg: &Config, out: &mut String) -> Re
     let col = k.column && !serial;
     let (col_x, col_y) = cfg.col;
     // [Note: tiled transposes]
-    let tiled = if is_red { None } else { tile_plan(k) };
+    let tiled = if is_red { None } else { crate::tiles::tile_plan(k) };
     let threads = if col { col_x * col_y } else if tiled.is_some() { TILE as u32 * TILE_ROWS } else { block };
     writeln!(out, "extern \"C\" __global__ void __launch_bounds__({threads}) {}({}) {{", k.name, params.join(", ")).unwrap();
     let launch = |work: Expr, per_block: u64, cap: u32| Launch {
@@ -869,68 +869,9 @@ fn emit_kernel_by_id(k: &Kernel, sms: u32, cfg: &Config, out: &mut String) -> Re
 const TILE: i64 = 32;
 /// Rows of a tile each thread row takes in turn (a block is 32 x `TILE_ROWS` threads).
 const TILE_ROWS: u32 = 8;
-/// Dims shorter than this (3 colour channels) would leave most of a tile idle.
-const TILE_MIN_DIM: i64 = 16;
-
-struct TilePlan {
-    /// The dim the transposed loads walk.
-    a: usize,
-    /// Indices (into the body) of the loads read through tiles.
-    loads: Vec<usize>,
-}
-
-/// The tiled plan of a pointwise kernel ([Note: tiled transposes]), or `None` when no load
-/// walks another dim than the stores do.
-fn tile_plan(k: &Kernel) -> Option<TilePlan> {
-    let n = k.outer.len();
-    if n < 2 || k.passes.len() != 1 {
-        return None;
-    }
-    let last = (n - 1) as u32;
-    let body = &k.passes[0].body;
-    let big = |d: &Expr| d.as_const().is_none_or(|c| c >= TILE_MIN_DIM);
-    if !big(&k.outer[n - 1]) {
-        return None;
-    }
-    let mut stores = 0;
-    for s in body {
-        if let Stmt::Store { index, .. } = s {
-            if index.linear_coef(last) != Some(1) {
-                return None;
-            }
-            stores += 1;
-        }
-    }
-    if stores == 0 {
-        return None;
-    }
-    let mut a = None;
-    let mut loads = Vec::new();
-    for (i, s) in body.iter().enumerate() {
-        let Stmt::Load { index, mask: None, .. } = s else { continue };
-        if mentions_tmp(index) {
-            continue;
-        }
-        let moves = index.var_coef(last).is_some_and(|c| !c.is_const(0) && !c.is_const(1));
-        if !moves {
-            continue;
-        }
-        let unit = (0..n - 1).find(|&d| index.linear_coef(d as u32) == Some(1) && big(&k.outer[d]));
-        match (unit, a) {
-            (Some(d), None) => {
-                a = Some(d);
-                loads.push(i);
-            }
-            (Some(d), Some(x)) if d == x => loads.push(i),
-            _ => {}
-        }
-    }
-    Some(TilePlan { a: a?, loads })
-}
-
 /// The tiled kernel's body ([Note: tiled transposes]); returns the work to launch a block per
 /// item of: the tiles.
-fn emit_tiled(e: &Emitter, k: &Kernel, plan: &TilePlan, out: &mut String) -> Result<Expr, CodegenError> {
+fn emit_tiled(e: &Emitter, k: &Kernel, plan: &crate::tiles::TilePlan, out: &mut String) -> Result<Expr, CodegenError> {
     let n = k.outer.len();
     let (a, last) = (plan.a, n - 1);
     let body = &k.passes[0].body;
@@ -981,7 +922,7 @@ fn emit_tiled(e: &Emitter, k: &Kernel, plan: &TilePlan, out: &mut String) -> Res
 
 /// True when an index reads a kernel temporary (a gathered row): its address is known only
 /// inside the lane loop, so no wide access can read it ahead.
-fn mentions_tmp(idx: &Expr) -> bool {
+pub(crate) fn mentions_tmp(idx: &Expr) -> bool {
     let mut t = Vec::new();
     idx.tmps(&mut t);
     !t.is_empty()

@@ -9,6 +9,7 @@ pub mod cuda;
 pub mod dedup;
 pub mod dialect;
 pub mod openmp;
+pub mod tiles;
 
 #[derive(Debug, thiserror::Error)]
 pub enum CodegenError {
