@@ -64,11 +64,17 @@ pub fn choose(kernels: &[Tunable], arch: &str, version: &str, ordinal: i32) -> R
                 specs.push(l);
             }
         }
-        let placed = compile_kernels(&all, arch, version, 0)?;
+        // Tuning is an optimization: candidates that do not compile or load leave every
+        // kernel in the heuristic's configuration (whose own compile then reports any error).
+        let Ok(placed) = compile_kernels(&all, arch, version, 0) else {
+            return Ok(or_heuristic(kernels, &chosen));
+        };
         for (l, place) in specs.iter_mut().zip(&placed.places) {
             (l.unit, l.name) = place.clone();
         }
-        let module = CudaModule::load(&placed.cubins, ordinal, specs, Vec::new(), false, version)?;
+        let Ok(module) = CudaModule::load(&placed.cubins, ordinal, specs, Vec::new(), false, version) else {
+            return Ok(or_heuristic(kernels, &chosen));
+        };
         let start = Instant::now();
         let mut said = 0.0;
         let mut first = 0;
@@ -91,7 +97,12 @@ pub fn choose(kernels: &[Tunable], arch: &str, version: &str, ordinal: i32) -> R
             }
         }
     }
-    Ok(chosen.into_iter().zip(kernels).map(|(c, t)| c.unwrap_or(t.candidates[0].config)).collect())
+    Ok(or_heuristic(kernels, &chosen))
+}
+
+/// The chosen configurations, the heuristic's where none was chosen.
+fn or_heuristic(kernels: &[Tunable], chosen: &[Option<Config>]) -> Vec<Config> {
+    chosen.iter().zip(kernels).map(|(c, t)| c.unwrap_or(t.candidates[0].config)).collect()
 }
 
 /// The candidate to keep given each one's seconds (the heuristic's first): the fastest when
