@@ -40,7 +40,8 @@ OPTIONS = {
                    "(default True under modes 'max-autotune' and 'max-autotune-no-cudagraphs', else False: the "
                    "libraries' heuristics pick and nothing is timed; BRAZE_MATMUL_TUNE=0 turns it off everywhere)",
     "kernel_tune": "bool: on the GPU, compile each braze kernel of static size in several configurations (threads "
-                   "per block, rows per block, column geometry, vector width, grid size), time them at compile "
+                   "per block, rows per block, column geometry, vector width, grid size, loop unrolling), time them "
+                   "at compile "
                    "time and keep the fastest, remembered on disk for later processes; a search longer than 2 s "
                    "prints its progress (default True under modes 'max-autotune' and "
                    "'max-autotune-no-cudagraphs', else False: static heuristics, nothing timed)",

@@ -339,7 +339,7 @@ pub fn candidates(k: &Kernel) -> Vec<Config> {
             out.push(c);
         }
     };
-    let is_red = !k.inner.is_empty() || k.is_reduction() || !k.prelude.is_empty() || k.passes.len() != 1 || k.passes.iter().any(|p| !p.after.is_empty());
+    let is_red = !k.is_pointwise();
     if !is_red {
         for threads in [128, 512] {
             add(Config { threads, ..h });
@@ -665,10 +665,12 @@ fn emit_kernel_by_id(k: &Kernel, sms: u32, cfg: &Config, out: &mut String) -> Re
         .collect();
     params.extend(syms.iter().map(|s| format!("long long s{s}")));
     writeln!(out, "/* {}: stores {} */", k.name, k.roots.join(", ")).unwrap();
-    let is_red = !k.inner.is_empty() || k.is_reduction() || !k.prelude.is_empty() || k.passes.len() != 1 || k.passes.iter().any(|p| !p.after.is_empty());
+    let is_red = !k.is_pointwise();
     let n_outer = k.outer.len();
     let outer_total = product(&k.outer);
     let block = cfg.threads;
+    // The grid's cap in blocks per multiprocessor: the configuration's, else `heuristic`.
+    let per_sm = |heuristic: u32| if cfg.blocks_per_sm > 0 { cfg.blocks_per_sm } else { heuristic };
     // Tiny rows (a sum over the 4 query heads of a KV head): one thread per outer point
     // walks its row alone; a block or warp per point would leave most threads idle.
     // Short column reductions over many outer points (a global average pool of a
@@ -706,7 +708,6 @@ fn emit_kernel_by_id(k: &Kernel, sms: u32, cfg: &Config, out: &mut String) -> Re
         // multiprocessor), each taking several grid-stride steps over which that work is
         // shared: on the H100 that beat a block per 256 vectors for ResNet-50's BatchNorm
         // kernels of 3-13 M elements (layer-3 residual 29 vs 35 us).
-        let per_sm = |heuristic: u32| if cfg.blocks_per_sm > 0 { cfg.blocks_per_sm } else { heuristic };
         let (mut per_block, mut cap, mut grid_multiple) = (block as u64, sms.max(1) * per_sm(32), 1);
         if let Some(plan) = &tiled {
             let work = emit_tiled(&e, k, plan, out)?;
@@ -843,7 +844,7 @@ fn emit_kernel_by_id(k: &Kernel, sms: u32, cfg: &Config, out: &mut String) -> Re
     }
     if serial {
         writeln!(out, "  }}\n}}\n").unwrap();
-        return Ok(launch(outer_total, block as u64, sms.max(1) * if cfg.blocks_per_sm > 0 { cfg.blocks_per_sm } else { 32 }));
+        return Ok(launch(outer_total, block as u64, sms.max(1) * per_sm(32)));
     }
     if col {
         writeln!(out, "  }}\n}}\n").unwrap();

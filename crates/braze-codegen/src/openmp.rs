@@ -430,7 +430,7 @@ fn emit_loops(k: &Kernel, e: &Emitter, out: &mut String, serial: bool, depth: us
     let ix = crate::c_emit::index;
     let n_outer = k.outer.len();
     let parallel = |pragma: String| if serial { None } else { Some(pragma) };
-    let reduction_kernel = !k.inner.is_empty() || k.is_reduction() || !k.prelude.is_empty() || k.passes.len() != 1 || k.passes.iter().any(|p| !p.after.is_empty());
+    let reduction_kernel = !k.is_pointwise();
     let mut depth = depth;
     let pad = |d: usize| "  ".repeat(d);
     if !reduction_kernel {

@@ -100,6 +100,11 @@ impl Kernel {
     pub fn is_reduction(&self) -> bool {
         self.passes.iter().any(|p| !p.reductions.is_empty())
     }
+    /// One pass of statements over the outer dims alone: no reduced dims, reductions,
+    /// prelude or values after a pass (targets emit such a kernel as a pointwise loop).
+    pub fn is_pointwise(&self) -> bool {
+        self.inner.is_empty() && !self.is_reduction() && self.prelude.is_empty() && self.passes.len() == 1 && self.passes.iter().all(|p| p.after.is_empty())
+    }
     /// Every size symbol the kernel's loops and indices mention.
     pub fn syms(&self) -> Vec<u32> {
         let mut out = Vec::new();

@@ -33,10 +33,10 @@ fn tuned() -> &'static Choices {
 /// How many kernels this process has timed (a choice remembered in memory or on disk is not
 /// timed again).
 pub fn kernels_timed() -> usize {
-    TIMED.load(std::sync::atomic::Ordering::Relaxed)
+    KERNELS_TIMED.load(std::sync::atomic::Ordering::Relaxed)
 }
 
-static TIMED: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+static KERNELS_TIMED: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
 
 /// The configuration to emit each of `kernels` in: a remembered choice, or the fastest
 /// candidate on device `ordinal`. A kernel whose timing fails keeps the heuristic's.
@@ -83,7 +83,7 @@ pub fn choose(kernels: &[Tunable], arch: &str, version: &str, ordinal: i32) -> R
             let sizes: Vec<(usize, u8)> = t.buffers.iter().map(|&(_, bytes, fill)| (bytes, fill)).collect();
             let timed = time_candidates(ordinal, &sizes, t.candidates.len(), &mut |c, ptrs, stream| module.run(first + c, first + c + 1, ptrs, &[], stream));
             first += t.candidates.len();
-            TIMED.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            KERNELS_TIMED.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             if let Ok(times) = timed {
                 if let Some(best) = fastest(&times) {
                     chosen[i] = Some(t.candidates[best].config);
