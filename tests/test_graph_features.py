@@ -971,12 +971,17 @@ def _transposes(x, y, z):
 @pytest.mark.parametrize("sizes", [((300, 77), (2, 37, 9, 11), (2, 40, 6, 17)), ((512, 256), (4, 64, 32, 32), (2, 64, 12, 64))], ids=["odd", "even"])
 def test_transposed_copies(device, dtype, sizes):
     """Partial and whole tiles, one dim short of a tile (6 heads), in both dtypes: values and
-    strides as eager's."""
+    strides as eager's; then inputs at an odd element offset, which the two-element tiles
+    cannot read ([Note: lazy scalar fallback])."""
     g = torch.Generator().manual_seed(len(sizes[0]))
-    args = [torch.randn(s, generator=g).to(device=device, dtype=dtype) for s in sizes]
-    want = _transposes(*args)
-    got = compiled(_transposes)(*args)
-    _no_eager()
-    for a, b in zip(got, want):
-        assert a.stride() == b.stride()
-        torch.testing.assert_close(a, b, rtol=1e-2 if dtype == torch.bfloat16 else 1e-5, atol=1e-2 if dtype == torch.bfloat16 else 1e-5)
+    c = compiled(_transposes, dynamic=False)
+    for off in (0, 1):
+        args = [torch.randn(torch.Size(s).numel() + off, generator=g)[off:].view(s).to(device=device, dtype=dtype) for s in sizes]
+        if off:
+            args = [torch.empty(a.numel() + 1, device=device, dtype=dtype)[1:].view(a.shape).copy_(a) for a in args]
+        want = _transposes(*args)
+        got = c(*args)
+        _no_eager()
+        for a, b in zip(got, want):
+            assert a.stride() == b.stride()
+            torch.testing.assert_close(a, b, rtol=1e-2 if dtype == torch.bfloat16 else 1e-5, atol=1e-2 if dtype == torch.bfloat16 else 1e-5)

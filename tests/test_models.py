@@ -1392,6 +1392,83 @@ def test_unaligned_inputs_take_the_scalar_fallback(device, compiled_graphs):
             assert "_scalar(" in src and "loop for unaligned pointers" in src, src
 
 
+def test_vector_rows(device, compiled_graphs):
+    """[Note: vector rows]: block-per-row reductions read 16 bytes per thread and step when
+    the innermost reduced dim allows it: NCHW BatchNorm statistics (a variance folded per
+    step), its backward's two sums, and a softmax whose rows are long (three passes, the last
+    storing wide). Values are eager's for aligned inputs and for a slice at an odd element
+    offset (the scalar fallback), in f32 and bf16."""
+    def f(x, g, acc=torch.float32):
+        var, mean = torch.var_mean(x.to(acc), (0, 2, 3), correction=1)
+        gs = g.to(acc).sum((0, 2, 3))
+        gx = (g.to(acc) * (x.to(acc) - mean[None, :, None, None])).sum((0, 2, 3))
+        return var, mean, gs, gx
+
+    def soft(x):
+        return torch.softmax(x.float() * 1.5, dim=-1).to(x.dtype)
+
+    shape = (8, 16, 28, 28)
+    n = torch.Size(shape).numel()
+    for dtype in (torch.float32, torch.bfloat16):
+        torch.manual_seed(0)
+        c = compiled(f, dynamic=False, options={"on_unsupported": "error"})
+        flat, gflat = (torch.randn(n + 1, device=device, dtype=dtype) * 2 + 1 for _ in range(2))
+        for off in (0, 1, 0):
+            x, g = (t[off:off + n].view(shape) for t in (flat, gflat))
+            want = f(x, g, torch.float64)
+            for a, b in zip(c(x, g), want):
+                torch.testing.assert_close(a.double(), b, rtol=1e-4, atol=1e-3)
+        src = braze.stats.records[-1].get("cuda_source") if device == "cpu" else None
+        v = 16 // dtype.itemsize
+        if src:
+            assert src.count(f"rv * {v}") >= 2 and "vx" in src, src
+        cs = compiled(soft, dynamic=False, options={"on_unsupported": "error"})
+        rows = torch.randn(6 * 4096 + 1, device=device, dtype=dtype)
+        for off in (0, 1):
+            x = rows[off:off + 6 * 4096].view(6, 4096)
+            torch.testing.assert_close(cs(x), soft(x), rtol=1e-2 if dtype == torch.bfloat16 else 1e-5, atol=1e-3 if dtype == torch.bfloat16 else 1e-6)
+        src = braze.stats.records[-1].get("cuda_source") if device == "cpu" else None
+        if src:
+            assert src.count(f"rv * {v}") >= 3, src
+
+
+def test_vector_columns(device, compiled_graphs):
+    """[Note: vector columns]: column reductions read several neighbouring points per thread
+    with one wide load: channels_last BatchNorm statistics and backward sums, a bias
+    gradient (a sum over rows) and a max over rows, in f32 and bf16, for aligned inputs and
+    a slice at an odd element offset (the scalar fallback). Values are eager's."""
+    def f(x, g, mean, acc=torch.float32):
+        # The statistics, and the backward's sums over a saved mean: single-pass kernels.
+        var, m = torch.var_mean(x.to(acc), (0, 2, 3), correction=0)
+        gs = g.to(acc).sum((0, 2, 3))
+        gx = (g.to(acc) * (x.to(acc) - mean.to(acc)[None, :, None, None])).sum((0, 2, 3))
+        return var, m, gs, gx
+
+    def cols(m, acc=torch.float32):
+        return m.to(acc).sum(0), m.amax(0)
+
+    shape = (4, 64, 24, 24)
+    n = torch.Size(shape).numel()
+    for dtype in (torch.float32, torch.bfloat16):
+        torch.manual_seed(0)
+        c = compiled(f, dynamic=False, options={"on_unsupported": "error"})
+        cc = compiled(cols, dynamic=False, options={"on_unsupported": "error"})
+        flat, gflat = (torch.randn(n + 1, device=device, dtype=dtype) * 2 + 1 for _ in range(2))
+        for off in (0, 1, 0):
+            x, g = (t[off:off + n].view(shape[0], shape[2], shape[3], shape[1]).permute(0, 3, 1, 2) for t in (flat, gflat))
+            assert x.is_contiguous(memory_format=torch.channels_last)
+            mean = torch.randn(shape[1], device=device)
+            want = f(x, g, mean, torch.float64)
+            for a, b in zip(c(x, g, mean), want):
+                torch.testing.assert_close(a.double(), b, rtol=1e-3, atol=1e-3)
+            m = flat[off:off + 768 * 40].view(768 // 2, 80)
+            for a, b in zip(cc(m), (m.double().sum(0), m.amax(0))):
+                torch.testing.assert_close(a.double(), b.double(), rtol=1e-3, atol=1e-3)
+        src = braze.stats.records[-2].get("cuda_source") if device == "cpu" else None
+        if src:
+            assert "bz_colv_welford<" in src and "bz_colv_reduce<" in src, src
+
+
 def test_extern_operands_live_in_arenas(device, compiled_graphs):
     """[Note: extern operands in arenas] (braze-driver): the attention call's operands, made
     by braze's kernels, are views of the arena (in bytes of buffers that died before them)

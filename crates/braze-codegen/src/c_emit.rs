@@ -286,6 +286,30 @@ impl Emitter<'_> {
         }
     }
 
+    /// A reduction's update in a vector step of `v` lanes (a CUDA row kernel's wide loads):
+    /// lines before the lanes, the line ending each lane, lines after the lanes. A variance
+    /// folds the step's `v` elements into its Welford state at once, their mean and squared
+    /// deviations merged as Chan et al. do: one division per step, not one per element.
+    pub fn red_vector(&self, r: &Reduction, v: i64) -> (Vec<String>, String, Vec<String>) {
+        if r.kind != ReduceKind::Var {
+            return (Vec::new(), self.red_update(r), Vec::new());
+        }
+        let (n, s) = (r.dst, format!("t{}", r.src));
+        let ct = compute_type(self.dt(r.src));
+        let div = if ct == "double" { "bz_wdivd" } else { "bz_wdiv" };
+        (
+            vec![format!("{ct} vs{n} = 0, vx{n}[{v}];")],
+            format!("vx{n}[j] = {s}; vs{n} += {s};"),
+            vec![
+                format!("{{ const {ct} m = vs{n} * ({ct})(1.0 / {v}); {ct} q = 0;"),
+                "  #pragma unroll".to_string(),
+                format!("  for (int j = 0; j < {v}; j++) {{ const {ct} d = vx{n}[j] - m; q += d * d; }}"),
+                format!("  const bz_count_t nn = wn{n} + {v}; const {ct} d = m - wm{n}, f = {div}(({ct}){v}, ({ct})nn);"),
+                format!("  wm{n} += d * f; wq{n} += q + d * d * ({ct})wn{n} * f; wn{n} = nn; }}"),
+            ],
+        )
+    }
+
     /// The accumulator update in a loop over lanes ([`crate::openmp`]'s blocked reductions):
     /// as [`Self::red_update`], with argmax/argmin branch-free so the loop vectorizes.
     pub fn red_update_lane(&self, r: &Reduction) -> String {
