@@ -334,7 +334,8 @@ pub struct Config {
     pub warp_rows: bool,
     /// Column kernels: (outer points per block, threads per point); both powers of two.
     pub col: (u32, u32),
-    /// Pointwise kernels' vector path: the most elements a thread accesses at once.
+    /// The most elements a thread accesses at once: pointwise kernels' vector path, tiled
+    /// transposes, [Note: vector rows] and [Note: vector columns]; 1 turns them off.
     pub max_vec: u32,
     /// Reductions: iterations of the loop over reduced elements unrolled (loads in flight per
     /// thread); 0 for the heuristic's (8 for tiny rows, 4 otherwise).
@@ -407,6 +408,8 @@ pub fn candidates(k: &Kernel) -> Vec<Config> {
         for unroll in [8, 16] {
             add(Config { unroll, ..h });
         }
+        // One point per thread ([Note: vector columns] off).
+        add(Config { max_vec: 1, ..h });
         return out;
     }
     for threads in [128, 512, 1024] {
@@ -420,6 +423,10 @@ pub fn candidates(k: &Kernel) -> Vec<Config> {
     }
     add(Config { unroll: 8, ..h });
     add(Config { unroll: 8, warp_rows: false, ..h });
+    // Element-by-element block rows ([Note: vector rows] off).
+    if product(&k.inner).as_const().is_none_or(|n| n > WARP_ROW_MAX) {
+        add(Config { max_vec: 1, ..h });
+    }
     out
 }
 
