@@ -125,9 +125,14 @@ def _configs(source):
         name = part.split(":", 1)[0]
         bounds = re.search(r"__launch_bounds__\((\d+)\)", part)
         col = re.search(r"bz_col_\w+<(\d+), (\d+)>", part)
+        colv = re.search(r"bz_colv_\w+<(\d+), (\d+), (\d+)>", part)
+        rows = re.search(r"rv \* (\d+)", part)
+        tile = re.search(r"__shared__ float tile0\[(\d+)\]\[(\d+)\]", part)
         unroll = re.search(r"#pragma unroll (\d+)", part)
         out.append(f"braze_{name}: {bounds.group(1) if bounds else '?'} threads" + (f", columns {col.group(1)}x{col.group(2)}" if col else "")
-                   + (f", unroll {unroll.group(1)}" if unroll else "") + (", tiled" if "__shared__ float tile0" in part else ""))
+                   + (f", vector columns {colv.group(1)}x{colv.group(2)} threads, {colv.group(3)} points each" if colv else "")
+                   + (f", vector rows of {rows.group(1)}" if rows else "")
+                   + (f", unroll {unroll.group(1)}" if unroll else "") + (f", tiles {tile.group(1)}x{int(tile.group(2)) - 1}" if tile else ""))
     return out
 
 

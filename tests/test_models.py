@@ -1319,9 +1319,9 @@ def test_batchnorm_per_channel_math_hoisted(device, channels):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_column_blocks_fill_sectors(device, dtype):
     """[Note: column geometry] (braze-codegen): BatchNorm statistics and sums over N, H, W of
-    a channels_last activation are column reductions; their blocks take as many neighbouring
-    channels as fill a 32-byte sector with the narrowest element read (8 of f32, 16 of bf16),
-    512 threads each. Values are eager's (the tree combination over 64 or 32 partials)."""
+    a channels_last activation are column reductions. They run as vector columns ([Note:
+    vector columns]: 8 threads across points, 8 bytes of points each, 512 threads). Values
+    are eager's (the combinations over the y threads), the argmax over N's too."""
     x = torch.randn(16, 96, 20, 20, device=device, dtype=dtype).to(memory_format=torch.channels_last)
     x[:, 5] += 100  # a channel whose mean is far from 0: Welford's combination is exercised
 
@@ -1337,8 +1337,10 @@ def test_column_blocks_fill_sectors(device, dtype):
     src = rec["source"] if device == "cuda" else rec.get("cuda_source")
     if src is None:
         pytest.skip("NVRTC not found: the CUDA source was not generated")
-    geometry = "<16, 32>" if dtype == torch.bfloat16 else "<8, 64>"
-    assert f"bz_col_welford{geometry}" in src and f"bz_col_reduce{geometry}" in src, src
+    lanes = 8 // dtype.itemsize
+    assert f"bz_colv_welford<8, 64, {lanes}>" in src and f"bz_colv_reduce<8, 64, {lanes}>" in src, src
+    if device == "cpu":  # the NVRTC check holds the scalar fallback too: its blocks take as many points
+        assert f"bz_col_welford<{8 * lanes}, {512 // (8 * lanes)}>" in src, src
 
 
 def test_short_column_reductions_run_a_thread_per_point(device):

@@ -308,6 +308,11 @@ pub const COL_THREADS: u32 = COL_X * COL_Y;
 /// block: BatchNorm statistics of a bf16 channels_last activation (64×256×56×56) ran at about
 /// a third of the H100's copy bandwidth. 16 points of 2 bytes (32 of 1 byte) fill the sector.
 pub fn col_geometry(k: &Kernel) -> (u32, u32) {
+    if let Some(v) = column_lanes(k, 8) {
+        // [Note: vector columns]: 8 threads across points, `v` points each.
+        let x = (COL_VEC_THREADS * v) as u32;
+        return (x, COL_THREADS / x);
+    }
     let narrowest = k.bufs.iter().filter(|b| !b.written).map(|b| b.dtype.size()).min().unwrap_or(4).clamp(1, 4) as u32;
     let x = COL_X * 4 / narrowest;
     (x, COL_THREADS / x)
@@ -973,14 +978,29 @@ fn emit_kernel_by_id(k: &Kernel, sms: u32, cfg: &Config, out: &mut String) -> Re
 /// memory (`bz_colv_reduce`, `bz_colv_welford`). Single-pass kernels without a prelude or
 /// arg-reductions only.
 fn column_vector_width(k: &Kernel, cfg: &Config) -> Option<i64> {
-    if k.passes.len() != 1 || !k.prelude.is_empty() || k.passes[0].reductions.iter().any(|r| matches!(r.kind, ReduceKind::ArgMax | ReduceKind::ArgMin)) {
+    let v = column_lanes(k, (cfg.max_vec as i64).min(cfg.col.0 as i64))?;
+    ((cfg.col.0 as i64) % v == 0 && cfg.col.0 * cfg.col.1 >= 32).then_some(v)
+}
+
+/// Threads across points of a vector column kernel's block (the heuristic's).
+const COL_VEC_THREADS: i64 = 8;
+/// Bytes a vector column kernel's thread loads at once from its narrowest buffer: 8 threads
+/// of 8 bytes read 64 neighbouring bytes of a row, 4 rows per warp. With 16 bytes a thread
+/// and 2 threads per row, a warp's load touched 16 rows.
+const COL_VEC_BYTES: i64 = 8;
+
+/// Points per thread of column kernel `k` as a vector column kernel, at most `max_vec`, or
+/// `None` when it cannot be one.
+fn column_lanes(k: &Kernel, max_vec: i64) -> Option<i64> {
+    if !k.column || k.passes.len() != 1 || !k.prelude.is_empty() || k.passes[0].reductions.iter().any(|r| matches!(r.kind, ReduceKind::ArgMax | ReduceKind::ArgMin)) {
         return None;
     }
     let n = k.outer.len();
     let len = k.outer.last()?.as_const()?;
     let body = &k.passes[0].body;
-    let v = vector_width(k, body, (n - 1) as u32, len, &tmp_deps(body), &|_| true, (cfg.max_vec as i64).min(cfg.col.0 as i64));
-    (v > 1 && (cfg.col.0 as i64) % v == 0 && cfg.col.0 * cfg.col.1 >= 32).then_some(v)
+    let narrowest = k.bufs.iter().filter(|b| !b.written).map(|b| b.dtype.size() as i64).min().unwrap_or(4).max(1);
+    let v = vector_width(k, body, (n - 1) as u32, len, &tmp_deps(body), &|_| true, max_vec.min(COL_VEC_BYTES / narrowest).max(1));
+    (v > 1).then_some(v)
 }
 
 /// The body of a vector column kernel ([Note: vector columns]); `launch` is the scalar
@@ -999,18 +1019,35 @@ fn emit_vector_column(e: &Emitter, k: &Kernel, sms: u32, cfg: &Config, v: i64, l
     writeln!(out, "    const long long o = live ? ox : 0;").unwrap();
     decompose(out, "    ", "o", &k.outer, 0);
     writeln!(out, "    const long long ov = i{last};").unwrap();
-    // Each reduction's state, `v` lanes of it.
+    // Each reduction's state, `v` lanes of it. A variance's lanes see the same rows, so they
+    // share its count and the count's reciprocal, computed once per step.
+    let shared_count = |r: &braze_sched::loop_ir::Reduction, name: &str| r.kind == ReduceKind::Var && name.starts_with("wn");
     let mut refs = Vec::new();
+    let mut before = Vec::new();
+    let mut each = Vec::new();
     for r in &p.reductions {
         for (ty, name) in e.red_state(r) {
+            if shared_count(r, &name) {
+                writeln!(out, "    {ty} {name} = 0;").unwrap();
+                continue;
+            }
             writeln!(out, "    {ty} {name}_v[{v}];").unwrap();
             refs.push(format!("{ty}& {name} = {name}_v[j];"));
+        }
+        if r.kind == ReduceKind::Var {
+            let (n, st) = (r.dst, compute_type(k.tmp_dtypes[r.src as usize]));
+            let div = if st == "double" { "bz_wdivd" } else { "bz_wdiv" };
+            before.push(format!("wn{n} += 1; const {st} wi{n} = {div}(({st})1, ({st})wn{n});"));
+            each.push(format!("{{ {st} d = t{s} - wm{n}; wm{n} += d * wi{n}; wq{n} += d * (t{s} - wm{n}); }}", s = r.src));
+        } else {
+            each.push(e.red_update(r));
         }
     }
     writeln!(out, "    #pragma unroll\n    for (int j = 0; j < {v}; j++) {{").unwrap();
     for r in &p.reductions {
+        let lanes: Vec<String> = e.red_state(r).iter().filter(|(_, nm)| !shared_count(r, nm)).map(|(_, nm)| format!("{nm}_v[j] = {nm};")).collect();
         for l in e.red_init(r) {
-            writeln!(out, "      {{ {l} {} }}", e.red_state(r).iter().map(|(_, nm)| format!("{nm}_v[j] = {nm};")).collect::<Vec<_>>().join(" ")).unwrap();
+            writeln!(out, "      {{ {l} {} }}", lanes.join(" ")).unwrap();
         }
     }
     writeln!(out, "    }}").unwrap();
@@ -1018,7 +1055,7 @@ fn emit_vector_column(e: &Emitter, k: &Kernel, sms: u32, cfg: &Config, v: i64, l
     writeln!(out, "    #pragma unroll {unroll}").unwrap();
     writeln!(out, "    for (long long r = cy; r < {}; r += {yt}) {{", index(&product(&k.inner))).unwrap();
     decompose(out, "      ", "r", &k.inner, n_outer);
-    let lanes = Lanes { first: refs.clone(), each: p.reductions.iter().map(|r| e.red_update(r)).collect(), ..Lanes::default() };
+    let lanes = Lanes { before, first: refs.clone(), each, ..Lanes::default() };
     // Rows past the outer points are read at point 0 (`o`), as the scalar kernel does.
     emit_lanes(e, k, &p.body, last, v, &|_| false, &[], &lanes, "      ", out)?;
     let align = wide_alignment(k, &p.body, last, v, &|_| false);
@@ -1035,7 +1072,7 @@ fn emit_vector_column(e: &Emitter, k: &Kernel, sms: u32, cfg: &Config, v: i64, l
             ReduceKind::Any => format!("bz_colv_reduce<{xt}, {yt}, {v}>(a{n}_v, [](bool x, bool y) {{ return x || y; }}, cx, t);"),
             ReduceKind::All => format!("bz_colv_reduce<{xt}, {yt}, {v}>(a{n}_v, [](bool x, bool y) {{ return x && y; }}, cx, t);"),
             ReduceKind::Var => format!(
-                "{{ {st} fn_v[{v}]; for (int j = 0; j < {v}; j++) fn_v[j] = ({st})wn{n}_v[j]; bz_colv_welford<{xt}, {yt}, {v}>(wm{n}_v, wq{n}_v, fn_v, cx, t); for (int j = 0; j < {v}; j++) wn{n}_v[j] = (bz_count_t)fn_v[j]; }}"
+                "{{ {st} fn_v[{v}]; for (int j = 0; j < {v}; j++) fn_v[j] = ({st})wn{n}; bz_colv_welford<{xt}, {yt}, {v}>(wm{n}_v, wq{n}_v, fn_v, cx, t); wn{n} = (bz_count_t)fn_v[0]; }}"
             ),
             ReduceKind::ArgMax | ReduceKind::ArgMin => unreachable!("column_vector_width excludes arg-reductions"),
         };
