@@ -1051,7 +1051,11 @@ fn emit_vector_column(e: &Emitter, k: &Kernel, sms: u32, cfg: &Config, v: i64, l
         }
     }
     writeln!(out, "    }}").unwrap();
-    let unroll = if cfg.unroll > 0 { cfg.unroll } else { 4 };
+    // A variance's dependent updates want more rows in flight: channels_last bf16 statistics
+    // (64×256×56×56) took 47.8 us unrolled 4 times, 36.5 unrolled 16 times (H200, max-autotune's
+    // choice); sums kept 4 (52.9 us, 94% of copy bandwidth).
+    let has_var = p.reductions.iter().any(|r| r.kind == ReduceKind::Var);
+    let unroll = if cfg.unroll > 0 { cfg.unroll } else if has_var { 16 } else { 4 };
     writeln!(out, "    #pragma unroll {unroll}").unwrap();
     writeln!(out, "    for (long long r = cy; r < {}; r += {yt}) {{", index(&product(&k.inner))).unwrap();
     decompose(out, "      ", "r", &k.inner, n_outer);
