@@ -772,11 +772,8 @@ fn emit_kernel_by_id(k: &Kernel, sms: u32, cfg: &Config, out: &mut String) -> Re
             let (work, align) = emit_tiled(&e, k, plan, cfg.max_vec as i64, out)?;
             let mut l = Launch { block: TILE as u32, block_y: TILE_ROWS, ..launch(work, 1, sms.max(1) * 32) };
             if !align.is_empty() {
-                // The one-element tiles for unaligned pointers ([Note: lazy scalar fallback]).
-                let name = format!("{}_scalar", k.name);
-                let mut scalar = String::new();
-                emit_kernel_by_id(&Kernel { name: name.clone(), ..k.clone() }, sms, &Config { max_vec: 1, ..*cfg }, &mut scalar)?;
-                l.fallback = Some(Fallback { name, source: format!("{}\n{scalar}", d.prelude()), align });
+                // The one-element tiles for unaligned pointers.
+                l.fallback = Some(one_element_fallback(k, sms, cfg, align)?);
             }
             return Ok(l);
         }
@@ -957,13 +954,18 @@ fn emit_kernel_by_id(k: &Kernel, sms: u32, cfg: &Config, out: &mut String) -> Re
     if row_align.is_empty() {
         return Ok(launch(outer_total, 1, 1 << 30));
     }
-    // The element-by-element rows for calls whose pointers are not aligned for the wide
-    // loads ([Note: lazy scalar fallback]).
+    // The element-by-element rows for calls whose pointers are not aligned for the wide loads.
+    Ok(Launch { fallback: Some(one_element_fallback(k, sms, cfg, row_align)?), ..launch(outer_total, 1, 1 << 30) })
+}
+
+/// Kernel `k` emitted with one element per access (`max_vec` 1), as the fallback of its wide
+/// version for calls whose pointers fail `align` ([Note: lazy scalar fallback]). Its block
+/// shape and grid are the wide version's.
+fn one_element_fallback(k: &Kernel, sms: u32, cfg: &Config, align: Vec<(u32, u64)>) -> Result<Fallback, CodegenError> {
     let name = format!("{}_scalar", k.name);
     let mut scalar = String::new();
     emit_kernel_by_id(&Kernel { name: name.clone(), ..k.clone() }, sms, &Config { max_vec: 1, ..*cfg }, &mut scalar)?;
-    let source = format!("{}\n{scalar}", d.prelude());
-    Ok(Launch { fallback: Some(Fallback { name, source, align: row_align }), ..launch(outer_total, 1, 1 << 30) })
+    Ok(Fallback { source: format!("{}\n{scalar}", Cuda.prelude()), name, align })
 }
 
 /// [Note: vector columns] A column kernel (a kept dim innermost in memory: channels_last
@@ -1094,10 +1096,7 @@ fn emit_vector_column(e: &Emitter, k: &Kernel, sms: u32, cfg: &Config, v: i64, l
         writeln!(out, "      {}", emit_stmt(e, s, Some("live && cy == 0"))?).unwrap();
     }
     writeln!(out, "    }}\n  }}\n}}\n").unwrap();
-    let name = format!("{}_scalar", k.name);
-    let mut scalar = String::new();
-    emit_kernel_by_id(&Kernel { name: name.clone(), ..k.clone() }, sms, &Config { max_vec: 1, ..*cfg }, &mut scalar)?;
-    Ok(Launch { fallback: Some(Fallback { name, source: format!("{}\n{scalar}", Cuda.prelude()), align }), ..launch })
+    Ok(Launch { fallback: Some(one_element_fallback(k, sms, cfg, align)?), ..launch })
 }
 
 /// [Note: vector rows] A block-per-row reduction reads its row with wide loads (16 bytes
