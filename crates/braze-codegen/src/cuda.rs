@@ -981,7 +981,9 @@ fn one_element_fallback(k: &Kernel, sms: u32, cfg: &Config, align: Vec<(u32, u64
 /// arg-reductions only.
 fn column_vector_width(k: &Kernel, cfg: &Config) -> Option<i64> {
     let v = column_lanes(k, (cfg.max_vec as i64).min(cfg.col.0 as i64))?;
-    ((cfg.col.0 as i64) % v == 0 && cfg.col.0 * cfg.col.1 >= 32).then_some(v)
+    // Threads across points within a warp's width (`bz_colv_*` combine a warp's lanes CX apart).
+    let xt = cfg.col.0 as i64 / v;
+    ((cfg.col.0 as i64) % v == 0 && xt <= 32 && cfg.col.0 * cfg.col.1 >= 32).then_some(v)
 }
 
 /// Threads across points of a vector column kernel's block (the heuristic's).
