@@ -5,7 +5,8 @@ items 2 and 3), as a share of the card's copy bandwidth measured in the same run
 
 --tuned adds braze with option kernel_tune (max-autotune's kernel configurations, [Note: kernel
 configurations]) and prints what it chose for each kernel: threads per block, a column
-kernel's geometry, the reduction loop's unrolling.
+kernel's geometry (vector columns: threads across points by threads along the rows, points per
+thread), vector rows' width, the reduction loop's unrolling, a tiled copy's tile.
 
 Cases, each under eager, Inductor and braze (`on_unsupported="error"`):
   bn_stats_cl / bn_stats_nchw   var_mean(x.float(), (0, 2, 3)): BatchNorm statistics of a
@@ -118,8 +119,8 @@ def main():
 
 
 def _configs(source):
-    """Each kernel of a CUDA module's source: its name, threads per block, column geometry
-    and reduction-loop unrolling, as the code says."""
+    """Each kernel of a CUDA module's source: its name, threads per block, column geometry,
+    vector width, reduction-loop unrolling and tile, as the code says."""
     out = []
     for part in source.split("/* braze_")[1:]:
         name = part.split(":", 1)[0]
