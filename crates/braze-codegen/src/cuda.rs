@@ -919,15 +919,10 @@ fn emit_kernel_by_id(k: &Kernel, sms: u32, cfg: &Config, out: &mut String) -> Re
             let n = r.dst;
             let st = compute_type(k.tmp_dtypes[r.src as usize]);
             let line = match r.kind {
-                ReduceKind::Sum => format!("a{n} = {reduce}(a{n}, [](decltype(a{n}) x, decltype(a{n}) y) {{ return x + y; }});"),
-                ReduceKind::Prod => format!("a{n} = {reduce}(a{n}, [](decltype(a{n}) x, decltype(a{n}) y) {{ return x * y; }});"),
-                ReduceKind::Max => format!("a{n} = {reduce}(a{n}, []({st} x, {st} y) {{ return (x != x || x > y) ? x : y; }});"),
-                ReduceKind::Min => format!("a{n} = {reduce}(a{n}, []({st} x, {st} y) {{ return (x != x || x < y) ? x : y; }});"),
-                ReduceKind::Any => format!("a{n} = {reduce}(a{n}, [](bool x, bool y) {{ return x || y; }});"),
-                ReduceKind::All => format!("a{n} = {reduce}(a{n}, [](bool x, bool y) {{ return x && y; }});"),
                 ReduceKind::ArgMax => format!("{arg}(a{n}, ai{n}, true);"),
                 ReduceKind::ArgMin => format!("{arg}(a{n}, ai{n}, false);"),
                 ReduceKind::Var => format!("{{ {st} fn = ({st})wn{n}; {welford}(wm{n}, wq{n}, fn); wn{n} = (bz_count_t)fn; }}"),
+                kind => format!("a{n} = {reduce}(a{n}, {});", combine_lambda(kind, &format!("decltype(a{n})"), st)),
             };
             if !serial {
                 writeln!(out, "    {line}").unwrap();
@@ -956,6 +951,20 @@ fn emit_kernel_by_id(k: &Kernel, sms: u32, cfg: &Config, out: &mut String) -> Re
     }
     // The element-by-element rows for calls whose pointers are not aligned for the wide loads.
     Ok(Launch { fallback: Some(one_element_fallback(k, sms, cfg, row_align)?), ..launch(outer_total, 1, 1 << 30) })
+}
+
+/// The lambda combining two partial results of a sum, product, max, min, any or all, whose
+/// accumulators are of type `acc` and elements of type `st` (max and min keep NaN).
+fn combine_lambda(kind: ReduceKind, acc: &str, st: &str) -> String {
+    match kind {
+        ReduceKind::Sum => format!("[]({acc} x, {acc} y) {{ return x + y; }}"),
+        ReduceKind::Prod => format!("[]({acc} x, {acc} y) {{ return x * y; }}"),
+        ReduceKind::Max => format!("[]({st} x, {st} y) {{ return (x != x || x > y) ? x : y; }}"),
+        ReduceKind::Min => format!("[]({st} x, {st} y) {{ return (x != x || x < y) ? x : y; }}"),
+        ReduceKind::Any => "[](bool x, bool y) { return x || y; }".to_string(),
+        ReduceKind::All => "[](bool x, bool y) { return x && y; }".to_string(),
+        ReduceKind::ArgMax | ReduceKind::ArgMin | ReduceKind::Var => unreachable!("combined by their own functions"),
+    }
 }
 
 /// Kernel `k` emitted with one element per access (`max_vec` 1), as the fallback of its wide
@@ -1073,16 +1082,11 @@ fn emit_vector_column(e: &Emitter, k: &Kernel, sms: u32, cfg: &Config, v: i64, l
         let st = compute_type(k.tmp_dtypes[r.src as usize]);
         let at = e.red_state(r)[0].0;
         let line = match r.kind {
-            ReduceKind::Sum => format!("bz_colv_reduce<{xt}, {yt}, {v}>(a{n}_v, []({at} x, {at} y) {{ return x + y; }}, cx, t);"),
-            ReduceKind::Prod => format!("bz_colv_reduce<{xt}, {yt}, {v}>(a{n}_v, []({at} x, {at} y) {{ return x * y; }}, cx, t);"),
-            ReduceKind::Max => format!("bz_colv_reduce<{xt}, {yt}, {v}>(a{n}_v, []({st} x, {st} y) {{ return (x != x || x > y) ? x : y; }}, cx, t);"),
-            ReduceKind::Min => format!("bz_colv_reduce<{xt}, {yt}, {v}>(a{n}_v, []({st} x, {st} y) {{ return (x != x || x < y) ? x : y; }}, cx, t);"),
-            ReduceKind::Any => format!("bz_colv_reduce<{xt}, {yt}, {v}>(a{n}_v, [](bool x, bool y) {{ return x || y; }}, cx, t);"),
-            ReduceKind::All => format!("bz_colv_reduce<{xt}, {yt}, {v}>(a{n}_v, [](bool x, bool y) {{ return x && y; }}, cx, t);"),
             ReduceKind::Var => format!(
                 "{{ {st} fn_v[{v}]; for (int j = 0; j < {v}; j++) fn_v[j] = ({st})wn{n}; bz_colv_welford<{xt}, {yt}, {v}>(wm{n}_v, wq{n}_v, fn_v, cx, t); wn{n} = (bz_count_t)fn_v[0]; }}"
             ),
             ReduceKind::ArgMax | ReduceKind::ArgMin => unreachable!("column_vector_width excludes arg-reductions"),
+            kind => format!("bz_colv_reduce<{xt}, {yt}, {v}>(a{n}_v, {}, cx, t);", combine_lambda(kind, at, st)),
         };
         writeln!(out, "    {line}").unwrap();
     }
@@ -1157,7 +1161,8 @@ fn emit_tiled(e: &Emitter, k: &Kernel, plan: &crate::tiles::TilePlan, max_vec: i
     if !(a_ok && na_const.is_some_and(|c| c % ea == 0)) {
         ea = 1;
     }
-    let is_tiled = |s: &Stmt| matches!(s, Stmt::Load { dst, .. } if plan.loads.iter().any(|&li| matches!(&body[li], Stmt::Load { dst: d, .. } if d == dst)));
+    let tiled_dsts: Vec<u32> = plan.loads.iter().map(|&li| body[li].dst().unwrap()).collect();
+    let is_tiled = |s: &Stmt| matches!(s, Stmt::Load { dst, .. } if tiled_dsts.contains(dst));
     let narrowest_store = body.iter().filter_map(|s| if let Stmt::Store { buf, .. } = s { Some(size(*buf)) } else { None }).min().unwrap_or(4);
     let mut eb = match k.outer[last].as_const() {
         Some(len) => vector_width(k, body, last as u32, len, &tmp_deps(body), &|s| !is_tiled(s), (TILE_ACCESS_BYTES / narrowest_store).clamp(1, max_vec)),
@@ -1215,7 +1220,6 @@ fn emit_tiled(e: &Emitter, k: &Kernel, plan: &crate::tiles::TilePlan, max_vec: i
     writeln!(out, "      const int j = threadIdx.y + {TILE_ROWS} * jj;").unwrap();
     writeln!(out, "      const long long i{a} = oa + j, i{last} = ob + {eb} * threadIdx.x;").unwrap();
     writeln!(out, "      if (i{a} < {na} && i{last} < {nb}) {{").unwrap();
-    let tiled_dsts: Vec<u32> = plan.loads.iter().map(|&li| body[li].dst().unwrap()).collect();
     if eb == 1 {
         for (t, d) in tiled_dsts.iter().enumerate() {
             writeln!(out, "        {} t{d} = tile{t}[threadIdx.x][j];", compute_type(k.tmp_dtypes[*d as usize])).unwrap();
