@@ -107,7 +107,9 @@ def main():
             if prof is not None:
                 import pstats
                 prof.disable()
-                pstats.Stats(prof).sort_stats("tottime").print_stats(15)
+                st = pstats.Stats(prof)
+                st.sort_stats("tottime").print_stats(25)
+                st.sort_stats("cumulative").print_stats(25)
             line = f"  {spec:9s} host {statistics.median(host):8.1f} us  wall {statistics.median(wall):8.1f} us"
             if be == "braze":
                 n = a.steps

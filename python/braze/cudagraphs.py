@@ -22,7 +22,8 @@ How long outputs stay valid (as PyTorch documents for its CUDA-graph trees):
 
 - A forward or inference graph's outputs are valid until the next call of the same graph.
   Outputs of the previous call still alive then are invalidated: reading one raises an error
-  that says so (``clone()`` an output to keep it across calls).
+  that says so (``clone()`` an output to keep it across calls). As with PyTorch's CUDA-graph
+  trees this reaches the tensors the call returned, not views the caller made of them.
 - Before any replay braze checks that it overwrites nothing alive: outputs of other whole graphs
   alive now that were not alive when this graph was captured, or a backward's own previous
   outputs still held (gradients accumulated over several backward calls). Then this call runs
@@ -37,7 +38,6 @@ import sys
 import weakref
 
 import torch
-from torch.multiprocessing.reductions import StorageWeakRef
 
 _POOLS = {}  # device index -> _Pool
 
@@ -72,19 +72,33 @@ class _Pool:
 
     def __init__(self):
         self.handle = torch.cuda.graph_pool_handle()
-        # (graph id, output storage index) -> (StorageWeakRef, weak ref to the first tensor
-        # returned viewing it, the storage's data pointer)
-        self.live = {}
+        # graph id -> (weak references (`UntypedStorage._weak_ref` handles) to the storages of
+        # the outputs its latest call returned, their data pointers). Plain handles, not
+        # StorageWeakRef objects: a replay makes one per output storage.
+        self.outputs = {}
         # Data pointers of the static inputs (parameters, buffers) of the graphs captured: a
         # backward reading a parameter reads it in place too.
         self.static_ptrs = set()
 
     def alive(self):
-        expired = torch.UntypedStorage._expired  # StorageWeakRef.expired without its Python frame
-        dead = [k for k, (ref, _, _) in self.live.items() if expired(ref.cdata)]
-        for k in dead:
-            del self.live[k]
-        return self.live
+        """(graph id, output storage index) of the outputs alive now."""
+        expired = torch.UntypedStorage._expired
+        return [(g, k) for g, (refs, _) in self.outputs.items() for k, r in enumerate(refs) if not expired(r)]
+
+    def set_outputs(self, graph_id, refs, ptrs):
+        old = self.outputs.get(graph_id)
+        self.outputs[graph_id] = (refs, ptrs)
+        if old is not None:
+            free = torch.UntypedStorage._free_weak_ref
+            for r in old[0]:
+                free(r)
+
+    def drop(self, graph_id):
+        old = self.outputs.pop(graph_id, None)
+        if old is not None:
+            free = torch.UntypedStorage._free_weak_ref
+            for r in old[0]:
+                free(r)
 
 
 def _pool(device_index):
@@ -112,6 +126,7 @@ class WholeGraph:
         self.log = log
         self.calls = 0
         self.graph = None
+        self.returned = []  # (output storage index, weak reference to the tensor) of the latest call
         self.off = None  # why this graph runs plainly on every call
         if g.dynamic:
             self.off = "symbolic sizes"
@@ -146,7 +161,7 @@ class WholeGraph:
             return self.g(args)
         pool = _pool(dev)
         alive = pool.alive()
-        live_keys = {ptr: key for key, (_, _, ptr) in alive.items()}  # storage data pointer -> key of a live whole-graph output there
+        live_keys = {pool.outputs[g][1][k]: (g, k) for g, k in alive}  # storage data pointer -> key of a live whole-graph output there
         # Inputs read in place: static ones and live outputs of whole graphs; the rest are
         # copied into the graph's own buffers.
         self.in_place = {}  # arg index -> (data_ptr, shape, stride, storage offset)
@@ -168,6 +183,14 @@ class WholeGraph:
                 cap_args[i] = buf
         pool.static_ptrs.update(args[i].data_ptr() for i in self.static_inputs if i < len(args) and isinstance(args[i], torch.Tensor))
         self.mutated = [i for i in self.g.mutated_args if i in self.copied]
+        # What a replay checks and copies, in the forms its C++ calls take.
+        self.check_idx = list(self.in_place)
+        self.check_ptrs = [None] * len(args)
+        for i, (ptr, _, _) in self.in_place.items():
+            self.check_ptrs[i] = ptr
+        self.broadcast = [(i, buf.stride()) for i, buf in self.copied.items() if 0 in buf.stride()]
+        self.copy_dst = [_distinct(buf) for buf in self.copied.values()]
+        self.copy_idx = list(self.copied)
         self.alive_at_capture = frozenset(alive)
         graph = torch.cuda.CUDAGraph()
         torch.cuda.synchronize(dev)
@@ -207,7 +230,9 @@ class WholeGraph:
             meta = {"size": o.shape, "stride": o.stride(), "dtype": o.dtype, "device": o.device, "storage_offset": o.storage_offset()}
             self.outs.append(("own", storages[sp], meta))
         self.storage_specs = [(sp, k.device, k.untyped_storage().nbytes()) for sp, k in zip(storages, self.kept)]
-        self.n_storages = len(storages)
+        self.storage_ptrs = list(storages)
+        # The common case, every output in the graph's own memory, assembled by one comprehension.
+        self.own_only = [(k, meta) for _, k, meta in self.outs] if all(o[0] == "own" for o in self.outs) else None
         del live_keys
         stats.captures += 1
         self.log(f"{self.name}: captured as one CUDA graph ({sum(1 for o in self.outs if o[0] == 'own')} outputs in its own memory, "
@@ -217,12 +242,13 @@ class WholeGraph:
     # Replay -----------------------------------------------------------------------------
 
     def _replay(self, args):
-        for i, (ptr, shape, stride) in self.in_place.items():
-            a = args[i]
-            if a.data_ptr() != ptr or a.shape != shape or a.stride() != stride:
-                return self._plain(args, f"input {i} moved since the capture")
-        for i, buf in self.copied.items():
-            if 0 in buf.stride() and args[i].stride() != buf.stride():
+        # Parameters and the live outputs of other graphs where they were at the capture (one
+        # C++ call; shapes and strides are Dynamo's guards and the graphs' own outputs').
+        if self.check_idx and not torch._C._tensors_data_ptrs_at_indices_equal(args, self.check_ptrs, self.check_idx):
+            moved = next(i for i in self.check_idx if args[i].data_ptr() != self.check_ptrs[i])
+            return self._plain(args, f"input {moved} moved since the capture")
+        for i, stride in self.broadcast:
+            if args[i].stride() != stride:
                 return self._plain(args, f"input {i} is broadcast otherwise than at the capture")
         return self._launch(args, check=True)
 
@@ -233,70 +259,68 @@ class WholeGraph:
 
     def _launch(self, args, check):
         pool = self.pool
+        me = id(self)
         if check:
             stale = []
+            at_capture = self.alive_at_capture
             for key in pool.alive():
-                if key in self.alive_at_capture:
+                if key in at_capture:
                     continue
-                if key[0] == id(self) and self.kind != "backward":
-                    stale.append(key)
+                if key[0] == me and self.kind != "backward":
+                    stale.append(key[1])
                     continue
-                what = "its own earlier outputs (gradients kept across backward calls?)" if key[0] == id(self) else "another graph's outputs"
+                what = "its own earlier outputs (gradients kept across backward calls?)" if key[0] == me else "another graph's outputs"
                 return self._plain(args, f"{what} are alive in memory this graph writes")
-            for key in stale:
-                _invalidate(pool.live.pop(key))
-        for i, buf in self.copied.items():
-            _distinct(buf).copy_(_distinct(args[i]))
+            if stale:
+                self._invalidate(stale)
+        if self.copy_idx:
+            torch._foreach_copy_(self.copy_dst, [_distinct(args[i]) for i in self.copy_idx])
         self.graph.replay()
         stats.replays += 1
         for i in self.mutated:
             args[i].copy_(self.copied[i])
-        storages = [None] * self.n_storages
-        first = [None] * self.n_storages
+        new_storage = torch._C._construct_storage_from_data_pointer
+        storages = [new_storage(*spec) for spec in self.storage_specs]
         construct = torch._C._construct_CUDA_Tensor_From_Storage_And_Metadata
-        res = []
-        for o in self.outs:
-            if o[0] == "arg":
-                res.append(args[o[1]])
-            elif o[0] == "value":
-                res.append(o[1])
-            elif o[0] == "input":
-                _, i, shape, stride, off = o
-                base = args[i]
-                res.append(base.as_strided(shape, stride, base.storage_offset() + off))
-            else:
-                _, k, meta = o
-                s = storages[k]
-                if s is None:
-                    s = storages[k] = torch._C._construct_storage_from_data_pointer(*self.storage_specs[k])
-                t = construct(meta, s)
-                if first[k] is None:
-                    first[k] = weakref.ref(t)
-                res.append(t)
-        me = id(self)
-        live = pool.live
-        specs = self.storage_specs
-        for k, s in enumerate(storages):
-            live[(me, k)] = (StorageWeakRef(s), first[k], specs[k][0])
+        if self.own_only is not None:
+            res = [construct(meta, storages[k]) for k, meta in self.own_only]
+            if self.kind != "backward":
+                self.returned = [(k, weakref.ref(t)) for (k, _), t in zip(self.own_only, res)]
+        else:
+            res = []
+            self.returned = []
+            for o in self.outs:
+                if o[0] == "own":
+                    t = construct(o[2], storages[o[1]])
+                    res.append(t)
+                    self.returned.append((o[1], weakref.ref(t)))
+                elif o[0] == "arg":
+                    res.append(args[o[1]])
+                elif o[0] == "value":
+                    res.append(o[1])
+                else:
+                    _, i, shape, stride, off = o
+                    base = args[i]
+                    res.append(base.as_strided(shape, stride, base.storage_offset() + off))
+        pool.set_outputs(me, [st._weak_ref() for st in storages], self.storage_ptrs)
         args.clear()
         return res
 
+    def _invalidate(self, storages):
+        """Makes the outputs of the previous call viewing `storages` (indices) unreadable: their
+        memory is about to be overwritten. Reading one raises (the tensors this graph returned;
+        as with PyTorch's CUDA-graph trees, views the caller made of them are not reached)."""
+        stale = set(storages)
+        for k, w in self.returned:
+            t = w()
+            if k in stale and t is not None:
+                torch._C._set_storage_access_error_msg(t, _STALE)
+                stats.invalidated += 1
 
-def _invalidate(entry):
-    """Makes the storage of an earlier replay's output unreadable (its memory is about to be
-    overwritten)."""
-    ref, w, _ = entry
-    t = w()
-    if t is not None:
-        torch._C._set_storage_access_error_msg(t, _STALE)
-        stats.invalidated += 1
-        return
-    if not ref.expired():  # alive only through views made by the caller: reach the storage itself
-        s = torch.UntypedStorage._new_with_weak_ptr(ref.cdata)
-        if s is not None:
-            t = torch.empty(0, dtype=torch.uint8, device=s.device).set_(s)
-            torch._C._set_storage_access_error_msg(t, _STALE)
-            stats.invalidated += 1
+    def __del__(self):
+        pool = self.__dict__.get("pool")
+        if pool is not None:
+            pool.drop(id(self))
 
 
 def wrap(g, kind, static_inputs, logs):
