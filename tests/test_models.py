@@ -651,8 +651,7 @@ def test_library_convolution_training(device, dtype, model_layout):
     """A training step's convolutions and their gradients are braze's own ops on the GPU
     ([Note: library convolutions]): no ATen convolution or convolution_backward in either
     graph; outputs, every gradient (input, weights, biases) and BatchNorm's statistics are
-    eager's. With TF32 the 3-channel stem's weight gradient runs over its input padded to 4
-    channels (`_filter_padded_channels`)."""
+    eager's, with cuDNN's TF32 engines (its default for fp32) and without."""
     if device != "cuda":
         pytest.skip("library convolutions run on the GPU")
     tf32 = dtype == "tf32"

@@ -2432,19 +2432,6 @@ def _padded_channels(xv, groups) -> int:
     return 8
 
 
-def _filter_padded_channels(xv, groups, tf32) -> int:
-    """The channel count an fp32 input is zero-padded to for its weight's gradient, 0 for none:
-    fewer than 4 channels (16-byte rows, which the TF32 tensor-core engines need) padded to 4.
-    Unpadded, cuDNN's heuristic takes a generic engine for ResNet-18's 7x7 stem over 3
-    channels (`wgrad_alg0_engine_NHWC`, 0.44 ms of a 4.9 ms fp32 b32 training step on an
-    H200; Inductor's, through ATen, 0.13 + 0.09 ms). The forward's engine is a tensor-core one
-    unpadded (0.19 ms, as Inductor's) and stays so."""
-    c = xv.shape[1]
-    if groups != 1 or xv.dtype != torch.float32 or not tf32 or not isinstance(c, int) or c >= 4:
-        return 0
-    return 4
-
-
 def _channels_padded(L, t, c_to):
     """FX tensor `t` (N, C, H, W) zero-padded to `c_to` channels, stored channels_last (one
     kernel reads `t` and writes it so)."""
@@ -2491,12 +2478,9 @@ def _library_conv_backward(L, node, grad_out, x, weight, stride, padding, dilati
         L.relaid[dx] = list(val[0].stride())
         L.n_library_convs += 1
     if mask[1] and val[1] is not None:
-        c_w = c_to or _filter_padded_channels(xv, groups, tf32)
-        xi = _channels_padded(L, x, c_w) if c_w else _cl_operand(L, x)
-        shape = [wv.shape[0], c_w or wv.shape[1], wv.shape[2], wv.shape[3]]
-        dw = L.op("conv", xi, gi, dir="filter", spatial=[sym_val(wv.shape[2]), sym_val(wv.shape[3])], strides=_channels_last_strides(shape), **common)
-        if c_w:
-            dw = L.op("slice", dw, dim=1, start=0, len=sym_val(c), step=1)
+        xi = _channels_padded(L, x, c_to) if c_to else _cl_operand(L, x)
+        shape = [wv.shape[0], c_to or wv.shape[1], wv.shape[2], wv.shape[3]]
+        dw = unpad(L.op("conv", xi, gi, dir="filter", spatial=[sym_val(wv.shape[2]), sym_val(wv.shape[3])], strides=_channels_last_strides(shape), **common))
         L.relaid[dw] = list(val[1].stride())
         L.n_library_convs += 1
     if mask[2] and val[2] is not None:
