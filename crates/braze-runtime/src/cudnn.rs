@@ -132,6 +132,7 @@ const A_TENSOR_UNIQUE_ID: c_int = 906;
 const A_PACK_UNIQUE_IDS: c_int = 1000;
 const A_PACK_DATA_POINTERS: c_int = 1001;
 const A_PACK_WORKSPACE: c_int = 1003;
+const A_ENGINE_GLOBAL_INDEX: c_int = 1301;
 const A_ENGINE_NUMERICAL_NOTE: c_int = 1303;
 const A_ENGINE_BEHAVIOR_NOTE: c_int = 1305;
 // Notes.
@@ -437,13 +438,22 @@ pub fn prepare(spec: ConvSpec, ordinal: i32, tune: bool) -> Result<Prepared, Run
         // (depthwise convolutions: the heuristic's order, [Note: depthwise engines]).
         let ranked = &cfgs[..n.clamp(0, HEUR_CONFIGS as i64) as usize];
         for &rtc in spec.engine_passes() {
-            for cfg in ranked {
+            for (rank, cfg) in ranked.iter().enumerate() {
                 if plans.len() == wanted {
                     break;
                 }
-                match plan_of(h, cfg, &spec, rtc) {
-                    Ok(Some(p)) => plans.push(p),
-                    Ok(None) => {}
+                let got = plan_of(h, cfg, &spec, rtc);
+                if trace_enabled() {
+                    let what = match &got {
+                        Ok(Ok((_, ws))) => format!("built, workspace {ws} bytes"),
+                        Ok(Err(skip)) => format!("skipped: {skip}"),
+                        Err(e) => format!("error: {e}"),
+                    };
+                    eprintln!("[braze:cudnn] {} mode {mode} pass {rtc:?} rank {rank}: {what}", spec.name);
+                }
+                match got {
+                    Ok(Ok(p)) => plans.push(p),
+                    Ok(Err(_)) => {}
                     Err(e) => why = e.to_string(),
                 }
             }
@@ -470,11 +480,18 @@ pub fn prepare(spec: ConvSpec, ordinal: i32, tune: bool) -> Result<Prepared, Run
     Ok(Prepared { spec, plan, _built_from: built_from })
 }
 
-/// The execution plan of engine configuration `cfg` with its workspace bytes; None where the
-/// engine is not wanted (narrowed inputs, TF32 where not allowed, compiled at run time or not
-/// as `rtc` asks where it asks), does not build, or needs a larger workspace than the one the
-/// libraries share.
-fn plan_of(h: Handle, cfg: &Descriptor, spec: &ConvSpec, rtc: Option<bool>) -> Result<Option<(Descriptor, usize)>, RuntimeError> {
+/// `BRAZE_CUDNN_TRACE=1`, a diagnostic: each convolution's engine configurations as they are
+/// tried, with why each was skipped or the workspace of each plan built, to stderr.
+fn trace_enabled() -> bool {
+    static ON: OnceLock<bool> = OnceLock::new();
+    *ON.get_or_init(|| std::env::var("BRAZE_CUDNN_TRACE").is_ok_and(|v| v == "1"))
+}
+
+/// The execution plan of engine configuration `cfg` with its workspace bytes; `Err` with the
+/// reason where the engine is not wanted (narrowed inputs, TF32 where not allowed, compiled
+/// at run time or not as `rtc` asks where it asks), does not build, or needs a larger
+/// workspace than the one the libraries share.
+fn plan_of(h: Handle, cfg: &Descriptor, spec: &ConvSpec, rtc: Option<bool>) -> Result<Result<(Descriptor, usize), String>, RuntimeError> {
     let engine = Descriptor::new(D_ENGINE)?;
     let l = dnn()?;
     let mut n: i64 = 0;
@@ -486,22 +503,38 @@ fn plan_of(h: Handle, cfg: &Descriptor, spec: &ConvSpec, rtc: Option<bool>) -> R
     // (TF32) engines only where TF32 is allowed.
     let tf32 = spec.dtype == DType::F32 && notes.contains(&NOTE_TENSOR_CORE);
     let behavior = engine.get_enums(A_ENGINE_BEHAVIOR_NOTE, T_BEHAVIOR_NOTE, 16)?;
-    if notes.contains(&NOTE_DOWN_CONVERT_INPUTS) || (tf32 && !spec.tf32) || rtc.is_some_and(|r| behavior.contains(&BEHAVIOR_RUNTIME_COMPILATION) != r) {
-        return Ok(None);
+    let rt = behavior.contains(&BEHAVIOR_RUNTIME_COMPILATION);
+    let id = || {
+        let (mut g, mut k): (i64, i64) = (-1, 0);
+        // SAFETY: reads one int64 from a filled engine descriptor (a diagnostic only).
+        unsafe { (l.get_attr)(engine.0, A_ENGINE_GLOBAL_INDEX, T_INT64, 1, &mut k, &mut g as *mut i64 as *mut c_void) };
+        format!("engine {g}{}", if rt { " (compiled at run time)" } else { "" })
+    };
+    if notes.contains(&NOTE_DOWN_CONVERT_INPUTS) {
+        return Ok(Err(format!("{}: converts the inputs to a narrower type", id())));
+    }
+    if tf32 && !spec.tf32 {
+        return Ok(Err(format!("{}: TF32 not allowed", id())));
+    }
+    if rtc.is_some_and(|r| rt != r) {
+        return Ok(Err(format!("{}: not in this pass", id())));
     }
     let plan = Descriptor::new(D_EXECUTION_PLAN)?;
     plan.set(A_PLAN_HANDLE, T_HANDLE, &[h])?;
     plan.set(A_PLAN_ENGINE_CONFIG, T_BACKEND_DESCRIPTOR, &[cfg.0])?;
     if plan.finalize("execution plan").is_err() {
-        return Ok(None);
+        return Ok(Err(format!("{}: does not build", id())));
     }
     let mut ws: i64 = 0;
     // SAFETY: reads one int64 from a finalized plan.
     ok(unsafe { (l.get_attr)(plan.0, A_PLAN_WORKSPACE_SIZE, T_INT64, 1, &mut n, &mut ws as *mut i64 as *mut c_void) }, "workspace size")?;
     if ws < 0 || ws as usize > crate::cublaslt::WORKSPACE {
-        return Ok(None);
+        return Ok(Err(format!("{}: workspace {ws} bytes over the shared {}", id(), crate::cublaslt::WORKSPACE)));
     }
-    Ok(Some((plan, ws as usize)))
+    if trace_enabled() {
+        eprintln!("[braze:cudnn] {}: {} builds", spec.name, id());
+    }
+    Ok(Ok((plan, ws as usize)))
 }
 
 /// The index of the fastest of the first `TUNE_PLANS` plans on device `ordinal`, remembered
