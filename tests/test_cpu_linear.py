@@ -1,12 +1,14 @@
-"""CPU linears through prepacked library kernels ([Note: CPU linears] in braze/cpu_linear.py):
-compared with eager on fresh random inputs, asserting which library call ran, that the packed
-weight is reused across calls and repacked after an in-place update, and that training graphs
-keep plain aten matmuls."""
+"""CPU linears through prepacked library kernels ([Note: CPU linears] in braze/cpu_linear.py)
+and large f32 matmuls through oneDNN where it is this CPU's faster GEMM ([Note: CPU GEMM
+library]): compared with eager on fresh random inputs under both f32 libraries whichever this
+CPU measured faster, asserting which library call ran, that the packed weight is reused across
+calls and repacked after an in-place update, and that training graphs pack nothing."""
 import pytest
 import torch
 from torch import nn
 
 import braze
+from braze import cpu_linear
 from braze.cpu_linear import CpuLinear
 from braze.workloads import MatmulHeavy, TinyBlock
 
@@ -16,6 +18,24 @@ FREEZE = {"freeze_weights": True}
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN")
 
 BF16 = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
+@pytest.fixture(params=["blas", "onednn"])
+def f32_lib(request, monkeypatch):
+    """The f32 GEMM library, forced ([Note: CPU GEMM library]: measured per process otherwise)."""
+    if request.param == "blas" and not torch._C.has_mkl:
+        pytest.skip("prepacked f32 linears through the BLAS need MKL")
+    monkeypatch.setattr(cpu_linear, "_F32_LIBRARY", [request.param])
+    return request.param
+
+
+def _packed_f32(lib, fused=""):
+    """The extern name of a prepacked f32 linear under `lib` (MKL's path fuses no activation)."""
+    return "mkl._mkl_linear[packed]" if lib == "blas" else f"mkldnn._linear_pointwise{fused}[packed]"
+
+
+def _n_packed(ops):
+    return sum(v for k, v in ops.items() if k.endswith("[packed]"))
 
 
 def _specs():
@@ -54,7 +74,9 @@ DTYPES = [torch.float32] + ([torch.bfloat16] if BF16 else [])
 @pytest.mark.parametrize("act", list(ACTS))
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("rank", [2, 3])
-def test_mlp_matches_eager(dtype, act, bias, rank):
+def test_mlp_matches_eager(dtype, act, bias, rank, f32_lib):
+    if dtype != torch.float32 and f32_lib == "onednn":
+        pytest.skip("bf16 linears take oneDNN under either f32 library")
     torch.manual_seed(0)
     m = MLP(ACTS[act], bias=bias).to(dtype).eval()
     c = torch.compile(m, backend="braze", options=FREEZE)
@@ -64,8 +86,12 @@ def test_mlp_matches_eager(dtype, act, bias, rank):
             x = torch.randn(shape, dtype=dtype)
             torch.testing.assert_close(c(x), m(x), **_tol(dtype))
     ops = braze.stats.extern_ops
-    if dtype == torch.float32:
+    if dtype == torch.float32 and f32_lib == "blas":
         assert ops.get("mkl._mkl_linear[packed]") == 2, ops
+    elif dtype == torch.float32:
+        fused = {"relu": "+relu", "gelu": "+gelu", "gelu_tanh": "+gelu(tanh)", "silu": ""}[act]
+        assert ops.get(f"mkldnn._linear_pointwise{fused}[packed]") == (2 if not fused else 1), ops
+        assert _n_packed(ops) == 2, ops
     else:
         fused = {"relu": "+relu", "gelu": "+gelu", "gelu_tanh": "+gelu(tanh)", "silu": "+swish"}[act]
         assert ops.get(f"mkldnn._linear_pointwise{fused}[packed]") == 1, ops
@@ -74,7 +100,9 @@ def test_mlp_matches_eager(dtype, act, bias, rank):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_prepacked_once_and_repacked_after_inplace_update(dtype):
+def test_prepacked_once_and_repacked_after_inplace_update(dtype, f32_lib):
+    if dtype != torch.float32 and f32_lib == "onednn":
+        pytest.skip("bf16 linears take oneDNN under either f32 library")
     torch.manual_seed(0)
     m = MatmulHeavy(64, 3).to(dtype).eval()
     c = torch.compile(m, backend="braze", options=FREEZE)
@@ -98,11 +126,11 @@ def test_prepacked_once_and_repacked_after_inplace_update(dtype):
         # Unchanged weights are not packed again.
         c(x)
         assert sorted(s.packs for s in specs) == [1, 2, 2]
-    key = "mkl._mkl_linear[packed]" if dtype == torch.float32 else "mkldnn._linear_pointwise+relu[packed]"
+    key = _packed_f32(f32_lib, "+relu") if dtype == torch.float32 else "mkldnn._linear_pointwise+relu[packed]"
     assert braze.stats.extern_ops.get(key) == 3, braze.stats.extern_ops
 
 
-def test_tinyblock_inference_matches_eager():
+def test_tinyblock_inference_matches_eager(f32_lib):
     torch.manual_seed(0)
     m = TinyBlock(64, 4).eval()
     c = torch.compile(m, backend="braze", options=FREEZE)
@@ -110,7 +138,8 @@ def test_tinyblock_inference_matches_eager():
         for _ in range(2):
             x = torch.randn(3, 10, 64)
             torch.testing.assert_close(c(x), m(x), atol=1e-4, rtol=1e-4)
-    assert braze.stats.extern_ops.get("mkl._mkl_linear[packed]") == 2, braze.stats.extern_ops
+    ops = braze.stats.extern_ops
+    assert _n_packed(ops) == 2 and ops.get(_packed_f32(f32_lib, "+gelu")), ops
 
 
 def test_activation_input_with_other_users_not_fused():
@@ -149,7 +178,7 @@ def test_non_static_weight_keeps_aten():
     assert not any("packed" in k for k in braze.stats.extern_ops), braze.stats.extern_ops
 
 
-def test_training_step_keeps_plain_matmuls():
+def test_training_step_keeps_plain_matmuls(f32_lib):
     torch.manual_seed(0)
     m = TinyBlock(64, 4)
     ref = TinyBlock(64, 4)
@@ -171,7 +200,7 @@ def test_training_step_keeps_plain_matmuls():
     with torch.no_grad():
         x = torch.randn(2, 6, 64)
         torch.testing.assert_close(c(x), ref.eval()(x), atol=1e-4, rtol=1e-4)
-    assert braze.stats.extern_ops.get("mkl._mkl_linear[packed]") == 2, braze.stats.extern_ops
+    assert _n_packed(braze.stats.extern_ops) == 2, braze.stats.extern_ops
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -235,3 +264,62 @@ def test_conv_weights_laid_out_once(compiled_graphs):
         x = torch.randn(2, 3, 12, 12)
         torch.testing.assert_close(c(x), m(x), atol=1e-4, rtol=1e-4)
         assert sorted(s.copies for s in convs) == [1, 1, 2]
+
+
+def test_f32_library_is_measured():
+    """[Note: CPU GEMM library]: the choice is this CPU's measurement, by its rule."""
+    if cpu_linear._F32_LIBRARY:
+        cpu_linear._F32_LIBRARY.clear()
+    lib = cpu_linear.f32_library()
+    assert lib in ("blas", "onednn")
+    t = cpu_linear.F32_TIMES
+    assert set(t) == {"blas", "onednn"} and all(v > 0 for v in t.values()), t
+    assert (lib == "onednn") == (t["onednn"] < 0.8 * t["blas"]), t
+
+
+def test_large_f32_matmuls_follow_the_library(f32_lib):
+    """Without freeze_weights: a matmul of 2·M·N·K >= ONEDNN_MIN_FLOPS is a oneDNN call (its relu
+    fused) where oneDNN is the faster library, a smaller one stays braze's own BLAS call; under
+    the BLAS both are braze's. Values are eager's either way."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 8)).eval()
+    assert 2 * 64 * 512 * 512 >= cpu_linear.ONEDNN_MIN_FLOPS > 2 * 64 * 8 * 512
+    c = torch.compile(m, backend="braze", options={"on_unsupported": "error"})
+    with torch.no_grad():
+        for _ in range(2):
+            x = torch.randn(64, 512)
+            torch.testing.assert_close(c(x), m(x), atol=1e-4, rtol=1e-4)
+    rec = braze.stats.records[-1]
+    if f32_lib == "onednn":
+        assert rec["externs"] == {"mkldnn._linear_pointwise+relu": 1}, rec["externs"]
+        assert rec["schedule"].count("matmul") == 1, rec["schedule"]
+    else:
+        assert not rec["externs"] and rec["schedule"].count("matmul") == 2, (rec["externs"], rec["schedule"])
+
+
+def test_training_matmuls_follow_the_library(f32_lib):
+    """A training step's forward and backward matmuls (weights as they are, transposed operands
+    as views) through oneDNN where it is the faster library; gradients are eager's."""
+    torch.manual_seed(0)
+    m, ref = TinyBlock(128, 4), TinyBlock(128, 4)
+    ref.load_state_dict(m.state_dict())
+    c = torch.compile(m, backend="braze", options={"on_unsupported": "error"})
+    n0 = len(braze.stats.records)
+    for _ in range(2):
+        x = torch.randn(2, 64, 128, requires_grad=True)
+        xr = x.detach().clone().requires_grad_(True)
+        for mod in (m, ref):
+            mod.zero_grad(set_to_none=True)
+        out, r = c(x), ref(xr)
+        out.square().mean().backward()
+        r.square().mean().backward()
+        torch.testing.assert_close(out, r, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(x.grad, xr.grad, atol=1e-4, rtol=1e-4)
+        for (name, p), q in zip(m.named_parameters(), ref.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, atol=1e-4, rtol=1e-4, msg=name)
+    recs = braze.stats.records[n0:]
+    assert [r["kind"] for r in recs] == ["forward", "backward"]
+    calls = [sum(v for k, v in r["externs"].items() if k.startswith("mkldnn._linear_pointwise")) for r in recs]
+    # fc1 and fc2 forward; each one's input and weight gradients backward.
+    assert calls == ([2, 4] if f32_lib == "onednn" else [0, 0]), [r["externs"] for r in recs]
+    assert not any("[packed]" in k for r in recs for k in r["externs"])

@@ -1,4 +1,5 @@
-"""CPU linears through the best library kernel PyTorch ships ([Note: CPU linears]).
+"""CPU linears through the best library kernel PyTorch ships ([Note: CPU linears], [Note: CPU
+GEMM library]).
 
 [Note: CPU linears]
 On the CPU braze does not generate matmuls; it calls a library. For an inference graph, an
@@ -29,6 +30,25 @@ Inductor's freezing, which never repacks). Training graphs (forward and backward
 saved for the backward anyway. Non-static weights, f64/f16, symbolic sizes and
 ``torch.backends.mkldnn.matmul.fp32_precision`` other than ``none``/``ieee`` keep ``aten``;
 so does every linear when ``BRAZE_CPU_LINEAR=0`` is set while a graph compiles.
+
+[Note: CPU GEMM library]
+Which f32 GEMM PyTorch's wheel runs fastest depends on the CPU, not only on the shape: MKL
+takes its AVX2 code on AMD processors even where they have AVX-512, and oneDNN does not. On
+the 2-core AMD EPYC build machine (AVX-512) ``mkldnn._linear_pointwise`` took 0.41-0.48x the
+time of ``addmm`` (MKL's ``sgemm``) from 64x256x256 to 1024x4096x4096, at f32 accuracy; on
+Intel CPUs MKL has been the faster. So the choice is measured, once per process, when the first
+CPU graph compiles (`f32_library`: a 128x512x512 product through each, ~3 ms): ``onednn``
+where oneDNN takes under 0.8x of the BLAS's time, ``blas`` otherwise. With ``onednn``:
+
+- every f32 ``mm``/``addmm`` (1-d bias) of static sizes with 2·M·N·K ≥ ``ONEDNN_MIN_FLOPS`` is
+  a call of ``mkldnn._linear_pointwise`` (``mm(a, b)`` as ``linear(a, b.t())``, views as they
+  are: oneDNN reads transposed operands at the same speed), in inference and training graphs,
+  with a following relu or gelu fused as above when it is the matmul's only user. Smaller ones
+  stay braze's own BLAS calls from Rust ([Note: CPU matmuls]): oneDNN's ~12 µs of fixed cost
+  per call outweighs what it saves below about 4 MFLOP;
+- prepacked f32 linears (freeze_weights) use oneDNN's packed weights instead of MKL's.
+
+With ``blas`` nothing changes: braze's BLAS calls, and MKL's packed GEMM under freeze_weights.
 """
 from __future__ import annotations
 
@@ -39,6 +59,44 @@ import torch
 
 aten = torch.ops.aten
 
+#: 2·M·N·K from which an f32 matmul is a oneDNN call where oneDNN is the faster library
+#: ([Note: CPU GEMM library]); below it braze's own BLAS call from Rust is quicker.
+ONEDNN_MIN_FLOPS = 1 << 23
+
+_F32_LIBRARY = []  # the measured choice, made once per process
+#: The calibration's best times in µs, {"blas": ..., "onednn": ...} (for explain and tests).
+F32_TIMES = {}
+
+
+def f32_library() -> str:
+    """The faster f32 GEMM library of this CPU among those PyTorch ships: "onednn" or "blas"
+    ([Note: CPU GEMM library]), measured on the first call."""
+    if not _F32_LIBRARY:
+        _F32_LIBRARY.append(_measure_f32_library())
+    return _F32_LIBRARY[0]
+
+
+def _measure_f32_library() -> str:
+    if not torch.backends.mkldnn.is_available() or torch.backends.mkldnn.matmul.fp32_precision not in ("none", "ieee"):
+        return "blas"
+    import time
+
+    g = torch.Generator().manual_seed(0)
+    x, w, b = torch.randn(128, 512, generator=g), torch.randn(512, 512, generator=g), torch.randn(512, generator=g)
+    wt = w.t()
+    calls = {"blas": lambda: torch.addmm(b, x, wt), "onednn": lambda: torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")}
+    with torch.no_grad():
+        for name, f in calls.items():
+            f()
+            f()
+            best = float("inf")
+            for _ in range(3):
+                t = time.perf_counter()
+                f()
+                best = min(best, time.perf_counter() - t)
+            F32_TIMES[name] = best * 1e6
+    return "onednn" if F32_TIMES["onednn"] < 0.8 * F32_TIMES["blas"] else "blas"
+
 _VIEWS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
 
 
@@ -48,7 +106,10 @@ class CpuLinear:
     ``out_shape``."""
 
     def __init__(self, kind, batch, out_shape, attr="none", algorithm="", transposed=False):
-        self.kind = kind  # "mkl" (f32) | "mkldnn" (bf16)
+        # "mkl": MKL's packed GEMM (f32); "mkldnn": oneDNN with a packed weight (bf16, f32 where
+        # oneDNN is the faster library); "onednn": oneDNN with the weight as it is, no packing
+        # (any f32 matmul large enough, [Note: CPU GEMM library]).
+        self.kind = kind
         self.transposed = transposed  # w is given as [K, N] (GPT-2's Conv1D); w.t() is packed
         self.batch = batch
         self.out_shape = tuple(out_shape)
@@ -57,7 +118,7 @@ class CpuLinear:
         self.cache = None  # (weakref to w, data_ptr, _version, packed)
         self.packs = 0  # how many times the weight was packed (tests read it)
         suffix = "" if attr == "none" else f"+{attr}" + (f"({algorithm})" if algorithm not in ("", "none") else "")
-        self.__name__ = ("mkl._mkl_linear" if kind == "mkl" else "mkldnn._linear_pointwise") + suffix + "[packed]"
+        self.__name__ = ("mkl._mkl_linear" if kind == "mkl" else "mkldnn._linear_pointwise") + suffix + ("" if kind == "onednn" else "[packed]")
 
     def packed(self, w):
         c = self.cache
@@ -75,6 +136,9 @@ class CpuLinear:
 
     def __call__(self, x, w, bias=None):
         with torch.no_grad():
+            if self.kind == "onednn":
+                r = torch.ops.mkldnn._linear_pointwise(x, w.t() if self.transposed else w, bias, self.attr, [], self.algorithm)
+                return r if r.shape == self.out_shape else r.view(self.out_shape)
             p = self.packed(w)
             if self.kind == "mkl":
                 r = torch.ops.mkl._mkl_linear(x, p, w.t() if self.transposed else w, bias, self.batch)
@@ -90,12 +154,16 @@ def _static_ints(v) -> bool:
     return isinstance(v, torch.Tensor) and all(isinstance(s, int) for s in (*v.shape, *v.stride()))
 
 
-def _kind(dtype):
+def _kind(dtype, prepack):
+    """The CpuLinear kind of a matmul of `dtype`, with a weight to prepack or not, or None
+    (braze's own BLAS call, or ATen's matmul)."""
     if dtype == torch.float32:
-        if not torch._C.has_mkl or torch.backends.mkldnn.matmul.fp32_precision not in ("none", "ieee"):
+        if torch.backends.mkldnn.matmul.fp32_precision not in ("none", "ieee"):
             return None
-        return "mkl"
-    if dtype == torch.bfloat16:
+        if f32_library() == "onednn":
+            return "mkldnn" if prepack else "onednn"
+        return "mkl" if prepack and torch._C.has_mkl else None
+    if dtype == torch.bfloat16 and prepack:
         return "mkldnn" if torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported() else None
     return None
 
@@ -127,9 +195,12 @@ def _silu(u, src, dtype):
 
 
 def plan(gm: torch.fx.GraphModule, static_inputs):
-    """The CPU linears of an inference graph: ({FX node: (CpuLinear, operand nodes)}, the FX
-    nodes computed inside them)."""
-    if not torch.backends.mkldnn.is_available() or os.environ.get("BRAZE_CPU_LINEAR") == "0":
+    """The library linears of a CPU graph: ({FX node: (CpuLinear, operand nodes)}, the FX nodes
+    computed inside them). Prepacked where the weight is one of `static_inputs` (inference
+    graphs under freeze_weights); unpacked oneDNN calls for large f32 matmuls where oneDNN is
+    this CPU's faster library ([Note: CPU GEMM library])."""
+    if (not torch.backends.mkldnn.is_available() or os.environ.get("BRAZE_CPU_LINEAR") == "0"
+            or not any(n.op == "call_function" and n.target in (aten.mm.default, aten.addmm.default) for n in gm.graph.nodes)):
         return {}, set()
     places = [n for n in gm.graph.nodes if n.op == "placeholder"]
     static = {places[i] for i in static_inputs if i < len(places)}
@@ -145,21 +216,20 @@ def plan(gm: torch.fx.GraphModule, static_inputs):
             (x, wt), bias = n.args, None
         if not isinstance(wt, torch.fx.Node) or not isinstance(x, torch.fx.Node):
             continue
-        if wt in static:  # x @ w with w [K, N] (GPT-2's Conv1D: addmm(b, x, w))
-            w, transposed = wt, True
-        elif wt.target is aten.t.default or wt.target is aten.permute.default and list(wt.args[1]) == [1, 0]:
+        if wt.op == "call_function" and (wt.target is aten.t.default or wt.target is aten.permute.default and list(wt.args[1]) == [1, 0]):
             w, transposed = wt.args[0], False
-        else:
-            continue
-        if w not in static:
-            continue
+        else:  # x @ w with w [K, N] (GPT-2's Conv1D: addmm(b, x, w); a backward's mm(g, w))
+            w, transposed = wt, True
         xv, wv, ov = x.meta.get("val"), w.meta.get("val"), n.meta.get("val")
-        n_out = wv.shape[1] if transposed else wv.shape[0]
         if not all(_static_ints(v) for v in (xv, wv, ov)) or xv.dim() != 2 or wv.dim() != 2:
             continue
-        if not wv.is_contiguous() or xv.dtype != wv.dtype or ov.dtype != wv.dtype or ov.numel() == 0 or xv.shape[1] == 0:
+        n_out = wv.shape[1] if transposed else wv.shape[0]
+        if xv.dtype != wv.dtype or ov.dtype != wv.dtype or ov.numel() == 0 or xv.shape[1] == 0:
             continue
-        kind = _kind(wv.dtype)
+        prepack = w in static and wv.is_contiguous()
+        if not prepack and 2 * ov.numel() * xv.shape[1] < ONEDNN_MIN_FLOPS:
+            continue
+        kind = _kind(wv.dtype, prepack)
         if kind is None:
             continue
         if bias is not None:
@@ -167,7 +237,7 @@ def plan(gm: torch.fx.GraphModule, static_inputs):
             if not _static_ints(bv) or bv.dim() != 1 or bv.shape[0] != n_out or bv.dtype != wv.dtype:
                 continue
         root, inner, attr, algo = n, [], "none", ""
-        if kind == "mkldnn" and len(n.users) == 1:
+        if kind in ("mkldnn", "onednn") and len(n.users) == 1:
             u = next(iter(n.users))
             chain = []
             if u.target in _VIEWS and len(u.users) == 1:

@@ -442,7 +442,7 @@ class Lowerer:
         mutations = []
         self.device = _graph_device(self.gm)
         self.known_syms, self.next_sym = _input_syms(self.gm)
-        if self.device.type == "cpu" and self.static_inputs:
+        if self.device.type == "cpu":
             from .cpu_linear import plan
             self.cpu_linears, self.absorbed = plan(self.gm, self.static_inputs)
         out_node = next((n for n in reversed(self.gm.graph.nodes) if n.op == "output"), None)
@@ -573,7 +573,8 @@ class Lowerer:
             return None  # computed inside the library call of its only (transitive) user
         if node in self.cpu_linears:
             spec, operands = self.cpu_linears[node]
-            self.reasons[spec.__name__] = "library linear, weight prepacked once"
+            self.reasons[spec.__name__] = ("oneDNN linear, this CPU's faster f32 GEMM library" if spec.kind == "onednn"
+                                           else "library linear, weight prepacked once")
             return self.extern(node, target=spec, call_args=operands, name=spec.__name__, island=False)
         if target in _BRANCHING and self.subcompile is not None:
             try:
