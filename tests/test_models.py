@@ -905,10 +905,15 @@ def test_runs_end_where_large_buffers_die(device, compiled_graphs):
     assert len(runs) >= 2 and dies and dies[0] < runs[-1], (g.steps, g.frees)
 
 
-def test_pointwise_kernels_store_in_place_of_dying_buffers(device, compiled_graphs):
+def test_pointwise_kernels_store_in_place_of_dying_buffers(device, compiled_graphs, monkeypatch):
     """[Note: in-place kernels]: an MLP's activation is stored over the matmul result it reads
     (which dies there), so the arena holds one hidden activation, not two; a kernel that reads
-    its dying operand transposed must not, and values are eager's either way."""
+    its dying operand transposed must not, and values are eager's either way. (On the CPU the
+    matmuls are braze's BLAS items here: through oneDNN the activation is fused into the call,
+    [Note: CPU GEMM library].)"""
+    from braze import cpu_linear
+
+    monkeypatch.setattr(cpu_linear, "_F32_LIBRARY", ["blas"])
     torch.manual_seed(0)
     mlp = torch.nn.Sequential(torch.nn.Linear(64, 1024), torch.nn.GELU(), torch.nn.Linear(1024, 1024), torch.nn.GELU(), torch.nn.Linear(1024, 64)).to(device)
     x = torch.randn(256, 64, device=device)

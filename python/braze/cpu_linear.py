@@ -234,7 +234,8 @@ def plan(gm: torch.fx.GraphModule, static_inputs):
             continue
         if bias is not None:
             bv = bias.meta.get("val") if isinstance(bias, torch.fx.Node) else None
-            if not _static_ints(bv) or bv.dim() != 1 or bv.shape[0] != n_out or bv.dtype != wv.dtype:
+            # oneDNN reads the bias as dense: a strided or broadcast one gave wrong sums.
+            if not _static_ints(bv) or bv.dim() != 1 or bv.shape[0] != n_out or bv.dtype != wv.dtype or (n_out > 1 and bv.stride(0) != 1):
                 continue
         root, inner, attr, algo = n, [], "none", ""
         if kind in ("mkldnn", "onednn") and len(n.users) == 1:
