@@ -336,3 +336,24 @@ def test_strided_bias_keeps_the_blas(f32_lib):
         x, w = torch.randn(64, 512), torch.randn(256, 512)
         torch.testing.assert_close(c(x, w, b), f(x, w, b), atol=1e-4, rtol=1e-4)
     assert not any("linear" in k for r in braze.stats.records for k in r["externs"]), braze.stats.extern_ops
+
+
+def test_dynamic_rows_follow_the_library(f32_lib, compiled_graphs):
+    """Under dynamic=True a matmul's row count is symbolic: one of N·K >= ONEDNN_MIN_NK is a
+    oneDNN call whatever the rows (0 and 1 included) where oneDNN is the faster library, a
+    narrower one stays braze's BLAS call, and one compiled graph serves every batch."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(768, 768), nn.ReLU(), nn.Linear(768, 64), nn.GELU()).eval()
+    assert 768 * 768 >= cpu_linear.ONEDNN_MIN_NK > 768 * 64
+    c = torch.compile(m, backend="braze", dynamic=True, options={"on_unsupported": "error"})
+    with torch.no_grad():
+        for b in (3, 17, 40):
+            x = torch.randn(b, 5, 768)
+            torch.testing.assert_close(c(x), m(x), atol=1e-4, rtol=1e-4)
+        recs = list(braze.stats.records)
+        assert len(recs) == 1 and len(compiled_graphs) == 1 and compiled_graphs[0].dynamic, recs
+        assert recs[0]["externs"] == ({"mkldnn._linear_pointwise": 1} if f32_lib == "onednn" else {}), recs[0]["externs"]
+        assert recs[0]["schedule"].count("matmul") == (1 if f32_lib == "onednn" else 2)
+        for b in (0, 1):  # Dynamo's own specializations
+            x = torch.randn(b, 5, 768)
+            torch.testing.assert_close(c(x), m(x), atol=1e-4, rtol=1e-4)
