@@ -74,6 +74,13 @@ _F32_LIBRARY = []  # the measured choice, made once per process
 F32_TIMES = {}
 
 
+def _full_f32() -> bool:
+    """Whether oneDNN computes f32 matmuls in f32 (its ``fp32_precision`` setting, where this
+    PyTorch has it, is not a narrower type)."""
+    prec = getattr(getattr(torch.backends.mkldnn, "matmul", None), "fp32_precision", "none")
+    return prec in ("none", "ieee")
+
+
 def f32_library() -> str:
     """The faster f32 GEMM library of this CPU among those PyTorch ships: "onednn" or "blas"
     ([Note: CPU GEMM library]), measured on the first call."""
@@ -83,7 +90,7 @@ def f32_library() -> str:
 
 
 def _measure_f32_library() -> str:
-    if not torch.backends.mkldnn.is_available() or torch.backends.mkldnn.matmul.fp32_precision not in ("none", "ieee"):
+    if not torch.backends.mkldnn.is_available() or not _full_f32():
         return "blas"
     import time
 
@@ -171,7 +178,7 @@ def _kind(dtype, prepack):
     """The CpuLinear kind of a matmul of `dtype`, with a weight to prepack or not, or None
     (braze's own BLAS call, or ATen's matmul)."""
     if dtype == torch.float32:
-        if torch.backends.mkldnn.matmul.fp32_precision not in ("none", "ieee"):
+        if not _full_f32():
             return None
         if f32_library() == "onednn":
             return "mkldnn" if prepack else "onednn"
