@@ -25,11 +25,13 @@ The packed weight is cached on the call site and reused while the weight is the 
 object (a weak reference), at the same address and with the same ``_version``; an in-place
 update (an optimizer step, ``copy_`` under ``no_grad``) bumps the version and the next call
 repacks. Writes through ``.data`` do not bump ``_version`` and are not seen (as with
-Inductor's freezing, which never repacks). Training graphs (forward and backward) keep plain
-``aten.mm``/``addmm``: their weights change every step, and the activation's input is usually
-saved for the backward anyway. Non-static weights, f64/f16, symbolic sizes and
-``torch.backends.mkldnn.matmul.fp32_precision`` other than ``none``/``ieee`` keep ``aten``;
-so does every linear when ``BRAZE_CPU_LINEAR=0`` is set while a graph compiles.
+Inductor's freezing, which never repacks). Training graphs (forward and backward) pack
+nothing: their weights change every step, and the activation's input is usually saved for the
+backward anyway. Non-static weights, f64/f16, symbolic sizes and
+``torch.backends.mkldnn.matmul.fp32_precision`` other than ``none``/``ieee`` are not packed:
+they keep braze's own BLAS call (f32) or ``aten``, or, f32 only, take the unpacked oneDNN call
+of [Note: CPU GEMM library]; every linear keeps those when ``BRAZE_CPU_LINEAR=0`` is set while
+a graph compiles.
 
 [Note: CPU GEMM library]
 Which f32 GEMM PyTorch's wheel runs fastest depends on the CPU, not only on the shape: MKL
