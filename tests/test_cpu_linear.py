@@ -281,6 +281,8 @@ def test_large_f32_matmuls_follow_the_library(f32_lib):
     """Without freeze_weights: a matmul of 2·M·N·K >= ONEDNN_MIN_FLOPS is a oneDNN call (its relu
     fused) where oneDNN is the faster library, a smaller one stays braze's own BLAS call; under
     the BLAS both are braze's. Values are eager's either way."""
+    if not braze._core.cpu_blas_ready():
+        pytest.skip("the counts assume braze's own BLAS calls (an sgemm_ in this PyTorch)")
     torch.manual_seed(0)
     m = nn.Sequential(nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 8)).eval()
     assert 2 * 64 * 512 * 512 >= cpu_linear.ONEDNN_MIN_FLOPS > 2 * 64 * 8 * 512
@@ -342,6 +344,8 @@ def test_dynamic_rows_follow_the_library(f32_lib, compiled_graphs):
     """Under dynamic=True a matmul's row count is symbolic: one of N·K >= ONEDNN_MIN_NK is a
     oneDNN call whatever the rows (0 and 1 included) where oneDNN is the faster library, a
     narrower one stays braze's BLAS call, and one compiled graph serves every batch."""
+    if not braze._core.cpu_blas_ready():
+        pytest.skip("the counts assume braze's own BLAS calls (an sgemm_ in this PyTorch)")
     torch.manual_seed(0)
     m = nn.Sequential(nn.Linear(768, 768), nn.ReLU(), nn.Linear(768, 64), nn.GELU()).eval()
     assert 768 * 768 >= cpu_linear.ONEDNN_MIN_NK > 768 * 64
