@@ -160,13 +160,11 @@ class CpuLinear:
         with torch.no_grad():
             if self.kind == "onednn":
                 r = torch.ops.mkldnn._linear_pointwise(x, w.t() if self.transposed else w, bias, self.attr, [], self.algorithm)
-                return r if self.out_shape is None or r.shape == self.out_shape else r.view(self.out_shape)
-            p = self.packed(w)
-            if self.kind == "mkl":
-                r = torch.ops.mkl._mkl_linear(x, p, w.t() if self.transposed else w, bias, self.batch)
+            elif self.kind == "mkl":
+                r = torch.ops.mkl._mkl_linear(x, self.packed(w), w.t() if self.transposed else w, bias, self.batch)
             else:
-                r = torch.ops.mkldnn._linear_pointwise(x, p, bias, self.attr, [], self.algorithm)
-        return r if r.shape == self.out_shape else r.view(self.out_shape)
+                r = torch.ops.mkldnn._linear_pointwise(x, self.packed(w), bias, self.attr, [], self.algorithm)
+        return r if self.out_shape is None or r.shape == self.out_shape else r.view(self.out_shape)
 
     def __repr__(self):
         return self.__name__

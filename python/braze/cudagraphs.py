@@ -86,12 +86,8 @@ class _Pool:
         return [(g, k) for g, (refs, _) in self.outputs.items() for k, r in enumerate(refs) if not expired(r)]
 
     def set_outputs(self, graph_id, refs, ptrs):
-        old = self.outputs.get(graph_id)
+        self.drop(graph_id)
         self.outputs[graph_id] = (refs, ptrs)
-        if old is not None:
-            free = torch.UntypedStorage._free_weak_ref
-            for r in old[0]:
-                free(r)
 
     def drop(self, graph_id):
         old = self.outputs.pop(graph_id, None)
@@ -162,14 +158,15 @@ class WholeGraph:
         pool = _pool(dev)
         alive = pool.alive()
         live_keys = {pool.outputs[g][1][k]: (g, k) for g, k in alive}  # storage data pointer -> key of a live whole-graph output there
-        # Inputs read in place: static ones and live outputs of whole graphs; the rest are
-        # copied into the graph's own buffers.
-        self.in_place = {}  # arg index -> (data_ptr, shape, stride, storage offset)
+        # Inputs read in place: static ones and live outputs of whole graphs, their data
+        # pointers by arg index (None for the rest, as the replay's C++ check takes them); the
+        # rest are copied into the graph's own buffers.
+        self.check_ptrs = [None] * len(args)
         self.copied = {}  # arg index -> the graph's buffer
         cap_args = list(args)
         for i, a in tensors:
             if i in self.static_inputs or _storage_key(a) in live_keys or a.data_ptr() in pool.static_ptrs:
-                self.in_place[i] = (a.data_ptr(), a.shape, a.stride())
+                self.check_ptrs[i] = a.data_ptr()
             else:
                 # A broadcast input (the gradient `sum().backward()` hands the backward is an
                 # expanded scalar) keeps its stride-0 dims: the copy writes its distinct
@@ -184,10 +181,7 @@ class WholeGraph:
         pool.static_ptrs.update(args[i].data_ptr() for i in self.static_inputs if i < len(args) and isinstance(args[i], torch.Tensor))
         self.mutated = [i for i in self.g.mutated_args if i in self.copied]
         # What a replay checks and copies, in the forms its C++ calls take.
-        self.check_idx = list(self.in_place)
-        self.check_ptrs = [None] * len(args)
-        for i, (ptr, _, _) in self.in_place.items():
-            self.check_ptrs[i] = ptr
+        self.check_idx = [i for i, ptr in enumerate(self.check_ptrs) if ptr is not None]
         self.broadcast = [(i, buf.stride()) for i, buf in self.copied.items() if 0 in buf.stride()]
         self.copy_dst = [_distinct(buf) for buf in self.copied.values()]
         self.copy_idx = list(self.copied)
@@ -236,7 +230,7 @@ class WholeGraph:
         del live_keys
         stats.captures += 1
         self.log(f"{self.name}: captured as one CUDA graph ({sum(1 for o in self.outs if o[0] == 'own')} outputs in its own memory, "
-                 f"{len(self.copied)} inputs copied in, {len(self.in_place)} read in place)")
+                 f"{len(self.copied)} inputs copied in, {len(self.check_idx)} read in place)")
         return self._launch(args, check=False)
 
     # Replay -----------------------------------------------------------------------------

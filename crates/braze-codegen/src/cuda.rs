@@ -899,11 +899,7 @@ fn emit_kernel_by_id(k: &Kernel, sms: u32, cfg: &Config, out: &mut String) -> Re
                 lanes.after.extend(after);
             }
             emit_lanes(&e, k, &p.body, last, v, &|_| false, &[], &lanes, "      ", out)?;
-            for a in wide_alignment(k, &p.body, last, v, &|_| false) {
-                if !row_align.contains(&a) {
-                    row_align.push(a);
-                }
-            }
+            add_wide_alignment(&mut row_align, k, &p.body, last, v, &|_| false);
         } else {
             decompose(out, "      ", "r", &k.inner, n_outer);
             emit_list(&e, k, &p.body, body_guard, "      ", out, cache.as_ref().map(|(_, h)| (h, pi == 0)))?;
@@ -1075,7 +1071,8 @@ fn emit_vector_column(e: &Emitter, k: &Kernel, sms: u32, cfg: &Config, v: i64, l
     let lanes = Lanes { before, first: refs.clone(), each, ..Lanes::default() };
     // Rows past the outer points are read at point 0 (`o`), as the scalar kernel does.
     emit_lanes(e, k, &p.body, last, v, &|_| false, &[], &lanes, "      ", out)?;
-    let align = wide_alignment(k, &p.body, last, v, &|_| false);
+    let mut align = Vec::new();
+    add_wide_alignment(&mut align, k, &p.body, last, v, &|_| false);
     writeln!(out, "    }}").unwrap();
     for r in &p.reductions {
         let n = r.dst;
@@ -1206,9 +1203,7 @@ fn emit_tiled(e: &Emitter, k: &Kernel, plan: &crate::tiles::TilePlan, max_vec: i
             writeln!(out, "        tile{t}[j][threadIdx.x] = {};", e.from_storage(*buf, &format!("*({at})"))).unwrap();
         } else {
             let bytes = ea * size(*buf);
-            if !align.contains(&(*buf, bytes as u64 - 1)) {
-                align.push((*buf, bytes as u64 - 1));
-            }
+            add_align(&mut align, *buf, bytes);
             let st = storage_type(k.bufs.iter().find(|b| b.id == *buf).unwrap().dtype);
             writeln!(out, "        {{ __align__(16) {st} w[{ea}]; *({vt}*)w = *(const {vt}*)({at});", vt = vec_type(bytes)).unwrap();
             writeln!(out, "          #pragma unroll\n          for (int l = 0; l < {ea}; l++) tile{t}[j][{ea} * threadIdx.x + l] = {}; }}", e.from_storage(*buf, "w[l]")).unwrap();
@@ -1232,11 +1227,7 @@ fn emit_tiled(e: &Emitter, k: &Kernel, plan: &crate::tiles::TilePlan, max_vec: i
             writeln!(out, "        #pragma unroll\n        for (int l = 0; l < {eb}; l++) h{d}[l] = tile{t}[{eb} * threadIdx.x + l][j];").unwrap();
         }
         emit_lanes(e, k, body, last as u32, eb, &is_tiled, &tiled_dsts, &Lanes::default(), "        ", out)?;
-        for al in wide_alignment(k, body, last as u32, eb, &is_tiled) {
-            if !align.contains(&al) {
-                align.push(al);
-            }
-        }
+        add_wide_alignment(&mut align, k, body, last as u32, eb, &is_tiled);
     }
     writeln!(out, "      }}\n    }}\n  }}\n}}\n").unwrap();
     Ok((work, align))
@@ -1400,7 +1391,8 @@ fn emit_vector_path(e: &Emitter, k: &Kernel, plan: &VecPlan, out: &mut String) -
     let last = (n - 1) as u32;
     let body = &k.passes[0].body;
     let hoisted = |s: &Stmt| plan.hoist.as_ref().is_some_and(|h| s.dst().is_some_and(|t| h.inv.contains(&t)));
-    let align = wide_alignment(k, body, last, v, &hoisted);
+    let mut align = Vec::new();
+    add_wide_alignment(&mut align, k, body, last, v, &hoisted);
     // Pointers aligned for the wide accesses: the runtime checks (`Launch::misaligned`) and
     // launches the scalar fallback otherwise ([Note: lazy scalar fallback]).
     writeln!(out, "  {{").unwrap();
@@ -1441,17 +1433,20 @@ fn is_wide(s: &Stmt, last: u32, hoisted: &dyn Fn(&Stmt) -> bool) -> bool {
         }
 }
 
-/// (buffer, alignment mask) of each buffer a vector step of `v` lanes accesses wide.
-fn wide_alignment(k: &Kernel, body: &[Stmt], last: u32, v: i64, hoisted: &dyn Fn(&Stmt) -> bool) -> Vec<(u32, u64)> {
-    let mut align: Vec<(u32, u64)> = Vec::new();
+/// Adds (buffer, alignment mask) for an access of `bytes` bytes at once to `align`, once.
+fn add_align(align: &mut Vec<(u32, u64)>, buf: u32, bytes: i64) {
+    let a = (buf, bytes as u64 - 1);
+    if !align.contains(&a) {
+        align.push(a);
+    }
+}
+
+/// Adds to `align` each buffer a vector step of `v` lanes accesses wide, with its alignment.
+fn add_wide_alignment(align: &mut Vec<(u32, u64)>, k: &Kernel, body: &[Stmt], last: u32, v: i64, hoisted: &dyn Fn(&Stmt) -> bool) {
     for s in body.iter().filter(|s| is_wide(s, last, hoisted)) {
         let (Stmt::Load { buf, .. } | Stmt::Store { buf, .. }) = s else { continue };
-        let bytes = v * k.bufs.iter().find(|b| b.id == *buf).unwrap().dtype.size() as i64;
-        if !align.contains(&(*buf, bytes as u64 - 1)) {
-            align.push((*buf, bytes as u64 - 1));
-        }
+        add_align(align, *buf, v * k.bufs.iter().find(|b| b.id == *buf).unwrap().dtype.size() as i64);
     }
-    align
 }
 
 /// Per-lane lines a vector step adds around its body (a reduction's accumulators).
