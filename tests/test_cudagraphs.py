@@ -65,6 +65,97 @@ def test_earlier_outputs_are_invalidated(device):
         torch.testing.assert_close(y3, m(xs[3]), rtol=1e-4, atol=1e-4)
 
 
+def test_dropped_outputs_are_returned_again_without_copies(device):
+    """[Note: cached outputs] An output the caller dropped is returned again by the next
+    replay as the same tensor (no tensor made per output and call); one still held is
+    invalidated and a new tensor takes its place."""
+    if device != "cuda":
+        pytest.skip("CUDA graphs")
+    m = _block(32).to(device).eval()
+    c = braze.compile(m, mode="reduce-overhead", options={"on_unsupported": "error"})
+    xs = [torch.randn(8, 32, device=device) for _ in range(5)]
+    with torch.no_grad():
+        c(xs[0])
+        c(xs[1])  # captured
+        before = cudagraphs.stats.invalidated
+        y = c(xs[2])
+        first = id(y)
+        torch.testing.assert_close(y, m(xs[2]), rtol=1e-4, atol=1e-4)
+        del y
+        y = c(xs[3])
+        assert id(y) == first and torch._C._is_cached_tensor(y)
+        torch.testing.assert_close(y, m(xs[3]), rtol=1e-4, atol=1e-4)
+        assert cudagraphs.stats.invalidated == before
+        z = c(xs[4])  # y still held: invalidated, z a new tensor
+        assert id(z) != first and cudagraphs.stats.invalidated == before + 1
+        torch.testing.assert_close(z, m(xs[4]), rtol=1e-4, atol=1e-4)
+        with pytest.raises(RuntimeError, match="reduce-overhead"):
+            y.sum()
+
+
+def test_forward_without_backward_replays(device):
+    """Training-mode forwards whose outputs are dropped without a backward (an evaluation in
+    train mode): each replays (the saved tensors of the one before, held by its never-run
+    backward, are invalidated), and training after them replays and matches eager."""
+    if device != "cuda":
+        pytest.skip("CUDA graphs")
+    torch.manual_seed(0)
+    ref = _block(32).to(device)
+    mine = _block(32).to(device)
+    mine.load_state_dict(ref.state_dict())
+    c = braze.compile(mine, mode="reduce-overhead", options={"on_unsupported": "error"})
+    x = torch.randn(16, 32, device=device)
+    for _ in range(3):  # the same loss as below: a backward's gradient input keeps its strides
+        c(x).square().mean().backward()
+        ref(x).square().mean().backward()
+    before = counts()
+    for _ in range(3):
+        c(torch.randn(16, 32, device=device))  # dropped, no backward
+    for _ in range(2):
+        for net, fn in ((ref, ref), (mine, c)):
+            net.zero_grad(set_to_none=True)
+            fn(x).square().mean().backward()
+        for a, b in zip(mine.parameters(), ref.parameters()):
+            torch.testing.assert_close(a.grad, b.grad, rtol=1e-4, atol=1e-5)
+    caps, reps, plain = (a - b for a, b in zip(counts(), before))
+    assert caps == 0 and reps == 7 and plain == 0, (caps, reps, plain)
+
+
+def test_a_dead_parameters_address_is_not_a_parameter(device):
+    """A graph's capture reads parameters of earlier captures in place (a backward's weights);
+    a tensor that later sits where a freed parameter was is an ordinary input, copied in, so
+    later calls with it elsewhere replay (they ran plainly: its address was taken for a
+    parameter's, and it "moved")."""
+    if device != "cuda":
+        pytest.skip("CUDA graphs")
+    import gc
+    m1 = _block(32).to(device)
+    c1 = braze.compile(m1, mode="reduce-overhead")
+    for _ in range(3):
+        c1(torch.randn(16, 32, device=device)).sum().backward()
+    ptr, shape = m1[0].weight.data_ptr(), m1[0].weight.shape
+    del m1, c1
+    torch._dynamo.reset()
+    gc.collect()
+    held = []
+    for _ in range(64):  # the allocator hands the freed block out again
+        held.append(torch.empty(shape, device=device))
+        if held[-1].data_ptr() == ptr:
+            break
+    else:
+        pytest.skip("the freed parameter's block was not handed out again")
+    there = held.pop()
+    f = braze.compile(lambda a: a * 2 + 1, mode="reduce-overhead")
+    f(torch.randn(shape, device=device))
+    there.normal_()
+    torch.testing.assert_close(f(there), there * 2 + 1)  # captured with the input at that address
+    before = counts()
+    for _ in range(3):
+        a = torch.randn(shape, device=device)
+        torch.testing.assert_close(f(a), a * 2 + 1)
+    assert counts()[1:] == (before[1] + 3, before[2]), (counts(), before)
+
+
 class _ConvNet(torch.nn.Module):
     def __init__(self):
         super().__init__()

@@ -9,7 +9,11 @@ on each call is one replay: no Python call loop, no per-kernel launches.
 Memory. All of braze's whole graphs on a device capture into one memory pool, so a backward
 reuses the memory its forward's temporaries had. The blocks of a graph's outputs stay the
 graph's own (it keeps the tensors it captured them in): every replay writes its outputs to
-the same addresses, and a call returns fresh tensors viewing them.
+the same addresses. An output alone in its block is returned as the same tensor by every
+replay while the caller does not hold it ([Note: cached outputs], as PyTorch's CUDA-graph
+trees do): a replay makes no tensor, storage or weak reference per output. What holds an
+output is counted, not tracked: the Python references to the tensor, the C++ ones (autograd's
+saved tensors), and the other tensors on its storage (views, a gradient autograd took).
 
 Inputs. Parameters and buffers (AOTAutograd's static inputs) and outputs of another whole
 graph (a backward's saved activations) are read where they are, at the address they had at
@@ -22,12 +26,15 @@ How long outputs stay valid (as PyTorch documents for its CUDA-graph trees):
 
 - A forward or inference graph's outputs are valid until the next call of the same graph.
   Outputs of the previous call still alive then are invalidated: reading one raises an error
-  that says so (``clone()`` an output to keep it across calls). As with PyTorch's CUDA-graph
-  trees this reaches the tensors the call returned, not views the caller made of them.
-- Before any replay braze checks that it overwrites nothing alive: outputs of other whole graphs
-  alive now that were not alive when this graph was captured, or a backward's own previous
-  outputs still held (gradients accumulated over several backward calls). Then this call runs
-  plainly instead (fresh memory, the same results), as does a call whose parameters moved.
+  that says so (``clone()`` an output to keep it across calls), and the call returns a new
+  tensor in its place. As with PyTorch's CUDA-graph trees this reaches the tensors the call
+  returned, not views the caller made of them.
+- Before any replay braze checks that it overwrites nothing alive: outputs of whole graphs
+  captured after this one (their blocks may be blocks this graph's temporaries had), or a
+  backward's own previous outputs still held (gradients accumulated over several backward
+  calls). Then this call runs plainly instead (fresh memory, the same results), as does a call
+  whose parameters moved. Outputs of graphs captured before it are never in the way: a graph
+  keeps its output blocks for as long as it lives, so no later capture allocates there.
 
 Graphs with symbolic sizes, host values (CPU tensors in a CUDA graph) or a failed capture run
 plainly on every call, with one log line (``BRAZE_LOGS=cudagraphs``) saying why.
@@ -68,33 +75,22 @@ def _distinct(t):
 
 
 class _Pool:
-    """One device's memory pool and the outputs of its graphs' latest calls."""
+    """One device's memory pool and the whole graphs captured into it."""
 
     def __init__(self):
         self.handle = torch.cuda.graph_pool_handle()
-        # graph id -> (weak references (`UntypedStorage._weak_ref` handles) to the storages of
-        # the outputs its latest call returned, their data pointers). Plain handles, not
-        # StorageWeakRef objects: a replay makes one per output storage.
-        self.outputs = {}
-        # Data pointers of the static inputs (parameters, buffers) of the graphs captured: a
-        # backward reading a parameter reads it in place too.
-        self.static_ptrs = set()
+        self.graphs = {}  # graph id -> (capture order, weak reference to the WholeGraph)
+        self.captured = 0
+        # The static inputs (parameters, buffers) of the graphs captured, by data pointer, for
+        # as long as they live: a backward reading a parameter reads it in place too. (An
+        # address alone would outlive its tensor: a later tensor there is no parameter.)
+        self.static = weakref.WeakValueDictionary()
 
-    def alive(self):
-        """(graph id, output storage index) of the outputs alive now."""
-        expired = torch.UntypedStorage._expired
-        return [(g, k) for g, (refs, _) in self.outputs.items() for k, r in enumerate(refs) if not expired(r)]
-
-    def set_outputs(self, graph_id, refs, ptrs):
-        self.drop(graph_id)
-        self.outputs[graph_id] = (refs, ptrs)
-
-    def drop(self, graph_id):
-        old = self.outputs.pop(graph_id, None)
-        if old is not None:
-            free = torch.UntypedStorage._free_weak_ref
-            for r in old[0]:
-                free(r)
+    def alive(self, since=0):
+        """(graph id, output storage index) of the outputs in use now of the graphs captured
+        `since` (a capture order) or later."""
+        return [(gid, k) for gid, (order, ref) in list(self.graphs.items()) if order >= since and (g := ref()) is not None
+                for k in g.live_storages()]
 
 
 def _pool(device_index):
@@ -122,7 +118,6 @@ class WholeGraph:
         self.log = log
         self.calls = 0
         self.graph = None
-        self.returned = []  # (output storage index, weak reference to the tensor) of the latest call
         self.off = None  # why this graph runs plainly on every call
         if g.dynamic:
             self.off = "symbolic sizes"
@@ -157,7 +152,7 @@ class WholeGraph:
             return self.g(args)
         pool = _pool(dev)
         alive = pool.alive()
-        live_keys = {pool.outputs[g][1][k]: (g, k) for g, k in alive}  # storage data pointer -> key of a live whole-graph output there
+        live_keys = {pool.graphs[g][1]().storage_ptrs[k]: (g, k) for g, k in alive}  # storage data pointer -> key of a live whole-graph output there
         # Inputs read in place: static ones and live outputs of whole graphs, their data
         # pointers by arg index (None for the rest, as the replay's C++ check takes them); the
         # rest are copied into the graph's own buffers.
@@ -165,7 +160,8 @@ class WholeGraph:
         self.copied = {}  # arg index -> the graph's buffer
         cap_args = list(args)
         for i, a in tensors:
-            if i in self.static_inputs or _storage_key(a) in live_keys or a.data_ptr() in pool.static_ptrs:
+            known = pool.static.get(a.data_ptr())
+            if i in self.static_inputs or _storage_key(a) in live_keys or (known is not None and known.data_ptr() == a.data_ptr()):
                 self.check_ptrs[i] = a.data_ptr()
             else:
                 # A broadcast input (the gradient `sum().backward()` hands the backward is an
@@ -178,14 +174,15 @@ class WholeGraph:
                 _distinct(buf).copy_(_distinct(a))
                 self.copied[i] = buf
                 cap_args[i] = buf
-        pool.static_ptrs.update(args[i].data_ptr() for i in self.static_inputs if i < len(args) and isinstance(args[i], torch.Tensor))
+        for i in self.static_inputs:
+            if i < len(args) and isinstance(args[i], torch.Tensor):
+                pool.static[args[i].data_ptr()] = args[i]
         self.mutated = [i for i in self.g.mutated_args if i in self.copied]
         # What a replay checks and copies, in the forms its C++ calls take.
         self.check_idx = [i for i, ptr in enumerate(self.check_ptrs) if ptr is not None]
         self.broadcast = [(i, buf.stride()) for i, buf in self.copied.items() if 0 in buf.stride()]
         self.copy_dst = [_distinct(buf) for buf in self.copied.values()]
         self.copy_idx = list(self.copied)
-        self.alive_at_capture = frozenset(alive)
         graph = torch.cuda.CUDAGraph()
         torch.cuda.synchronize(dev)
         try:
@@ -198,7 +195,7 @@ class WholeGraph:
         self.graph = graph
         self.pool = pool
         # Outputs: views of an input (returned as views of the current call's input), or
-        # views of the graph's own blocks, kept here (returned as fresh tensors viewing them).
+        # views of the graph's own blocks, kept here (returned as tensors viewing them).
         input_ptr = {_storage_key(cap_args[i]): i for i, _ in tensors}
         self.outs = []
         self.kept = []
@@ -223,10 +220,30 @@ class WholeGraph:
                 self.kept.append(o)
             meta = {"size": o.shape, "stride": o.stride(), "dtype": o.dtype, "device": o.device, "storage_offset": o.storage_offset()}
             self.outs.append(("own", storages[sp], meta))
-        self.storage_specs = [(sp, k.device, k.untyped_storage().nbytes()) for sp, k in zip(storages, self.kept)]
         self.storage_ptrs = list(storages)
-        # The common case, every output in the graph's own memory, assembled by one comprehension.
-        self.own_only = [(k, meta) for _, k, meta in self.outs] if all(o[0] == "own" for o in self.outs) else None
+        self.storages = [torch._C._construct_storage_from_data_pointer(sp, k.device, k.untyped_storage().nbytes())
+                         for sp, k in zip(storages, self.kept)]
+        self.cdatas = [st._cdata for st in self.storages]
+        # [Note: cached outputs] An output alone in its storage is returned as the same tensor
+        # on every replay (as PyTorch's CUDA-graph trees do): no tensor, storage or weak
+        # reference made per output and call. Outputs sharing a storage are made per call.
+        per_storage = [0] * len(storages)
+        for o in self.outs:
+            if o[0] == "own":
+                per_storage[o[1]] += 1
+        # The cached outputs, returned by every replay; output index -> position there.
+        self.cached = {j: n for n, j in enumerate(j for j, o in enumerate(self.outs) if o[0] == "own" and per_storage[o[1]] == 1)}
+        self.cache = [self._new_output(self.outs[j]) for j in self.cached]
+        self.cache_storage = [self.outs[j][1] for j in self.cached]
+        self.own_only = len(self.cached) == len(self.outs)  # every output a cached one
+        self.made = []  # (output storage index, weak reference) of the uncached outputs the latest call returned
+        # What holds a storage when nothing outside this graph does: the storage object and
+        # the cached tensors on it (an invalidated tensor lets go of its storage, and the one
+        # replacing it takes its place).
+        self.storage_base = list(map(torch._C._storage_Use_Count, self.cdatas))
+        self.order = pool.captured
+        pool.captured += 1
+        pool.graphs[id(self)] = (self.order, weakref.ref(self))
         del live_keys
         stats.captures += 1
         self.log(f"{self.name}: captured as one CUDA graph ({sum(1 for o in self.outs if o[0] == 'own')} outputs in its own memory, "
@@ -251,19 +268,35 @@ class WholeGraph:
         self.log(f"{self.name}: this call runs plainly: {why}")
         return self.g(args)
 
+    def _new_output(self, o):
+        t = torch._C._construct_CUDA_Tensor_From_Storage_And_Metadata(o[2], self.storages[o[1]])
+        # Registered so that autograd may still steal it as a .grad despite the cache's
+        # reference (the registry is process-wide; Inductor's reset turns it off).
+        torch._C._set_cached_tensors_enabled(True)
+        torch._C._add_cached_tensor(t)
+        return t
+
+    def live_storages(self):
+        """Indices of this graph's output storages something outside the graph uses now: a
+        cached output held by the caller or by autograd (a saved activation), a view of one,
+        an uncached output."""
+        cache = self.cache
+        refs = list(map(sys.getrefcount, cache))  # 2 when only the cache holds it (and this call)
+        uses = list(map(torch.Tensor._use_count, cache))  # 1 unless C++ holds it (autograd's saved tensors)
+        live = {k for k, r, u in zip(self.cache_storage, refs, uses) if r > 2 or u > 1}
+        live.update(k for k, (n, base) in enumerate(zip(map(torch._C._storage_Use_Count, self.cdatas), self.storage_base)) if n > base)
+        return live
+
     def _launch(self, args, check):
         pool = self.pool
         me = id(self)
         if check:
             stale = []
-            at_capture = self.alive_at_capture
-            for key in pool.alive():
-                if key in at_capture:
-                    continue
+            for key in pool.alive(self.order):
                 if key[0] == me and self.kind != "backward":
                     stale.append(key[1])
                     continue
-                what = "its own earlier outputs (gradients kept across backward calls?)" if key[0] == me else "another graph's outputs"
+                what = "its own earlier outputs (gradients kept across backward calls?)" if key[0] == me else "outputs of a graph captured after it"
                 return self._plain(args, f"{what} are alive in memory this graph writes")
             if stale:
                 self._invalidate(stale)
@@ -273,21 +306,24 @@ class WholeGraph:
         stats.replays += 1
         for i in self.mutated:
             args[i].copy_(self.copied[i])
-        new_storage = torch._C._construct_storage_from_data_pointer
-        storages = [new_storage(*spec) for spec in self.storage_specs]
-        construct = torch._C._construct_CUDA_Tensor_From_Storage_And_Metadata
-        if self.own_only is not None:
-            res = [construct(meta, storages[k]) for k, meta in self.own_only]
-            if self.kind != "backward":
-                self.returned = [(k, weakref.ref(t)) for (k, _), t in zip(self.own_only, res)]
+        if self.own_only:
+            res = self.cache.copy()
+            for t in res:
+                if t._backward_hooks is not None:  # a hook the caller put on the previous call's output
+                    t._backward_hooks = None
         else:
             res = []
-            self.returned = []
-            for o in self.outs:
-                if o[0] == "own":
-                    t = construct(o[2], storages[o[1]])
+            self.made = []
+            for j, o in enumerate(self.outs):
+                if j in self.cached:
+                    t = self.cache[self.cached[j]]
+                    if t._backward_hooks is not None:
+                        t._backward_hooks = None
                     res.append(t)
-                    self.returned.append((o[1], weakref.ref(t)))
+                elif o[0] == "own":
+                    t = torch._C._construct_CUDA_Tensor_From_Storage_And_Metadata(o[2], self.storages[o[1]])
+                    res.append(t)
+                    self.made.append((o[1], weakref.ref(t)))
                 elif o[0] == "arg":
                     res.append(args[o[1]])
                 elif o[0] == "value":
@@ -296,16 +332,26 @@ class WholeGraph:
                     _, i, shape, stride, off = o
                     base = args[i]
                     res.append(base.as_strided(shape, stride, base.storage_offset() + off))
-        pool.set_outputs(me, [st._weak_ref() for st in storages], self.storage_ptrs)
         args.clear()
         return res
 
     def _invalidate(self, storages):
-        """Makes the outputs of the previous call viewing `storages` (indices) unreadable: their
-        memory is about to be overwritten. Reading one raises (the tensors this graph returned;
-        as with PyTorch's CUDA-graph trees, views the caller made of them are not reached)."""
+        """Makes the outputs of the previous call in `storages` (indices) that are still held
+        unreadable: their memory is about to be overwritten. Reading one raises (the tensors
+        this graph returned; as with PyTorch's CUDA-graph trees, views the caller made of them
+        are not reached). A cached output so retired is replaced by a new tensor."""
         stale = set(storages)
-        for k, w in self.returned:
+        cache = self.cache
+        refs = list(map(sys.getrefcount, cache))
+        uses = list(map(torch.Tensor._use_count, cache))
+        for (j, n), r, u in zip(self.cached.items(), refs, uses):
+            if self.outs[j][1] in stale and (r > 2 or u > 1):
+                torch._C._set_cached_tensors_enabled(True)
+                torch._C._remove_cached_tensor(cache[n])
+                torch._C._set_storage_access_error_msg(cache[n], _STALE)
+                stats.invalidated += 1
+                cache[n] = self._new_output(self.outs[j])
+        for k, w in self.made:
             t = w()
             if k in stale and t is not None:
                 torch._C._set_storage_access_error_msg(t, _STALE)
@@ -314,7 +360,12 @@ class WholeGraph:
     def __del__(self):
         pool = self.__dict__.get("pool")
         if pool is not None:
-            pool.drop(id(self))
+            pool.graphs.pop(id(self), None)
+        cache = self.__dict__.get("cache", ())
+        if cache and torch is not None:  # not at interpreter exit
+            torch._C._set_cached_tensors_enabled(True)
+            for t in cache:
+                torch._C._remove_cached_tensor(t)
 
 
 def wrap(g, kind, static_inputs, logs):
