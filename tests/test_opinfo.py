@@ -47,6 +47,10 @@ LOWERED = {
     "take_along_dim", "constant_pad_nd", "full_like", "zeros_like", "ones_like", "movedim", "expand_as",
     "view_as", "reshape_as", "tril", "triu", "slice_scatter", "select_scatter", "split", "split.list_args",
     "split_with_sizes", "chunk", "unbind", "stack", "roll", "nn.functional.avg_pool2d", "cumsum", "__getitem__", "flip", "cumulative_trapezoid",
+    # gathers through `_unsafe_index` (the backward's scatter-add stays ATen's `_unsafe_index_put`)
+    "nn.functional.interpolate.bilinear", "nn.functional.interpolate.linear", "nn.functional.interpolate.nearest",
+    "nn.functional.interpolate.nearest-exact", "nn.functional.interpolate.bicubic", "nn.functional.interpolate.trilinear",
+    "nn.functional.upsample_bilinear", "nn.functional.upsample_nearest",
     # extern kernels with fused pointwise work around them
     "mm", "addmm", "bmm", "nn.functional.linear", "matmul",
 }

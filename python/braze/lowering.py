@@ -1986,6 +1986,7 @@ def _index_select(L, node, x, dim, index):
 
 
 @register(A("index"))
+@register(A("_unsafe_index"))
 def _index(L, node, x, indices):
     """`x[i0, i1, ...]` with integer index tensors on some dims (`None` for a dim taken whole):
     one gather. The indexed dims are brought together (in front when a whole dim separates
@@ -1993,7 +1994,9 @@ def _index(L, node, x, indices):
     linear index `sum_j i_j * stride_j` of the broadcast index tensors; negative indices count
     from the end. The result is `pre + broadcast(indices) + post`, as in eager: Swin's
     relative-position bias table; transformers' masks, which index a position grid with
-    broadcast `arange`s. Boolean masks (sizes the data decides) stay ATen's."""
+    broadcast `arange`s; `_unsafe_index` (indices known in range) is the same read: the
+    decompositions of `interpolate` (bilinear, nearest) gather through it. Boolean masks
+    (sizes the data decides) stay ATen's."""
     xv = x.meta.get("val")
     if not is_tensor_meta(xv) or xv.dim() == 0:
         raise Unsupported("index into a 0-dim source")
