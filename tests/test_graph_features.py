@@ -471,6 +471,40 @@ def test_dead_stores_dropped(device):
     assert sum(len(roots) for _, roots in fw["kernels"]) == 2, fw["kernels"]
 
 
+@pytest.mark.parametrize("train", [False, True], ids=["inference", "training"])
+def test_ceil_mode_max_pool_lowered(device, train):
+    """max_pool2d with ceil_mode (GoogLeNet's pools): the last windows reach past the input
+    and are padded with -inf, so the pool is braze's kernel in inference and its forward
+    (values and offsets) in training; eager's values, gradients and indices. Sizes where the
+    ceiling adds a window and where it does not, with and without padding."""
+    torch.manual_seed(0)
+    cases = [dict(kernel_size=3, stride=2, ceil_mode=True), dict(kernel_size=3, stride=2, padding=1, ceil_mode=True),
+             dict(kernel_size=2, stride=2, ceil_mode=True), dict(kernel_size=(3, 2), stride=(2, 3), ceil_mode=True)]
+    for kw in cases:
+        for shape in ((2, 4, 13, 13), (1, 3, 8, 11)):
+            f = lambda x: F.max_pool2d(torch.relu(x) + 0.5, **kw)  # noqa: E731
+            g = lambda x: F.max_pool2d(x * 2, return_indices=True, **kw)  # noqa: E731
+            x = torch.randn(*shape, device=device, requires_grad=train)
+            x2 = x.detach().clone().requires_grad_(train)
+            before = dict(braze.stats.extern_ops)
+            torch._dynamo.reset()
+            out = torch.compile(f, backend="braze", options={"on_unsupported": "error"})(x2)
+            ref = f(x)
+            torch.testing.assert_close(out, ref)
+            if train:
+                gr = torch.randn_like(ref)
+                out.backward(gr)
+                ref.backward(gr)
+                torch.testing.assert_close(x2.grad, x.grad)
+            else:
+                with torch.no_grad():
+                    (v, i), (v2, i2) = torch.compile(g, backend="braze")(x2), g(x)
+                torch.testing.assert_close(v, v2)
+                assert torch.equal(i, i2)
+            new = {k for k, n in braze.stats.extern_ops.items() if n != before.get(k, 0)}
+            assert "aten.max_pool2d_with_indices.default" not in new, (kw, shape, new)
+
+
 def test_gpu_lowering_of_library_ops_without_a_gpu(monkeypatch):
     """The GPU-only lowerings (cuDNN convolutions and their gradients, cuBLASLt matmuls with
     the GELU epilogue, BatchNorm) run on fake CUDA tensors, so CI without a GPU builds their IR

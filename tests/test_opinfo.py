@@ -51,6 +51,7 @@ LOWERED = {
     "nn.functional.interpolate.bilinear", "nn.functional.interpolate.linear", "nn.functional.interpolate.nearest",
     "nn.functional.interpolate.nearest-exact", "nn.functional.interpolate.bicubic", "nn.functional.interpolate.trilinear",
     "nn.functional.upsample_bilinear", "nn.functional.upsample_nearest",
+    "nn.functional.max_pool2d",
     # extern kernels with fused pointwise work around them
     "mm", "addmm", "bmm", "nn.functional.linear", "matmul",
 }

@@ -78,13 +78,13 @@ def _max_pool2d_with_offsets(x, kernel_size, stride=(), padding=0, dilation=1, c
     window, then the offsets turned into ATen's flat int64 indices (PyTorch's two
     ``prims._low_memory_max_pool_*`` ops). AOTAutograd's partitioner recomputes the second
     in the backward, so a training step saves 1 byte per pooled element instead of 8
-    (ResNet-50 b64: 12 MiB instead of 98). Windows over 127 elements, dilation, ceil_mode,
-    integer inputs and symbolic sizes (which braze's lowering of the pair does not take) keep
-    ATen's op."""
+    (ResNet-50 b64: 12 MiB instead of 98). Windows over 127 elements, dilation, integer
+    inputs and symbolic sizes (which braze's lowering of the pair does not take) keep ATen's
+    op."""
     k, p, d = pool_pair(kernel_size), pool_pair(padding), pool_pair(dilation)
     s = pool_pair(stride) if stride else k
     prims = torch.ops.prims
-    if (ceil_mode or d != [1, 1] or k[0] * k[1] > 127 or x.dim() not in (3, 4) or not x.dtype.is_floating_point
+    if (d != [1, 1] or k[0] * k[1] > 127 or x.dim() not in (3, 4) or not x.dtype.is_floating_point
             or not all(isinstance(n, int) for n in x.shape) or not hasattr(prims, "_low_memory_max_pool_with_offsets")):
         return NotImplemented
     vals, offsets = prims._low_memory_max_pool_with_offsets(x, k, s, p, d, ceil_mode)

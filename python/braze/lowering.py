@@ -2510,11 +2510,13 @@ def _pool_window(L, x, val, kernel_size, stride, padding, dilation, ceil_mode, p
     """The window of a 2-d pool whose output is `val`: (kernel, strides, padding, rank,
     taps), the taps (row offset, column offset, value) being the shifted, strided views of
     the input padded with `pad_value` (a max pool's `-inf`), one per window position in
-    row-major order."""
+    row-major order. With `ceil_mode` the last windows may reach past the padded input:
+    a max pool pads the bottom and right further with `-inf` (those positions never win);
+    an average pool's divisor would change there, so it stays ATen's."""
     k, p, d = pool_pair(kernel_size), pool_pair(padding), pool_pair(dilation)
     s = pool_pair(stride) if stride else k
-    if len(k) != 2 or ceil_mode or d != [1, 1]:
-        raise Unsupported("max_pool2d: 2-d, no dilation or ceil_mode")
+    if len(k) != 2 or d != [1, 1] or ceil_mode and pad_value != -math.inf:
+        raise Unsupported("pool2d: 2-d, no dilation, no ceil_mode for an average")
     src = x.meta["val"]
     shape = list(src.shape)
     r = len(shape)
@@ -2522,8 +2524,10 @@ def _pool_window(L, x, val, kernel_size, stride, padding, dilation, ceil_mode, p
         raise Unsupported("max_pool2d of symbolic sizes or integers")
     ho, wo = val.shape[-2:]
     t = L.tensor(x)
-    if p[0] or p[1]:
-        pads = [0] * (2 * (r - 2)) + [p[0], p[0], p[1], p[1]]
+    # Past the end: what the last window reads beyond the padded input (ceil_mode only).
+    extra = [max(0, (o - 1) * st + kk - (n + 2 * pp)) for o, st, kk, n, pp in zip((ho, wo), s, k, shape[-2:], p)]
+    if p[0] or p[1] or any(extra):
+        pads = [0] * (2 * (r - 2)) + [p[0], p[0] + extra[0], p[1], p[1] + extra[1]]
         t = L.op("pad", t, pads=list(pads), value=pad_value)
     taps = []
     for di in range(k[0]):
