@@ -505,6 +505,31 @@ def test_ceil_mode_max_pool_lowered(device, train):
             assert "aten.max_pool2d_with_indices.default" not in new, (kw, shape, new)
 
 
+def test_stepped_slice_scatter_lowered(device):
+    """slice_scatter with a step (the backward of strided slicing: Swin's patch merging
+    `x[:, 0::2, 1::2]`) is braze's kernel: `src` spread to every step-th position, `base`
+    elsewhere; negative and clipped bounds, a step longer than the slice. Eager's values and
+    gradients, no ATen call."""
+    torch.manual_seed(0)
+    before = dict(braze.stats.extern_ops)
+    for dim, start, end, step in [(0, 0, None, 2), (1, 1, None, 2), (1, 0, 7, 3), (2, 1, 8, 4), (1, -5, None, 2), (0, 2, 5, 5)]:
+        base = torch.randn(6, 9, 10, device=device)
+        n = len(range(*slice(start, end, step).indices(base.shape[dim])))
+        src = torch.randn(*[n if k == dim else base.shape[k] for k in range(3)], device=device)
+        f = lambda b, s: torch.slice_scatter(b, s, dim, start, end, step) * 2  # noqa: E731
+        torch._dynamo.reset()
+        torch.testing.assert_close(torch.compile(f, backend="braze", options={"on_unsupported": "error"})(base, src), f(base, src))
+    g = lambda x: (x[:, 0::2, 1::2] * 3 + x[:, 1::2, 0::2]).square().sum()  # noqa: E731
+    x = torch.randn(2, 8, 8, 4, device=device, requires_grad=True)
+    x2 = x.detach().clone().requires_grad_()
+    torch._dynamo.reset()
+    torch.compile(g, backend="braze", options={"on_unsupported": "error"})(x2).backward()
+    g(x).backward()
+    torch.testing.assert_close(x2.grad, x.grad)
+    new = {k for k, n in braze.stats.extern_ops.items() if n != before.get(k, 0)}
+    assert not new, new
+
+
 def test_gpu_lowering_of_library_ops_without_a_gpu(monkeypatch):
     """The GPU-only lowerings (cuDNN convolutions and their gradients, cuBLASLt matmuls with
     the GELU epilogue, BatchNorm) run on fake CUDA tensors, so CI without a GPU builds their IR

@@ -2132,7 +2132,9 @@ def _dim_mask(L, size, d, rank, lo, hi):
 def _slice_scatter(L, node, base, src, dim=0, start=None, end=None, step=1):
     """`base` with `src` written into a slice of `dim`: `src` padded to `base`'s shape where
     the slice is, `base` elsewhere (one pointwise kernel; the backward of slicing and of
-    `cat`, e.g. RoPE's rotate_half, is this on a zero base)."""
+    `cat`, e.g. RoPE's rotate_half, is this on a zero base). A slice with a step (the
+    backward of Swin's `x[:, 0::2, 1::2]` patch merging) spreads `src` first: each element
+    followed by `step - 1` zeros."""
     v = node.meta["val"]
     r = v.dim()
     d = _norm_dim(dim, r)
@@ -2140,7 +2142,7 @@ def _slice_scatter(L, node, base, src, dim=0, start=None, end=None, step=1):
     start = 0 if start is None else start
     end = size if end is None else end
     if step != 1:
-        raise Unsupported("slice_scatter with a step")
+        return _slice_scatter_stepped(L, v, base, src, d, start, end, step)
     if not all(isinstance(a, int) for a in (size, start, end)):
         return _slice_scatter_symbolic(L, v, base, src, d, start)
     start = min(max(start + size if start < 0 else start, 0), size)
@@ -2156,6 +2158,37 @@ def _slice_scatter(L, node, base, src, dim=0, start=None, end=None, step=1):
     if start == 0 and end == size:
         return padded
     return L.op("where", _dim_mask(L, size, d, r, start, end), padded, b)
+
+
+def _slice_scatter_stepped(L, v, base, src, d, start, end, step):
+    """`slice_scatter` along `d` with a step > 1 and static sizes: `src` spread to every
+    `step`-th position from `start` (a reshape that adds a dim, padded with zeros to `step`,
+    folded back), `base` elsewhere."""
+    r, size = v.dim(), v.shape[d]
+    if not all(isinstance(a, int) for a in (size, start, end, step)) or step < 1:
+        raise Unsupported("slice_scatter with a symbolic step or bounds")
+    start = min(max(start + size if start < 0 else start, 0), size)
+    end = min(max(end + size if end < 0 else end, start), size)
+    m = len(range(start, end, step))
+    sv = src.meta["val"]
+    if list(sv.shape[:d]) + list(sv.shape[d + 1:]) != list(v.shape[:d]) + list(v.shape[d + 1:]) or sv.shape[d] != m:
+        raise Unsupported("slice_scatter source does not fit the slice")
+    b = L.tensor(base, v.dtype)
+    if m == 0:
+        return b
+    zero = _lit(0, v.dtype)
+    shape = L.sizes(list(sv.shape))
+    x = L.op("reshape", L.tensor(src, v.dtype), shape=shape[:d + 1] + [1] + shape[d + 1:])
+    x = L.op("pad", x, pads=[p for k in range(r + 1) for p in ((0, step - 1) if k == d + 1 else (0, 0))], value=zero)
+    x = L.op("reshape", x, shape=shape[:d] + [m * step] + shape[d + 1:])
+    total = start + m * step
+    x = L.op("pad", x, pads=[p for k in range(r) for p in ((start, max(size - total, 0)) if k == d else (0, 0))], value=zero)
+    if total > size:
+        x = L.op("slice", x, dim=d, start=0, len=size, step=1)
+    i64 = torch.int64
+    rel = L.op("sub", _dim_index(L, size, d, r), L.scalar(start, i64))
+    on_step = L.op("eq", L.op("sub", rel, L.op("mul", L.op("floordiv", rel, L.scalar(step, i64)), L.scalar(step, i64))), L.scalar(0, i64))
+    return L.op("where", L.op("and", _dim_mask(L, size, d, r, start, end), on_step), x, b)
 
 
 def _const_size(n):
