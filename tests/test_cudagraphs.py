@@ -29,6 +29,15 @@ def _block(d):
     return torch.nn.Sequential(torch.nn.Linear(d, 4 * d), torch.nn.GELU(), torch.nn.Linear(4 * d, d), torch.nn.LayerNorm(d))
 
 
+def _twins(make, device):
+    """Two copies of one model made by `make` under seed 0: eager's reference and braze's."""
+    torch.manual_seed(0)
+    ref = make().to(device)
+    mine = make().to(device)
+    mine.load_state_dict(ref.state_dict())
+    return ref, mine
+
+
 def test_inference_replays_with_fresh_inputs(device):
     torch.manual_seed(0)
     m = _block(64).to(device).eval()
@@ -99,10 +108,7 @@ def test_forward_without_backward_replays(device):
     backward, are invalidated), and training after them replays and matches eager."""
     if device != "cuda":
         pytest.skip("CUDA graphs")
-    torch.manual_seed(0)
-    ref = _block(32).to(device)
-    mine = _block(32).to(device)
-    mine.load_state_dict(ref.state_dict())
+    ref, mine = _twins(lambda: _block(32), device)
     c = braze.compile(mine, mode="reduce-overhead", options={"on_unsupported": "error"})
     x = torch.randn(16, 32, device=device)
     for _ in range(3):  # the same loss as below: a backward's gradient input keeps its strides
@@ -174,11 +180,7 @@ def test_training_loop_matches_eager(model, device):
     counts as a replay; cuDNN convolutions and BatchNorm's running-stat updates inside the
     captured graphs); every step's loss, the weights after the
     optimizer's steps and the running statistics are eager's."""
-    torch.manual_seed(0)
-    make = (lambda: _block(32)) if model == "mlp" else _ConvNet
-    ref = make().to(device)
-    mine = make().to(device)
-    mine.load_state_dict(ref.state_dict())
+    ref, mine = _twins((lambda: _block(32)) if model == "mlp" else _ConvNet, device)
     shape = (16, 32) if model == "mlp" else (4, 8, 12, 12)
     c = braze.compile(mine, mode="reduce-overhead", options={"on_unsupported": "error"})
     opts = [torch.optim.SGD(p.parameters(), lr=0.1) for p in (ref, mine)]
@@ -207,10 +209,7 @@ def test_gradients_kept_across_backward_calls(device):
     gradients, still held in .grad, so it runs plainly; the sums are eager's."""
     if device != "cuda":
         pytest.skip("CUDA graphs")
-    torch.manual_seed(0)
-    ref = _block(32).to(device)
-    mine = _block(32).to(device)
-    mine.load_state_dict(ref.state_dict())
+    ref, mine = _twins(lambda: _block(32), device)
     c = braze.compile(mine, mode="reduce-overhead")
     before = counts()
     for _ in range(3):
@@ -248,10 +247,7 @@ def test_broadcast_gradient_is_copied_in(device, mode):
     """`model(x).float().sum().backward()` hands the backward graph an expanded gradient (all
     strides 0): its capture copies the distinct element into a buffer of those strides, and
     replays run with eager's gradients (the benchmark's training step failed to capture it)."""
-    torch.manual_seed(0)
-    ref = _block(32).to(device)
-    mine = _block(32).to(device)
-    mine.load_state_dict(ref.state_dict())
+    ref, mine = _twins(lambda: _block(32), device)
     c = braze.compile(mine, mode=mode, options={"on_unsupported": "error"})
     before, refused = counts(), len(cudagraphs.stats.not_captured)
     for _ in range(4):

@@ -276,14 +276,19 @@ class WholeGraph:
         torch._C._add_cached_tensor(t)
         return t
 
+    def _held(self):
+        """Per cached output, whether anything beyond the cache holds it: a Python reference
+        (the count is 2 when only the cache's list and this call's argument do) or a C++ one
+        (autograd's saved tensors: a use count above the Python object's 1)."""
+        refs = list(map(sys.getrefcount, self.cache))
+        uses = list(map(torch.Tensor._use_count, self.cache))
+        return [r > 2 or u > 1 for r, u in zip(refs, uses)]
+
     def live_storages(self):
         """Indices of this graph's output storages something outside the graph uses now: a
         cached output held by the caller or by autograd (a saved activation), a view of one,
         an uncached output."""
-        cache = self.cache
-        refs = list(map(sys.getrefcount, cache))  # 2 when only the cache holds it (and this call)
-        uses = list(map(torch.Tensor._use_count, cache))  # 1 unless C++ holds it (autograd's saved tensors)
-        live = {k for k, r, u in zip(self.cache_storage, refs, uses) if r > 2 or u > 1}
+        live = {k for k, held in zip(self.cache_storage, self._held()) if held}
         live.update(k for k, (n, base) in enumerate(zip(map(torch._C._storage_Use_Count, self.cdatas), self.storage_base)) if n > base)
         return live
 
@@ -342,10 +347,8 @@ class WholeGraph:
         are not reached). A cached output so retired is replaced by a new tensor."""
         stale = set(storages)
         cache = self.cache
-        refs = list(map(sys.getrefcount, cache))
-        uses = list(map(torch.Tensor._use_count, cache))
-        for (j, n), r, u in zip(self.cached.items(), refs, uses):
-            if self.outs[j][1] in stale and (r > 2 or u > 1):
+        for (j, n), held in zip(self.cached.items(), self._held()):
+            if held and self.outs[j][1] in stale:
                 torch._C._set_cached_tensors_enabled(True)
                 torch._C._remove_cached_tensor(cache[n])
                 torch._C._set_storage_access_error_msg(cache[n], _STALE)

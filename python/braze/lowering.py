@@ -2141,12 +2141,14 @@ def _slice_scatter(L, node, base, src, dim=0, start=None, end=None, step=1):
     size = v.shape[d]
     start = 0 if start is None else start
     end = size if end is None else end
-    if step != 1:
-        return _slice_scatter_stepped(L, v, base, src, d, start, end, step)
     if not all(isinstance(a, int) for a in (size, start, end)):
+        if step != 1:
+            raise Unsupported("slice_scatter with a step over symbolic sizes")
         return _slice_scatter_symbolic(L, v, base, src, d, start)
     start = min(max(start + size if start < 0 else start, 0), size)
     end = min(max(end + size if end < 0 else end, start), size)
+    if step != 1:
+        return _slice_scatter_stepped(L, v, base, src, d, start, end, step)
     if src.meta["val"].shape[d] != end - start:
         raise Unsupported("slice_scatter source does not fit the slice")
     b = L.tensor(base, v.dtype)
@@ -2161,14 +2163,12 @@ def _slice_scatter(L, node, base, src, dim=0, start=None, end=None, step=1):
 
 
 def _slice_scatter_stepped(L, v, base, src, d, start, end, step):
-    """`slice_scatter` along `d` with a step > 1 and static sizes: `src` spread to every
-    `step`-th position from `start` (a reshape that adds a dim, padded with zeros to `step`,
-    folded back), `base` elsewhere."""
+    """`slice_scatter` along `d` of static size with a step > 1, `start` and `end` already in
+    range: `src` spread to every `step`-th position from `start` (a reshape that adds a dim,
+    padded with zeros to `step`, folded back), `base` elsewhere."""
     r, size = v.dim(), v.shape[d]
-    if not all(isinstance(a, int) for a in (size, start, end, step)) or step < 1:
-        raise Unsupported("slice_scatter with a symbolic step or bounds")
-    start = min(max(start + size if start < 0 else start, 0), size)
-    end = min(max(end + size if end < 0 else end, start), size)
+    if not isinstance(step, int) or step < 1:
+        raise Unsupported("slice_scatter with a symbolic step")
     m = len(range(start, end, step))
     sv = src.meta["val"]
     if list(sv.shape[:d]) + list(sv.shape[d + 1:]) != list(v.shape[:d]) + list(v.shape[d + 1:]) or sv.shape[d] != m:
