@@ -687,6 +687,35 @@ def test_library_convolution_training(device, dtype, model_layout):
         assert not [k for k in r["externs"] if "convolution" in k], r["externs"]
 
 
+def test_convolution_workspace_of_its_own(device):
+    """[Note: convolution workspaces] (braze-sched): a cuDNN plan that needs more workspace
+    than the libraries' shared 32 MiB gets a buffer of its own, placed by memory planning.
+    ResNet's 7×7 stem over 3 channels at b32 224² in fp32: the weight gradient's first
+    engines need ~130 MB. The step's results are eager's, and the next calls (the third
+    replays its run as a CUDA graph, the workspace's address in the key) agree too."""
+    if device != "cuda":
+        pytest.skip("library convolutions run on the GPU")
+    torch.manual_seed(0)
+    m = torch.nn.Conv2d(3, 64, 7, stride=2, padding=3, bias=False).cuda().to(memory_format=torch.channels_last)
+    ref = copy.deepcopy(m)
+    n0 = len(braze.stats.records)
+    c = compiled(m, options={"on_unsupported": "error", "conv_layout": "channels_last"})
+    for _ in range(3):
+        x = torch.randn(32, 3, 224, 224, device="cuda").to(memory_format=torch.channels_last)
+        m.weight.grad = ref.weight.grad = None
+        out, r = c(x), ref(x)
+        g = torch.randn_like(r)
+        out.backward(g)
+        r.backward(g)
+        # TF32 (cuDNN's default for fp32) over 147 and 401408 products: tolerances scaled.
+        torch.testing.assert_close(out, r, rtol=1e-2, atol=3e-3 * r.abs().max().item())
+        torch.testing.assert_close(m.weight.grad, ref.weight.grad, rtol=1e-2, atol=3e-3 * ref.weight.grad.abs().max().item())
+    recs = braze.stats.records[n0:]
+    assert [r["kind"] for r in recs] == ["forward", "backward"]
+    assert not [k for r in recs for k in r["externs"] if "convolution" in k]
+    assert ", workspace buf" in recs[1]["schedule"], recs[1]["schedule"]
+
+
 def _traced(model, x):
     from torch.fx.experimental.proxy_tensor import make_fx
     return make_fx(lambda x: model(x), pre_dispatch=False)(x)

@@ -199,6 +199,9 @@ fn lifetimes(sched: &braze_sched::Schedule) -> (Vec<usize>, Vec<usize>) {
                     touch(x.buf as usize, s);
                 }
                 touch(*out as usize, s);
+                if let Step::Conv { workspace: Some(w), .. } = st {
+                    touch(*w as usize, s);
+                }
             }
             Step::Extern { args, .. } => args.iter().for_each(|a| touch(a.buf as usize, s)),
         }

@@ -269,7 +269,7 @@ fn matmul_spec(g: &Graph, sched: &braze_sched::Schedule, step: &Step) -> Result<
 /// buffers with static sizes by role (x, w, y: which are operands and which the result
 /// depends on the direction), the filter packed channels_last.
 fn conv_spec(g: &Graph, sched: &braze_sched::Schedule, step: &Step) -> Result<ConvSpec, DriverError> {
-    let Step::Conv { node, a, b, out } = step else { return Err(DriverError::Internal("not a convolution step".into())) };
+    let Step::Conv { node, a, b, out, .. } = step else { return Err(DriverError::Internal("not a convolution step".into())) };
     let Op::Conv { dir, stride, padding, dilation, groups, tf32, .. } = &g.node(*node).op else { return Err(DriverError::Internal("not a convolution".into())) };
     if a.view.is_some() || b.view.is_some() {
         return Err(DriverError::Internal("convolution operand is a view".into()));
@@ -398,7 +398,7 @@ pub fn compile_with(g: Graph, target: Target, check_cuda: bool, check_arch: &str
         return Err(DriverError::Internal(format!("verifier after passes: {errs:?}")));
     }
     lap("passes", &mut times);
-    let sched = braze_sched::schedule(&opt).map_err(unsupported)?;
+    let mut sched = braze_sched::schedule(&opt).map_err(unsupported)?;
     lap("schedule", &mut times);
     let names: Vec<String> = sched.kernels.iter().map(|k| k.name.clone()).collect();
     let version = env!("CARGO_PKG_VERSION");
@@ -467,9 +467,10 @@ pub fn compile_with(g: Graph, target: Target, check_cuda: bool, check_arch: &str
             // is NVRTC's, so the timing loop's launches are not held up.
             let (items, placed) = std::thread::scope(|scope| {
                 let nvrtc = needs_module.then(|| scope.spawn(|| braze_runtime::cuda::compile_kernels(&distinct, &arch, version, 1)));
-                let items = (|| -> Result<Vec<Item>, DriverError> {
-                    let mut items = Vec::new();
-                    for st in sched.steps.iter().filter(|_| !opts.plan_only) {
+                // (step, item, bytes) of each convolution whose plan needs a workspace of its own.
+                let items = (|| -> Result<(Vec<Item>, Vec<(usize, usize, i64)>), DriverError> {
+                    let (mut items, mut own) = (Vec::new(), Vec::new());
+                    for (s, st) in sched.steps.iter().enumerate().filter(|_| !opts.plan_only) {
                         match st {
                             Step::Kernel(k) => items.push(Item::Kernel(*k)),
                             Step::Matmul { .. } => {
@@ -480,18 +481,29 @@ pub fn compile_with(g: Graph, target: Target, check_cuda: bool, check_arch: &str
                                 let spec = conv_spec(&opt, &sched, st)?;
                                 // Any refusal is the environment's (the Python side then runs the graph's
                                 // convolutions through ATen).
-                                items.push(Item::Conv(Box::new(braze_runtime::cudnn::prepare(spec, ordinal, opts.matmul_tune).map_err(|e| DriverError::Environment(e.to_string()))?)))
+                                let conv = braze_runtime::cudnn::prepare(spec, ordinal, opts.matmul_tune).map_err(|e| DriverError::Environment(e.to_string()))?;
+                                if conv.workspace > braze_runtime::cublaslt::WORKSPACE {
+                                    own.push((s, items.len(), conv.workspace as i64));
+                                }
+                                items.push(Item::Conv(Box::new(conv)))
                             }
                             Step::Extern { .. } => {}
                         }
                     }
-                    Ok(items)
+                    Ok((items, own))
                 })();
                 lap("libraries", &mut times);
                 let placed = nvrtc.map(|h| h.join().expect("the NVRTC thread does not panic"));
                 (items, placed)
             });
-            let items = items?;
+            let (mut items, own) = items?;
+            // [Note: convolution workspaces] (braze-sched): placed by memory planning.
+            for (s, i, bytes) in own {
+                let buf = sched.add_workspace(s, bytes);
+                if let Item::Conv(c) = &mut items[i] {
+                    c.own_workspace = Some(buf);
+                }
+            }
             let m = match placed {
                 None => None,
                 Some(placed) => {
@@ -562,12 +574,14 @@ pub fn compile_with(g: Graph, target: Target, check_cuda: bool, check_arch: &str
     for (s, st) in sched.steps.iter().enumerate() {
         let touched: Vec<u32> = match st {
             Step::Kernel(k) => sched.kernels[*k].bufs.iter().map(|b| b.id).collect(),
-            Step::Matmul { out, .. } | Step::Conv { out, .. } => st.library_operands().map(|x| x.buf).chain([*out]).collect(),
+            Step::Conv { out, workspace, .. } => st.library_operands().map(|x| x.buf).chain([*out]).chain(*workspace).collect(),
+            Step::Matmul { out, .. } => st.library_operands().map(|x| x.buf).chain([*out]).collect(),
             Step::Extern { .. } => Vec::new(),
         };
         let writes = match st {
             Step::Kernel(k) => Some(sched.kernels[*k].bufs.iter().filter(|b| b.written).map(|b| b.id).collect::<Vec<_>>()),
-            Step::Matmul { out, .. } | Step::Conv { out, .. } => Some(vec![*out]),
+            Step::Conv { out, workspace, .. } => Some([*out].into_iter().chain(*workspace).collect()),
+            Step::Matmul { out, .. } => Some(vec![*out]),
             Step::Extern { .. } => None,
         };
         if let Some(w) = writes {

@@ -320,6 +320,11 @@ impl ConvSpec {
 
 pub struct Prepared {
     pub spec: ConvSpec,
+    /// Workspace bytes of the plan.
+    pub workspace: usize,
+    /// The buffer holding the workspace where it is over the shared one ([Note: convolution
+    /// workspaces] in braze-sched), set by the driver once memory planning has it.
+    pub own_workspace: Option<u32>,
     plan: Descriptor,
     /// The descriptors the plan was built from, kept for its lifetime.
     _built_from: Vec<Descriptor>,
@@ -475,9 +480,9 @@ pub fn prepare(spec: ConvSpec, ordinal: i32, tune: bool) -> Result<Prepared, Run
         (_, Some(sc)) if plans.len() > 1 => fastest(ordinal, sc, &spec, &plans),
         _ => 0,
     };
-    let (plan, _) = plans.swap_remove(i);
+    let (plan, workspace) = plans.swap_remove(i);
     built_from.extend([x, w, y, conv, op, graph]);
-    Ok(Prepared { spec, plan, _built_from: built_from })
+    Ok(Prepared { spec, workspace, own_workspace: None, plan, _built_from: built_from })
 }
 
 /// `BRAZE_CUDNN_TRACE=1`, a diagnostic: each convolution's engine configurations as they are
@@ -528,8 +533,9 @@ fn plan_of(h: Handle, cfg: &Descriptor, spec: &ConvSpec, rtc: Option<bool>) -> R
     let mut ws: i64 = 0;
     // SAFETY: reads one int64 from a finalized plan.
     ok(unsafe { (l.get_attr)(plan.0, A_PLAN_WORKSPACE_SIZE, T_INT64, 1, &mut n, &mut ws as *mut i64 as *mut c_void) }, "workspace size")?;
-    if ws < 0 || ws as usize > crate::cublaslt::WORKSPACE {
-        return Ok(Err(format!("{}: workspace {ws} bytes over the shared {}", id(), crate::cublaslt::WORKSPACE)));
+    let cap = workspace_cap(spec);
+    if ws < 0 || ws as usize > cap {
+        return Ok(Err(format!("{}: workspace {ws} bytes over the {cap} allowed", id())));
     }
     if trace_enabled() {
         eprintln!("[braze:cudnn] {}: {} builds", spec.name, id());
@@ -537,14 +543,35 @@ fn plan_of(h: Handle, cfg: &Descriptor, spec: &ConvSpec, rtc: Option<bool>) -> R
     Ok(Ok((plan, ws as usize)))
 }
 
+/// The most workspace a plan for `s` may take: the shared library workspace, or where more,
+/// the bytes of the convolution's operands (a workspace of its own, [Note: convolution
+/// workspaces] in braze-sched). ResNet's 7×7 stem weight gradient over 3 channels: cuDNN's
+/// first six engines need 123–135 MB; the first that fit in 32 MiB took twice as long (H200,
+/// fp32, b32). ATen gives a plan whatever it asks of the caching allocator; the operands'
+/// bytes bound what one step may add to the peak.
+fn workspace_cap(s: &ConvSpec) -> usize {
+    let es = s.dtype.size();
+    let operands = [(&s.x_shape, &s.x_strides), (&s.w_shape, &s.w_strides()), (&s.y_shape, &s.y_strides)]
+        .iter()
+        .map(|(shape, strides)| extent(shape, strides) * es)
+        .sum::<usize>();
+    operands.max(crate::cublaslt::WORKSPACE)
+}
+
+/// Elements spanned by a tensor of `shape` and `strides`.
+fn extent(shape: &[i64; 4], strides: &[i64; 4]) -> usize {
+    (shape.iter().zip(strides).map(|(&n, &st)| (n - 1) * st).sum::<i64>() + 1) as usize
+}
+
 /// The index of the fastest of the first `TUNE_PLANS` plans on device `ordinal`, remembered
 /// in `scope`; 0 when timing is not possible.
 fn fastest(ordinal: i32, scope: &str, s: &ConvSpec, plans: &[(Descriptor, usize)]) -> usize {
     let es = s.dtype.size();
-    let bytes = |shape: &[i64; 4], strides: &[i64; 4]| (shape.iter().zip(strides).map(|(&n, &st)| (n - 1) * st).sum::<i64>() + 1) as usize * es;
+    let bytes = |shape: &[i64; 4], strides: &[i64; 4]| extent(shape, strides) * es;
     let f = crate::cuda::FILL_FLOAT;
-    let sizes = [(bytes(&s.x_shape, &s.x_strides), f), (bytes(&s.w_shape, &s.w_strides()), f), (bytes(&s.y_shape, &s.y_strides), f), (crate::cublaslt::WORKSPACE, f)];
     let n = plans.len().min(TUNE_PLANS);
+    let ws = plans[..n].iter().map(|p| p.1).max().unwrap_or(0).max(crate::cublaslt::WORKSPACE);
+    let sizes = [(bytes(&s.x_shape, &s.x_strides), f), (bytes(&s.w_shape, &s.w_strides()), f), (bytes(&s.y_shape, &s.y_strides), f), (ws, f)];
     let timed = crate::cuda::time_candidates(ordinal, &sizes, n, &mut |i, ptrs, stream| execute(&plans[i].0, [ptrs[0], ptrs[1], ptrs[2]], stream, ptrs[3]));
     let Ok(times) = timed else { return 0 };
     let (i, t) = times.iter().enumerate().fold((0, f64::INFINITY), |b, (i, &t)| if t < b.1 { (i, t) } else { b });
@@ -574,9 +601,11 @@ fn execute(plan: &Descriptor, xwy: [usize; 3], stream: usize, workspace: usize) 
 }
 
 impl Prepared {
-    /// Runs the convolution on `stream` with buffer pointers by id.
-    pub fn run(&self, ptrs: &[usize], stream: usize, workspace: usize) -> Result<(), RuntimeError> {
+    /// Runs the convolution on `stream` with buffer pointers by id, in its own workspace
+    /// where it has one, else in the `shared` one.
+    pub fn run(&self, ptrs: &[usize], stream: usize, shared: usize) -> Result<(), RuntimeError> {
         let s = &self.spec;
+        let workspace = self.own_workspace.map_or(shared, |b| ptrs[b as usize]);
         execute(&self.plan, [ptrs[s.x as usize], ptrs[s.w as usize], ptrs[s.y as usize]], stream, workspace)
     }
 }

@@ -29,7 +29,10 @@ impl std::fmt::Display for Schedule {
                     let res = residual.as_ref().map(|x| format!(" + {}", v(x))).unwrap_or_default();
                     writeln!(f, "matmul {node}: buf{out} = {} @ {}{bias}{res}", v(a), v(b))?
                 }
-                Step::Conv { node, a, b, out } => writeln!(f, "conv {node}: buf{out} = conv(buf{}, buf{})", a.buf, b.buf)?,
+                Step::Conv { node, a, b, out, workspace } => {
+                    let ws = workspace.map(|w| format!(", workspace buf{w}")).unwrap_or_default();
+                    writeln!(f, "conv {node}: buf{out} = conv(buf{}, buf{}{ws})", a.buf, b.buf)?
+                }
                 Step::Extern { target, args, outs, .. } => {
                     let a: Vec<String> = args.iter().map(|a| format!("buf{}{}", a.buf, if a.view.is_some() { "(view)" } else { "" })).collect();
                     writeln!(f, "extern {target}({}) -> {:?}", a.join(", "), outs)?

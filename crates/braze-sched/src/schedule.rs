@@ -71,8 +71,10 @@ pub enum Step {
     /// A matrix product by the vendor library: `out = epilogue(a @ b + bias)`.
     Matmul { node: NodeId, a: Access, b: Access, bias: Option<Access>, residual: Option<Access>, out: BufId },
     /// A 2-d convolution or one of its gradients by the vendor library (conv node `node`):
-    /// `out = conv(a, b)`, the operands in the op's order.
-    Conv { node: NodeId, a: Access, b: Access, out: BufId },
+    /// `out = conv(a, b)`, the operands in the op's order; `workspace`, a buffer of its own
+    /// where its plan needs more than the libraries' shared workspace
+    /// ([`Schedule::add_workspace`]).
+    Conv { node: NodeId, a: Access, b: Access, out: BufId, workspace: Option<BufId> },
     /// Call ATen op `target` (extern node `node`) on `args`; its results fill `outs`
     /// (`UNUSED` for results nothing reads).
     Extern { node: NodeId, target: String, args: Vec<Access>, outs: Vec<BufId> },
@@ -106,6 +108,22 @@ pub struct Schedule {
     pub frees: Vec<Vec<BufId>>,
     /// Why roots did not join a kernel (for `BRAZE_LOGS=fusion`).
     pub log: Vec<String>,
+}
+
+impl Schedule {
+    /// [Note: convolution workspaces] Gives convolution step `step` a workspace of `bytes` of
+    /// its own: a temp buffer that only that step touches and that is freed after it, so memory
+    /// planning places it like any temp (in an arena window, live at that step alone). For
+    /// plans that need more than the shared library workspace (braze-runtime's `cudnn`).
+    pub fn add_workspace(&mut self, step: usize, bytes: i64) -> BufId {
+        let id = self.buffers.len() as BufId;
+        let Step::Conv { node, workspace, .. } = &mut self.steps[step] else { panic!("step {step} is not a convolution") };
+        *workspace = Some(id);
+        let node = *node;
+        self.buffers.push(Buffer { node, dtype: DType::U8, shape: vec![Expr::constant(bytes)], strides: vec![Expr::constant(1)], kind: BufKind::Temp });
+        self.frees[step].push(id);
+        id
+    }
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -382,7 +400,7 @@ pub fn schedule(g: &Graph) -> Result<Schedule, SchedError> {
             steps.push(Step::Matmul { node: e, a: access(ins[0]), b: access(ins[1]), bias: ins[..n].get(2).map(|&b| access(b)), residual, out: buf_of[e.index()].unwrap() });
         } else if let Some(e) = e.filter(|&e| matches!(g.node(e).op, Op::Conv { .. })) {
             let ins = &g.node(e).inputs;
-            steps.push(Step::Conv { node: e, a: access(ins[0]), b: access(ins[1]), out: buf_of[e.index()].unwrap() });
+            steps.push(Step::Conv { node: e, a: access(ins[0]), b: access(ins[1]), out: buf_of[e.index()].unwrap(), workspace: None });
         } else if let Some(e) = e {
             let Op::Extern { target, outputs, .. } = &g.node(e).op else { unreachable!() };
             let mut outs = vec![UNUSED; *outputs as usize];
