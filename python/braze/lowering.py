@@ -2547,18 +2547,29 @@ def _max_pool2d_backward(L, node, grad_out, x, kernel_size, stride, padding, dil
     ct = _acc_dtype(val.dtype)
     i64 = torch.int64
     g = L.tensor(grad_out, ct)
-    idx = L.tensor(indices)
     lead = [sym_val(n) for n in gv.shape[:-2]]
     zero = L.scalar(0, ct)
-    # Output (oh, ow)'s window position (di, dj) is input (oh * s0 - p0 + di, ow * s1 - p1 + dj).
-    rows = L.op("mul", _dim_index(L, ho, r - 2, r), L.scalar(s[0], i64))
-    cols = L.op("mul", _dim_index(L, wo, r - 1, r), L.scalar(s[1], i64))
+    # Which window position (di, dj) each output's maximum is at: the forward's int8 offset
+    # (di * k1 + dj) where the indices were made from it for this window, else from the index:
+    # output (oh, ow)'s position (di, dj) is input (oh * s0 - p0 + di, ow * s1 - p1 + dj).
+    # (Recomputing the indices costs an int64 division per read.)
+    src = indices.args if isinstance(indices, torch.fx.Node) and indices.target is _prim("_low_memory_max_pool_offsets_to_indices") else None
+    if src is not None and (pool_pair(src[1]), pool_pair(src[3]) if src[3] else pool_pair(src[1]), pool_pair(src[4])) == (k, s, p):
+        off = L.tensor(src[0])
+        i8 = src[0].meta["val"].dtype
+        is_at = lambda di, dj: L.op("eq", off, L.scalar(di * k[1] + dj, i8))  # noqa: E731
+    else:
+        idx = L.tensor(indices)
+        rows = L.op("mul", _dim_index(L, ho, r - 2, r), L.scalar(s[0], i64))
+        cols = L.op("mul", _dim_index(L, wo, r - 1, r), L.scalar(s[1], i64))
+
+        def is_at(di, dj):
+            at_row = L.op("mul", L.op("add", rows, L.scalar(di - p[0], i64)), L.scalar(w, i64))
+            return L.op("eq", idx, L.op("add", at_row, L.op("add", cols, L.scalar(dj - p[1], i64))))
     total = None
     for di in range(k[0]):
-        at_row = L.op("mul", L.op("add", rows, L.scalar(di - p[0], i64)), L.scalar(w, i64))
         for dj in range(k[1]):
-            at = L.op("add", at_row, L.op("add", cols, L.scalar(dj - p[1], i64)))
-            mine = L.op("where", L.op("eq", idx, at), g, zero)
+            mine = L.op("where", is_at(di, dj), g, zero)
             grid = L.op("reshape", mine, shape=lead + [ho, 1, wo, 1])
             grid = L.op("pad", grid, pads=[0, 0] * (r - 2) + [0, 0, 0, s[0] - 1, 0, 0, 0, s[1] - 1], value=_lit(0, ct))
             grid = L.op("reshape", grid, shape=lead + [ho * s[0], wo * s[1]])
