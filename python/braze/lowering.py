@@ -2527,58 +2527,6 @@ def _library_conv_backward(L, node, grad_out, x, weight, stride, padding, dilati
 
 @register(A("max_pool2d_with_indices_backward"))
 def _max_pool2d_backward(L, node, grad_out, x, kernel_size, stride, padding, dilation, ceil_mode, indices):
-    """The input gradient of a 2-d max pool in gather form, as the average pool's: for each
-    window position (di, dj), the output gradient where the output's index is that position's
-    (zero elsewhere), spread onto a grid `stride` apart and shifted onto the input; the
-    positions summed. One pointwise kernel reading the gradient and the indices (recomputed
-    from the forward's int8 offsets where decomp.py's ``_max_pool2d_with_offsets`` made them,
-    so the int64 indices are never stored). ResNet-18 b32 fp32 training: ATen's kernel took
-    0.24 ms of the step. Dilation, integer gradients and symbolic sizes stay ATen's (in a graph
-    of channels_last convolutions, channels_last, as before)."""
-    val = node.meta["val"]
-    gv = grad_out.meta["val"]
-    k, p, d = pool_pair(kernel_size), pool_pair(padding), pool_pair(dilation)
-    s = pool_pair(stride) if stride else k
-    if (len(k) != 2 or d != [1, 1] or not is_tensor_meta(val) or not val.dtype.is_floating_point
-            or any(not isinstance(n, int) for n in (*val.shape, *gv.shape))):
-        return _max_pool2d_backward_aten(L, node, grad_out, x, indices)
-    r = val.dim()
-    (h, w), (ho, wo) = val.shape[-2:], gv.shape[-2:]
-    ct = _acc_dtype(val.dtype)
-    i64 = torch.int64
-    g = L.tensor(grad_out, ct)
-    lead = [sym_val(n) for n in gv.shape[:-2]]
-    zero = L.scalar(0, ct)
-    # Which window position (di, dj) each output's maximum is at: the forward's int8 offset
-    # (di * k1 + dj) where the indices were made from it for this window, else from the index:
-    # output (oh, ow)'s position (di, dj) is input (oh * s0 - p0 + di, ow * s1 - p1 + dj).
-    # (Recomputing the indices costs an int64 division per read.)
-    src = indices.args if isinstance(indices, torch.fx.Node) and indices.target is _prim("_low_memory_max_pool_offsets_to_indices") else None
-    if src is not None and (pool_pair(src[1]), pool_pair(src[3]) if src[3] else pool_pair(src[1]), pool_pair(src[4])) == (k, s, p):
-        off = L.tensor(src[0])
-        i8 = src[0].meta["val"].dtype
-        is_at = lambda di, dj: L.op("eq", off, L.scalar(di * k[1] + dj, i8))  # noqa: E731
-    else:
-        idx = L.tensor(indices)
-        rows = L.op("mul", _dim_index(L, ho, r - 2, r), L.scalar(s[0], i64))
-        cols = L.op("mul", _dim_index(L, wo, r - 1, r), L.scalar(s[1], i64))
-
-        def is_at(di, dj):
-            at_row = L.op("mul", L.op("add", rows, L.scalar(di - p[0], i64)), L.scalar(w, i64))
-            return L.op("eq", idx, L.op("add", at_row, L.op("add", cols, L.scalar(dj - p[1], i64))))
-    total = None
-    for di in range(k[0]):
-        for dj in range(k[1]):
-            mine = L.op("where", is_at(di, dj), g, zero)
-            grid = L.op("reshape", mine, shape=lead + [ho, 1, wo, 1])
-            grid = L.op("pad", grid, pads=[0, 0] * (r - 2) + [0, 0, 0, s[0] - 1, 0, 0, 0, s[1] - 1], value=_lit(0, ct))
-            grid = L.op("reshape", grid, shape=lead + [ho * s[0], wo * s[1]])
-            v = _shifted(L, _shifted(L, grid, r - 2, r, ho * s[0], p[0] - di, h, ct), r - 1, r, wo * s[1], p[1] - dj, w, ct)
-            total = v if total is None else L.op("add", total, v)
-    return L.eager_layout(L.cast(total, val.dtype), val)
-
-
-def _max_pool2d_backward_aten(L, node, grad_out, x, indices):
     """ATen's max-pool backward in a graph of channels_last convolutions ([Note: convolution
     layout]): ATen computes it in the layout of `x` (channels_last there) and converts the
     gradient and indices to it, so they are given channels_last and its result is declared
