@@ -505,6 +505,37 @@ def test_ceil_mode_max_pool_lowered(device, train):
             assert "aten.max_pool2d_with_indices.default" not in new, (kw, shape, new)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_average_pools_of_every_divisor_lowered(device, dtype):
+    """avg_pool2d whose divisor varies by window (padding counted out: ResNet-D's shortcut
+    pools, `AvgPool2d(2, 2, ceil_mode=True, count_include_pad=False)`; `ceil_mode`, whose
+    last windows reach past the padded input; a divisor override) is braze's kernel forward
+    and backward: eager's values and gradients, no ATen pool."""
+    torch.manual_seed(0)
+    cases = [dict(kernel_size=2, stride=2, ceil_mode=True, count_include_pad=False),
+             dict(kernel_size=3, stride=2, padding=1, count_include_pad=False),
+             dict(kernel_size=3, stride=2, padding=1, ceil_mode=True),
+             dict(kernel_size=(3, 2), stride=(2, 1), padding=(1, 0), ceil_mode=True, count_include_pad=False),
+             dict(kernel_size=3, stride=2, padding=1, ceil_mode=True, divisor_override=5)]
+    tol = {torch.float32: 1e-5, torch.bfloat16: 1e-2}[dtype]
+    for kw in cases:
+        for shape in ((2, 3, 9, 8), (1, 4, 7, 11)):
+            f = lambda x: F.avg_pool2d(torch.relu(x) * 1.5, **kw)  # noqa: E731
+            x = torch.randn(*shape, device=device, dtype=dtype, requires_grad=True)
+            x2 = x.detach().clone().requires_grad_()
+            before = dict(braze.stats.extern_ops)
+            torch._dynamo.reset()
+            out = torch.compile(f, backend="braze", options={"on_unsupported": "error"})(x2)
+            ref = f(x)
+            torch.testing.assert_close(out, ref, rtol=tol, atol=tol)
+            g = torch.randn_like(ref)
+            out.backward(g)
+            ref.backward(g)
+            torch.testing.assert_close(x2.grad, x.grad, rtol=tol, atol=tol)
+            new = {k for k, n in braze.stats.extern_ops.items() if n != before.get(k, 0)}
+            assert not {k for k in new if "avg_pool" in k}, (kw, shape, new)
+
+
 def test_stepped_slice_scatter_lowered(device):
     """slice_scatter with a step (the backward of strided slicing: Swin's patch merging
     `x[:, 0::2, 1::2]`) is braze's kernel: `src` spread to every step-th position, `base`

@@ -47,6 +47,7 @@ LOWERED = {
     "take_along_dim", "constant_pad_nd", "full_like", "zeros_like", "ones_like", "movedim", "expand_as",
     "view_as", "reshape_as", "tril", "triu", "slice_scatter", "select_scatter", "split", "split.list_args",
     "split_with_sizes", "chunk", "unbind", "stack", "roll", "nn.functional.avg_pool2d", "cumsum", "__getitem__", "flip", "cumulative_trapezoid",
+    "cumprod",
     # gathers through `_unsafe_index` (the backward's scatter-add stays ATen's `_unsafe_index_put`)
     "nn.functional.interpolate.bilinear", "nn.functional.interpolate.linear", "nn.functional.interpolate.nearest",
     "nn.functional.interpolate.nearest-exact", "nn.functional.interpolate.bicubic", "nn.functional.interpolate.trilinear",
@@ -104,8 +105,13 @@ def _run(op, sample, dtype, grad):
         actual = torch.compile(fn, backend="braze", dynamic=False)(*ts2)
     exp_t, act_t = _flatten(expected), _flatten(actual)
     assert len(exp_t) == len(act_t)
-    for e, a in zip(exp_t, act_t):
-        torch.testing.assert_close(a, e, equal_nan=True)
+    for i, (e, a) in enumerate(zip(exp_t, act_t)):
+        try:
+            torch.testing.assert_close(a, e, equal_nan=True)
+        except AssertionError:
+            if e.dtype not in (torch.float16, torch.bfloat16):
+                raise
+            _no_worse_than_eager(op, args, kwargs, i, e, a)
     if grad:
         outs = [(e, a) for e, a in zip(exp_t, act_t) if e.requires_grad and e.dtype.is_floating_point]
         if outs:
@@ -128,6 +134,21 @@ def _run(op, sample, dtype, grad):
             if not k.startswith(BY_DESIGN):
                 fell[k] = r.get("extern_reasons", {}).get(k, "")
     return fell
+
+
+def _no_worse_than_eager(op, args, kwargs, i, e, a):
+    """A 16-bit result that differs from eager's passes when it is at least as close as
+    eager's to the op computed in float64: eager's CPU kernels accumulate some half-precision
+    reductions in half precision (nll_loss2d's bf16 mean was 8 units of the last place off
+    float64's; braze's, which sums in f32, was float64's rounded)."""
+    def up(v):
+        return v.detach().double() if isinstance(v, torch.Tensor) and v.dtype.is_floating_point else v
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ref = _flatten(op(*[up(v) for v in args], **{k: up(v) for k, v in kwargs.items()}))[i]
+    err_e, err_a = (e.double() - ref).abs(), (a.double() - ref).abs()
+    slack = torch.finfo(e.dtype).eps * ref.abs() + 1e-5
+    assert bool((err_a.nan_to_num(0) <= err_e.nan_to_num(0) + slack).all()), (a, e, ref)
 
 
 def _samples(op, dtype, grad):

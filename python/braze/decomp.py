@@ -42,6 +42,9 @@ _NAMES = [
     # The loss's backward as full + scatter (one pointwise kernel with the softmax backward;
     # see _full_like below for why that matters).
     "nll_loss_backward",
+    # Losses over spatial targets (a segmentation model's cross-entropy): the 2-d loss as the
+    # 1-d one's gather, where and sums.
+    "nll_loss2d_forward", "nll_loss2d_backward",
 ]
 
 
@@ -103,7 +106,22 @@ def decomposition_table():
     table[aten.full_like.default] = _full_like
     table[aten.detach.default] = _detach
     table[aten.max_pool2d_with_indices.default] = _max_pool2d_with_offsets
+    for op in (aten.nll_loss_forward.default, aten.nll_loss2d_forward.default):
+        table[op] = _in_f32(table[op])
     return table
+
+
+def _in_f32(decomposed):
+    """A loss's decomposition run in f32 for 16-bit inputs, its results rounded once: ATen
+    sums a half-precision loss in f32 and divides before rounding (the decomposition alone
+    rounded the sum, then the mean: a bf16 mean over 8 elements was 8 units of the last place
+    off)."""
+    def run(self, target, weight, reduction, ignore_index):
+        if self.dtype not in (torch.float16, torch.bfloat16):
+            return decomposed(self, target, weight, reduction, ignore_index)
+        out, total = decomposed(self.float(), target, None if weight is None else weight.float(), reduction, ignore_index)
+        return out.to(self.dtype), total.to(self.dtype)
+    return run
 
 
 def drop_unread_batch_norm_stats(joint: torch.fx.GraphModule) -> None:

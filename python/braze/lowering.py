@@ -1484,6 +1484,18 @@ def _cumsum(L, node, x, dim, dtype=None):
     position jumps along a sequence). Exact for integers and booleans; for floats the order
     of the additions is a reduction's, not a running sum's. Scans over more than
     `_SCAN_MAX_LEN` elements, or `_SCAN_MAX_WORK` in all, and symbolic lengths stay ATen's."""
+    return _scan(L, node, x, dim, "cumsum", "sum", 0)
+
+
+@register(A("cumprod"))
+def _cumprod(L, node, x, dim, dtype=None):
+    """`cumprod` as `cumsum` is lowered, a masked product (`prod`'s backward calls it)."""
+    return _scan(L, node, x, dim, "cumprod", "prod", 1)
+
+
+def _scan(L, node, x, dim, name, kind, identity):
+    """A scan along a short dim as the reduction `kind` of `x[..., j]` over `j <= i` (the
+    others replaced by `identity`), see `_cumsum`."""
     v, xv = node.meta["val"], x.meta["val"]
     od = v.dtype
     t = L.tensor(x)
@@ -1492,9 +1504,9 @@ def _cumsum(L, node, x, dim, dtype=None):
     d = _norm_dim(dim, xv.dim())
     n = xv.shape[d]
     if not isinstance(n, int) or not all(isinstance(s, int) for s in xv.shape):
-        raise Unsupported("cumsum over symbolic sizes")
+        raise Unsupported(f"{name} over symbolic sizes")
     if n == 0 or n > _SCAN_MAX_LEN or xv.numel() * n > _SCAN_MAX_WORK:
-        raise Unsupported("cumsum over a long or empty dim")
+        raise Unsupported(f"{name} over a long or empty dim")
     t = L.cast(t, od)
     rank = xv.dim()
     perm = [i for i in range(rank) if i != d] + [d]
@@ -1504,7 +1516,7 @@ def _cumsum(L, node, x, dim, dtype=None):
     xe = L.op("expand", L.op("reshape", t, shape=rows + [1, n]), shape=rows + [n, n])
     pos = L.op("iota", len=n, start=0, step=1, dtype="i64")
     j, i = L.op("reshape", pos, shape=[1, n]), L.op("reshape", pos, shape=[n, 1])
-    y = L.op("sum", L.op("where", L.op("le", j, i), xe, L.scalar(0, od)), dims=[rank], keepdim=False)
+    y = L.op(kind, L.op("where", L.op("le", j, i), xe, L.scalar(identity, od)), dims=[rank], keepdim=False)
     y = L.cast(y, od)
     if d != rank - 1:
         y = L.op("permute", y, dims=[perm.index(k) for k in range(rank)])
@@ -2544,17 +2556,17 @@ def _pool_window(L, x, val, kernel_size, stride, padding, dilation, ceil_mode, p
     taps), the taps (row offset, column offset, value) being the shifted, strided views of
     the input padded with `pad_value` (a max pool's `-inf`), one per window position in
     row-major order. With `ceil_mode` the last windows may reach past the padded input:
-    a max pool pads the bottom and right further with `-inf` (those positions never win);
-    an average pool's divisor would change there, so it stays ATen's."""
+    they are padded further with `pad_value` (a max pool's `-inf` never wins; an average
+    pool's zeros add nothing, and its divisor, `_pool_divisor`, counts what they cover)."""
     k, p, d = pool_pair(kernel_size), pool_pair(padding), pool_pair(dilation)
     s = pool_pair(stride) if stride else k
-    if len(k) != 2 or d != [1, 1] or ceil_mode and pad_value != -math.inf:
-        raise Unsupported("pool2d: 2-d, no dilation, no ceil_mode for an average")
+    if len(k) != 2 or d != [1, 1]:
+        raise Unsupported("pool2d: 2-d, no dilation")
     src = x.meta["val"]
     shape = list(src.shape)
     r = len(shape)
     if any(not isinstance(n, int) for n in shape + list(val.shape)) or not src.dtype.is_floating_point:
-        raise Unsupported("max_pool2d of symbolic sizes or integers")
+        raise Unsupported("pool2d of symbolic sizes or integers")
     ho, wo = val.shape[-2:]
     t = L.tensor(x)
     # Past the end: what the last window reads beyond the padded input (ceil_mode only).
@@ -2608,20 +2620,48 @@ def _is_cl_able(t) -> bool:
 @register(A("avg_pool2d"))
 def _avg_pool2d(L, node, x, kernel_size, stride=(), padding=0, ceil_mode=False, count_include_pad=True, divisor_override=None):
     """Average pooling as the sum of its window's shifted, strided views of the zero-padded
-    input over the window's size (DenseNet's transitions): one pointwise kernel with what
-    precedes it. Windows that would count padding differently (`count_include_pad=False`
-    with padding), `ceil_mode` and symbolic sizes stay ATen's."""
+    input over the window's divisor (DenseNet's transitions; ResNet-D's shortcut pools, with
+    `ceil_mode` and padding counted out): one pointwise kernel with what precedes it.
+    Symbolic sizes stay ATen's."""
     val = node.meta["val"]
-    if not count_include_pad and any(pool_pair(padding)):
-        raise Unsupported("avg_pool2d excluding padding from the count")
     ct = _acc_dtype(val.dtype)
-    k, _, _, _, taps = _pool_window(L, x, val, kernel_size, stride, padding, 1, ceil_mode, pad_value=0)
+    k, s, p, r, taps = _pool_window(L, x, val, kernel_size, stride, padding, 1, ceil_mode, pad_value=0)
     total = None
     for _, _, v in taps:
         v = L.cast(v, ct)
         total = v if total is None else L.op("add", total, v)
-    div = divisor_override if divisor_override else k[0] * k[1]
-    return L.eager_layout(L.cast(L.op("div", total, L.scalar(div, ct)), val.dtype), val)
+    div = _pool_divisor(L, r, x.meta["val"].shape[-2:], val.shape[-2:], k, s, p, count_include_pad, divisor_override, ct)
+    return L.eager_layout(L.cast(L.op("div", total, div), val.dtype), val)
+
+
+def _pool_divisor(L, r, size, out, k, s, p, count_include_pad, divisor_override, ct):
+    """An average pool's divisor per output, as ATen's: `divisor_override`, else the window's
+    extent within the padded input (with `count_include_pad`) or within the input itself.
+    A scalar where every window has the whole kernel's, else a `[.., ho, wo]`-broadcast
+    product of one factor per dim (the extents are separable)."""
+    if divisor_override:
+        return L.scalar(divisor_override, ct)
+    i64 = torch.int64
+    factors, whole = [], True
+    for dim, (n, o, kk, st, pp) in enumerate(zip(size, out, k, s, p)):
+        starts = [j * st - pp for j in range(o)]
+        ends = [min(b + kk, n + pp) for b in starts]
+        if count_include_pad:
+            extents = [e - b for b, e in zip(starts, ends)]
+        else:
+            extents = [min(e, n) - max(b, 0) for b, e in zip(starts, ends)]
+        whole &= all(e == kk for e in extents)
+        # The same as arithmetic on the output index j: start = j * st - pp.
+        j = _dim_index(L, o, r - 2 + dim, r)
+        b = L.op("sub", L.op("mul", j, L.scalar(st, i64)), L.scalar(pp, i64))
+        e = L.op("min", L.op("add", b, L.scalar(kk, i64)), L.scalar(n + pp, i64))
+        if not count_include_pad:
+            b = L.op("max", b, L.scalar(0, i64))
+            e = L.op("min", e, L.scalar(n, i64))
+        factors.append(L.op("sub", e, b))
+    if whole:
+        return L.scalar(k[0] * k[1], ct)
+    return L.cast(L.op("mul", factors[0], factors[1]), ct)
 
 
 def _shifted(L, t, dim, r, size, off, length, dtype):
@@ -2645,23 +2685,22 @@ def _shifted(L, t, dim, r, size, off, length, dtype):
 @register(A("avg_pool2d_backward"))
 def _avg_pool2d_backward(L, node, grad_out, x, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override):
     """The input gradient of a 2-d average pool (DenseNet's transitions in training), in
-    gather form: the output gradient divided by the window's size, spread onto a grid `stride`
-    apart (reshaped next to zeros), and summed over the window's positions, each a shifted
-    copy. One pointwise kernel. Windows whose divisor varies (padding counted out,
-    `ceil_mode`) and symbolic sizes stay ATen's."""
+    gather form: the output gradient divided by its window's divisor (`_pool_divisor`),
+    spread onto a grid `stride` apart (reshaped next to zeros), and summed over the window's
+    positions, each a shifted copy. One pointwise kernel. Symbolic sizes stay ATen's."""
     val = node.meta["val"]
     gv = grad_out.meta["val"]
     k, p = pool_pair(kernel_size), pool_pair(padding)
     s = pool_pair(stride) if stride else k
-    if len(k) != 2 or ceil_mode or (not count_include_pad and any(p)):
-        raise Unsupported("avg_pool2d_backward whose divisor varies by window")
+    if len(k) != 2:
+        raise Unsupported("avg_pool2d_backward: 2-d windows")
     if any(not isinstance(n, int) for n in (*val.shape, *gv.shape)) or not val.dtype.is_floating_point:
         raise Unsupported("avg_pool2d_backward of symbolic sizes or integers")
     r = val.dim()
     (h, w), (ho, wo) = val.shape[-2:], gv.shape[-2:]
     ct = _acc_dtype(val.dtype)
-    div = divisor_override if divisor_override else k[0] * k[1]
-    g = L.op("div", L.tensor(grad_out, ct), L.scalar(div, ct))
+    div = _pool_divisor(L, r, (h, w), (ho, wo), k, s, p, count_include_pad, divisor_override, ct)
+    g = L.op("div", L.tensor(grad_out, ct), div)
     lead = [sym_val(n) for n in gv.shape[:-2]]
     # Output (oh, ow) lands at (oh * s0, ow * s1) of a grid of zeros.
     grid = L.op("reshape", g, shape=lead + [ho, 1, wo, 1])
