@@ -1922,10 +1922,11 @@ def _full(L, node, size, value, **kw):
     return L.op("expand", s, shape=L.sizes(v.shape))
 
 
-@register(A("zeros"), A("ones"))
+@register(A("zeros"), A("ones"), A("_efficientzerotensor"))
 def _zeros(L, node, size, **kw):
+    """Zeros or ones; `_efficientzerotensor` (autograd's zero gradient, `sgn`'s) is zeros."""
     v = node.meta["val"]
-    s = L.scalar(0 if node.target.overloadpacket is aten.zeros else 1, v.dtype)
+    s = L.scalar(1 if node.target.overloadpacket is aten.ones else 0, v.dtype)
     return s if v.dim() == 0 else L.op("expand", s, shape=L.sizes(v.shape))
 
 
@@ -1991,7 +1992,8 @@ def _index_select(L, node, x, dim, index):
     t = L.tensor(x)
     i = L.tensor(index)
     if L.rank(t) == 0:
-        raise Unsupported("index_select on a 0-dim tensor")
+        # A 0-dim source takes one index, 0 (eager checks it): the value itself.
+        return t
     if L.rank(i) == 0:
         i = L.op("reshape", i, shape=[1])
     return L.op("index_select", t, i, dim=_norm_dim(dim, L.rank(t)))
