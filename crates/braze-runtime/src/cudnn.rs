@@ -547,8 +547,9 @@ fn plan_of(h: Handle, cfg: &Descriptor, spec: &ConvSpec, rtc: Option<bool>) -> R
 /// twice the bytes of the convolution's operands (a workspace of its own, [Note: convolution
 /// workspaces] in braze-sched). ResNet's 7×7 stem weight gradient over 3 channels at b32 in
 /// fp32: cuDNN's first six engines need 123–135 MB for 122 MB of operands; the first that
-/// fit in 32 MiB took twice as long (H200). ATen gives a plan whatever it asks of the caching
-/// allocator; the bound keeps what one step may add to the peak to the order of its operands.
+/// fit in 32 MiB took 0.44 ms against the first's 0.13 (H200). ATen gives a plan whatever it
+/// asks of the caching allocator; the bound keeps what one step may add to the peak to the
+/// order of its operands.
 fn workspace_cap(s: &ConvSpec) -> usize {
     let es = s.dtype.size();
     let operands = [(&s.x_shape, &s.x_strides), (&s.w_shape, &s.w_strides()), (&s.y_shape, &s.y_strides)]
