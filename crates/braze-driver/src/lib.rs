@@ -260,6 +260,10 @@ fn matmul_exprs(g: &Graph, sched: &braze_sched::Schedule, step: &Step) -> Result
     })
 }
 
+/// (step, item, bytes) of each convolution whose plan needs a workspace of its own
+/// ([Note: convolution workspaces] in braze-sched).
+type OwnWorkspaces = Vec<(usize, usize, i64)>;
+
 /// A matmul step with static sizes, as cuBLASLt takes it.
 fn matmul_spec(g: &Graph, sched: &braze_sched::Schedule, step: &Step) -> Result<MatmulSpec, DriverError> {
     matmul_exprs(g, sched, step)?.eval(&[]).ok_or_else(|| unsupported("matmul with symbolic sizes"))
@@ -467,8 +471,7 @@ pub fn compile_with(g: Graph, target: Target, check_cuda: bool, check_arch: &str
             // is NVRTC's, so the timing loop's launches are not held up.
             let (items, placed) = std::thread::scope(|scope| {
                 let nvrtc = needs_module.then(|| scope.spawn(|| braze_runtime::cuda::compile_kernels(&distinct, &arch, version, 1)));
-                // (step, item, bytes) of each convolution whose plan needs a workspace of its own.
-                let items = (|| -> Result<(Vec<Item>, Vec<(usize, usize, i64)>), DriverError> {
+                let items = (|| -> Result<(Vec<Item>, OwnWorkspaces), DriverError> {
                     let (mut items, mut own) = (Vec::new(), Vec::new());
                     for (s, st) in sched.steps.iter().enumerate().filter(|_| !opts.plan_only) {
                         match st {
