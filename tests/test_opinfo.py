@@ -53,6 +53,20 @@ LOWERED = {
     "nn.functional.interpolate.nearest-exact", "nn.functional.interpolate.bicubic", "nn.functional.interpolate.trilinear",
     "nn.functional.upsample_bilinear", "nn.functional.upsample_nearest",
     "nn.functional.max_pool2d",
+    # decomposed by PyTorch's decompositions into ops braze lowers (decomp.py's list)
+    "diag_embed", "linspace", "linspace.tensor_overload", "logspace", "logspace.tensor_overload", "aminmax",
+    "nn.functional.softmin", "nn.functional.softmin.with_dtype", "nn.functional.glu", "nn.functional.prelu",
+    "nn.functional.softsign", "nn.functional.threshold", "nn.functional.softshrink", "nn.functional.hardshrink",
+    "nn.functional.group_norm", "nn.functional.instance_norm", "nn.functional.local_response_norm",
+    "nn.functional.binary_cross_entropy", "nn.functional.binary_cross_entropy_with_logits", "nn.functional.smooth_l1_loss",
+    "nn.functional.l1_loss", "nn.functional.huber_loss", "nn.functional.kl_div", "nn.functional.margin_ranking_loss",
+    "nn.functional.multilabel_soft_margin_loss", "nn.functional.cosine_embedding_loss", "nn.functional.gaussian_nll_loss",
+    "nn.functional.hinge_embedding_loss", "nn.functional.poisson_nll_loss", "nn.functional.soft_margin_loss",
+    "nn.functional.triplet_margin_loss", "nn.functional.avg_pool1d", "nn.functional.max_pool1d",
+    "nn.functional.pad.constant", "nn.functional.pad.circular", "nn.functional.pad.reflect", "nn.functional.pad.replicate",
+    "nn.functional.pad.replicate_negative", "repeat", "nn.functional.pixel_shuffle", "nn.functional.pixel_unshuffle",
+    "nn.functional.channel_shuffle", "linalg.vector_norm", "norm", "norm.fro", "norm.inf", "nn.functional.normalize",
+    "nn.functional.cosine_similarity", "nn.functional.pairwise_distance",
     # extern kernels with fused pointwise work around them
     "mm", "addmm", "bmm", "nn.functional.linear", "matmul",
 }

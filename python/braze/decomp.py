@@ -45,6 +45,16 @@ _NAMES = [
     # Losses over spatial targets (a segmentation model's cross-entropy): the 2-d loss as the
     # 1-d one's gather, where and sums.
     "nll_loss2d_forward", "nll_loss2d_backward",
+    # Data movement as views, gathers and pads: channel and pixel shuffles, repeat, the
+    # reflected and replicated pads (gathers through clamped or mirrored indices).
+    "repeat", "pixel_shuffle", "pixel_unshuffle", "channel_shuffle",
+    "reflection_pad1d", "reflection_pad2d", "reflection_pad3d", "replication_pad1d", "replication_pad2d",
+    "replication_pad3d", "reflection_pad1d_backward", "reflection_pad2d_backward", "reflection_pad3d_backward",
+    # Vector norms (F.normalize, cosine similarity) as reductions of powers.
+    "linalg_vector_norm", "norm", "soft_margin_loss",
+    # Their backward ops, and the gathers and views the pads' backward ops use.
+    "huber_loss_backward", "smooth_l1_loss_backward", "soft_margin_loss_backward", "new_empty_strided",
+    "_unsafe_masked_index",
 ]
 
 

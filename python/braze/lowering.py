@@ -1937,7 +1937,7 @@ def _full_like(L, node, x, value, **kw):
     return s if v.dim() == 0 else L.op("expand", s, shape=L.sizes(v.shape))
 
 
-@register(A("empty_like"), A("new_empty"), A("empty"))
+@register(A("empty_like"), A("new_empty"), A("empty"), A("empty_strided"))
 def _empty(L, node, *a, **kw):
     # Uninitialized memory may hold anything; zeros are one valid choice and need no buffer.
     v = node.meta["val"]
