@@ -67,6 +67,20 @@ LOWERED = {
     "nn.functional.pad.replicate_negative", "repeat", "nn.functional.pixel_shuffle", "nn.functional.pixel_unshuffle",
     "nn.functional.channel_shuffle", "linalg.vector_norm", "norm", "norm.fro", "norm.inf", "nn.functional.normalize",
     "nn.functional.cosine_similarity", "nn.functional.pairwise_distance",
+    # compositions of the above (views, splits and stacks, products through matmuls and
+    # reductions, masked reductions, norms)
+    "broadcast_to", "broadcast_tensors", "cartesian_prod", "sum_to_size", "diff", "fliplr", "flipud",
+    "var_mean.unbiased", "std_mean.unbiased", "std.unbiased", "var.unbiased", "meshgrid.variadic_tensors",
+    "meshgrid.list_of_tensors", "max.binary", "min.binary", "isclose", "softmax.with_dtype", "log_softmax.with_dtype",
+    "native_layer_norm", "native_batch_norm", "nn.functional.multi_margin_loss", "nn.functional.multilabel_margin_loss",
+    "nn.functional.triplet_margin_with_distance_loss", "outer", "float_power", "round.decimals_0", "tensor_split",
+    "hsplit", "vsplit", "dsplit", "isfinite", "isposinf", "isneginf", "einsum", "ravel", "atleast_1d", "atleast_2d",
+    "atleast_3d", "column_stack", "hstack", "vstack", "dstack", "squeeze.multiple", "tile", "trapz", "trapezoid",
+    "kron", "inner", "tensordot", "repeat_interleave", "diagflat", "fft.fftshift", "fft.ifftshift", "linalg.multi_dot",
+    "linalg.norm", "linalg.matrix_norm", "linalg.vander", "special.ndtr", "lgamma", "cov", "corrcoef", "gradient",
+    "addmv", "baddbmm", "dot", "mv", "masked.sum", "masked.prod", "masked.cumsum", "masked.amax", "masked.amin",
+    "masked.mean", "masked.norm", "masked.var", "masked.std", "masked.softmax", "masked.log_softmax",
+    "masked.softmin", "masked.normalize", "masked.logsumexp",
     # extern kernels with fused pointwise work around them
     "mm", "addmm", "bmm", "nn.functional.linear", "matmul",
 }
