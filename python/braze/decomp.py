@@ -122,10 +122,9 @@ def decomposition_table():
 
 
 def _in_f32(decomposed):
-    """A loss's decomposition run in f32 for 16-bit inputs, its results rounded once: ATen
-    sums a half-precision loss in f32 and divides before rounding (the decomposition alone
-    rounded the sum, then the mean: a bf16 mean over 8 elements was 8 units of the last place
-    off)."""
+    """A loss's decomposition run in f32 for 16-bit inputs, its results rounded once, as ATen's
+    CUDA kernels sum and divide in f32 (the decomposition alone rounds the sum to 16 bits and
+    then the mean: two roundings)."""
     def run(self, target, weight, reduction, ignore_index):
         if self.dtype not in (torch.float16, torch.bfloat16):
             return decomposed(self, target, weight, reduction, ignore_index)
