@@ -285,6 +285,11 @@ def test_slow_first_call_says_where_the_time_went(monkeypatch, device):
         compiled(lambda t: t.cos() * 2)(x)
 
 
+def _externs_since(before):
+    """ATen ops called through braze since `before` (a copy of `braze.stats.extern_ops`)."""
+    return {k for k, n in braze.stats.extern_ops.items() if n != before.get(k, 0)}
+
+
 @torch.library.custom_op("braze_tests::scale_", mutates_args=("x",))
 def _scale_(x: torch.Tensor, s: float) -> None:
     x.mul_(s)
@@ -501,7 +506,7 @@ def test_ceil_mode_max_pool_lowered(device, train):
                     (v, i), (v2, i2) = torch.compile(g, backend="braze")(x2), g(x)
                 torch.testing.assert_close(v, v2)
                 assert torch.equal(i, i2)
-            new = {k for k, n in braze.stats.extern_ops.items() if n != before.get(k, 0)}
+            new = _externs_since(before)
             assert "aten.max_pool2d_with_indices.default" not in new, (kw, shape, new)
 
 
@@ -532,7 +537,7 @@ def test_average_pools_of_every_divisor_lowered(device, dtype):
             out.backward(g)
             ref.backward(g)
             torch.testing.assert_close(x2.grad, x.grad, rtol=tol, atol=tol)
-            new = {k for k, n in braze.stats.extern_ops.items() if n != before.get(k, 0)}
+            new = _externs_since(before)
             assert not {k for k in new if "avg_pool" in k}, (kw, shape, new)
 
 
@@ -557,7 +562,7 @@ def test_stepped_slice_scatter_lowered(device):
     torch.compile(g, backend="braze", options={"on_unsupported": "error"})(x2).backward()
     g(x).backward()
     torch.testing.assert_close(x2.grad, x.grad)
-    new = {k for k, n in braze.stats.extern_ops.items() if n != before.get(k, 0)}
+    new = _externs_since(before)
     assert not new, new
 
 

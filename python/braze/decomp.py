@@ -52,7 +52,7 @@ _NAMES = [
     "replication_pad3d", "reflection_pad1d_backward", "reflection_pad2d_backward", "reflection_pad3d_backward",
     # Vector norms (F.normalize, cosine similarity) as reductions of powers.
     "linalg_vector_norm", "norm", "soft_margin_loss",
-    # Their backward ops, and the gathers and views the pads' backward ops use.
+    # Their backward ops, and the allocation and masked gather the pads' backward ops use.
     "huber_loss_backward", "smooth_l1_loss_backward", "soft_margin_loss_backward", "new_empty_strided",
     "_unsafe_masked_index",
 ]

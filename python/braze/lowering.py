@@ -2643,17 +2643,17 @@ def _pool_divisor(L, r, size, out, k, s, p, count_include_pad, divisor_override,
     product of one factor per dim (the extents are separable)."""
     if divisor_override:
         return L.scalar(divisor_override, ct)
+    dims = list(zip(size, out, k, s, p))
+
+    def extent(j, n, kk, st, pp):
+        b, e = j * st - pp, min(j * st - pp + kk, n + pp)
+        return e - b if count_include_pad else min(e, n) - max(b, 0)
+    if all(extent(j, n, kk, st, pp) == kk for n, o, kk, st, pp in dims for j in range(o)):
+        return L.scalar(k[0] * k[1], ct)
     i64 = torch.int64
-    factors, whole = [], True
-    for dim, (n, o, kk, st, pp) in enumerate(zip(size, out, k, s, p)):
-        starts = [j * st - pp for j in range(o)]
-        ends = [min(b + kk, n + pp) for b in starts]
-        if count_include_pad:
-            extents = [e - b for b, e in zip(starts, ends)]
-        else:
-            extents = [min(e, n) - max(b, 0) for b, e in zip(starts, ends)]
-        whole &= all(e == kk for e in extents)
-        # The same as arithmetic on the output index j: start = j * st - pp.
+    factors = []
+    for dim, (n, o, kk, st, pp) in enumerate(dims):
+        # `extent` as arithmetic on the output index j.
         j = _dim_index(L, o, r - 2 + dim, r)
         b = L.op("sub", L.op("mul", j, L.scalar(st, i64)), L.scalar(pp, i64))
         e = L.op("min", L.op("add", b, L.scalar(kk, i64)), L.scalar(n + pp, i64))
@@ -2661,8 +2661,6 @@ def _pool_divisor(L, r, size, out, k, s, p, count_include_pad, divisor_override,
             b = L.op("max", b, L.scalar(0, i64))
             e = L.op("min", e, L.scalar(n, i64))
         factors.append(L.op("sub", e, b))
-    if whole:
-        return L.scalar(k[0] * k[1], ct)
     return L.cast(L.op("mul", factors[0], factors[1]), ct)
 
 

@@ -301,6 +301,13 @@ impl ConvSpec {
         [kh * kw * c, 1, kw * c, c]
     }
 
+    /// Bytes spanned by x, w and y.
+    fn operand_bytes(&self) -> [usize; 3] {
+        let es = self.dtype.size();
+        let bytes = |shape: &[i64; 4], strides: &[i64; 4]| (shape.iter().zip(strides).map(|(&n, &st)| (n - 1) * st).sum::<i64>() + 1) as usize * es;
+        [bytes(&self.x_shape, &self.x_strides), bytes(&self.w_shape, &self.w_strides()), bytes(&self.y_shape, &self.y_strides)]
+    }
+
     /// Depthwise: several groups of one input channel each ([Note: depthwise engines]).
     pub fn depthwise(&self) -> bool {
         self.groups > 1 && self.w_shape[1] == 1
@@ -551,28 +558,17 @@ fn plan_of(h: Handle, cfg: &Descriptor, spec: &ConvSpec, rtc: Option<bool>) -> R
 /// asks of the caching allocator; the bound keeps what one step may add to the peak to the
 /// order of its operands.
 fn workspace_cap(s: &ConvSpec) -> usize {
-    let es = s.dtype.size();
-    let operands = [(&s.x_shape, &s.x_strides), (&s.w_shape, &s.w_strides()), (&s.y_shape, &s.y_strides)]
-        .iter()
-        .map(|(shape, strides)| extent(shape, strides) * es)
-        .sum::<usize>();
-    (2 * operands).max(crate::cublaslt::WORKSPACE)
-}
-
-/// Elements spanned by a tensor of `shape` and `strides`.
-fn extent(shape: &[i64; 4], strides: &[i64; 4]) -> usize {
-    (shape.iter().zip(strides).map(|(&n, &st)| (n - 1) * st).sum::<i64>() + 1) as usize
+    (2 * s.operand_bytes().iter().sum::<usize>()).max(crate::cublaslt::WORKSPACE)
 }
 
 /// The index of the fastest of the first `TUNE_PLANS` plans on device `ordinal`, remembered
 /// in `scope`; 0 when timing is not possible.
 fn fastest(ordinal: i32, scope: &str, s: &ConvSpec, plans: &[(Descriptor, usize)]) -> usize {
-    let es = s.dtype.size();
-    let bytes = |shape: &[i64; 4], strides: &[i64; 4]| extent(shape, strides) * es;
     let f = crate::cuda::FILL_FLOAT;
     let n = plans.len().min(TUNE_PLANS);
     let ws = plans[..n].iter().map(|p| p.1).max().unwrap_or(0).max(crate::cublaslt::WORKSPACE);
-    let sizes = [(bytes(&s.x_shape, &s.x_strides), f), (bytes(&s.w_shape, &s.w_strides()), f), (bytes(&s.y_shape, &s.y_strides), f), (ws, f)];
+    let [x, w, y] = s.operand_bytes();
+    let sizes = [(x, f), (w, f), (y, f), (ws, f)];
     let timed = crate::cuda::time_candidates(ordinal, &sizes, n, &mut |i, ptrs, stream| execute(&plans[i].0, [ptrs[0], ptrs[1], ptrs[2]], stream, ptrs[3]));
     let Ok(times) = timed else { return 0 };
     let (i, t) = times.iter().enumerate().fold((0, f64::INFINITY), |b, (i, &t)| if t < b.1 { (i, t) } else { b });
