@@ -19,4 +19,6 @@ for ref in ${BRAZE_AB:-}; do
 done
 mkdir -p .whl
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -d .whl expecttest==0.3.0
+# pytest-xdist: BRAZE_PYTEST_ARGS="-n 8" spreads a long suite (OpInfo) over the GPU machine's cores.
+python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -d .whl pytest-xdist==3.8.0 execnet==2.1.2
 ls .braze-wheel .whl
