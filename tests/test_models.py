@@ -1379,6 +1379,39 @@ def test_column_blocks_fill_sectors(device, dtype):
         assert f"bz_col_welford<{8 * lanes}, {512 // (8 * lanes)}>" in src, src
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_column_variance_in_chunks(device, dtype):
+    """[Note: Welford in chunks] (braze-codegen): a vector column kernel's variance sums each
+    chunk's deviations from the mean so far and merges the chunk as Chan et al. do. Channels
+    whose mean is 10³ times their spread, one of constant value and one of mixed scales keep
+    float64's variance to within what eager's Welford keeps, over rows long enough for many
+    chunks per thread (and, on the GPU, a split into parts). (Eager's CPU kernel sums in
+    float64, its CUDA kernel in f32: hence the floor of 5e-4.)"""
+    torch.manual_seed(0)
+    x = torch.randn(32, 64, 40, 40, device=device)
+    x[:, :16] = x[:, :16] * 0.1 + 100.0
+    x[:, 16] = 3.0
+    x[:, 17] *= torch.logspace(-3, 3, 40, device=device)[None, :, None]
+    x = x.to(dtype).contiguous(memory_format=torch.channels_last)
+
+    def f(x):
+        return torch.var_mean(x.float(), (0, 2, 3), correction=1)
+
+    got = compiled(f, options={"on_unsupported": "error"})(x)
+    want = torch.var_mean(x.double(), (0, 2, 3), correction=1)
+    eager = f(x)
+    for g, w, e in zip(got, want, eager):
+        err = ((g.double() - w).abs() / w.abs().clamp_min(1e-30)).max().item()
+        err_eager = ((e.double() - w).abs() / w.abs().clamp_min(1e-30)).max().item()
+        assert err <= max(2 * err_eager, 5e-4), (err, err_eager)
+    rec = braze.stats.records[-1]
+    assert not rec["externs"], rec["externs"]
+    src = rec["source"] if device == "cuda" else rec.get("cuda_source")
+    if src is None:
+        pytest.skip("NVRTC not found: the CUDA source was not generated")
+    assert "long long r0 = cy + " in src and "_v[j] * m) + m * m * fw" in src, src
+
+
 def test_short_column_reductions_run_a_thread_per_point(device):
     """A global average pool of a channels_last activation (49 elements for each of many
     channels and images) runs one thread per output on the GPU, every load coalesced across

@@ -246,7 +246,7 @@ impl Emitter<'_> {
             }
             ReduceKind::Any => vec![format!("bool a{n} = false;")],
             ReduceKind::All => vec![format!("bool a{n} = true;")],
-            ReduceKind::Var => vec![format!("{st} wm{n} = 0, wq{n} = 0; bz_count_t wn{n} = 0;")],
+            ReduceKind::Var => vec![format!("{} wm{n} = 0, wq{n} = 0; bz_count_t wn{n} = 0;", self.d.variance_type(sdt))],
         }
     }
 
@@ -260,7 +260,10 @@ impl Emitter<'_> {
             ReduceKind::Max | ReduceKind::Min => vec![(st, format!("a{n}"))],
             ReduceKind::ArgMax | ReduceKind::ArgMin => vec![(st, format!("a{n}")), ("int64_t", format!("ai{n}"))],
             ReduceKind::Any | ReduceKind::All => vec![("bool", format!("a{n}"))],
-            ReduceKind::Var => vec![(st, format!("wm{n}")), (st, format!("wq{n}")), ("bz_count_t", format!("wn{n}"))],
+            ReduceKind::Var => {
+                let vt = self.d.variance_type(sdt);
+                vec![(vt, format!("wm{n}")), (vt, format!("wq{n}")), ("bz_count_t", format!("wn{n}"))]
+            }
         }
     }
 
@@ -279,7 +282,7 @@ impl Emitter<'_> {
             ReduceKind::Any => format!("a{n} |= ({s} != 0);"),
             ReduceKind::All => format!("a{n} &= ({s} != 0);"),
             ReduceKind::Var => {
-                let ct = compute_type(self.dt(r.src));
+                let ct = self.d.variance_type(self.dt(r.src));
                 let div = if ct == "double" { "bz_wdivd" } else { "bz_wdiv" };
                 format!("{{ wn{n} += 1; {ct} d = {s} - wm{n}; wm{n} += {div}(d, ({ct})wn{n}); wq{n} += d * ({s} - wm{n}); }}")
             }
@@ -295,7 +298,7 @@ impl Emitter<'_> {
             return (Vec::new(), self.red_update(r), Vec::new());
         }
         let (n, s) = (r.dst, format!("t{}", r.src));
-        let ct = compute_type(self.dt(r.src));
+        let ct = self.d.variance_type(self.dt(r.src));
         let div = if ct == "double" { "bz_wdivd" } else { "bz_wdiv" };
         (
             vec![format!("{ct} vs{n} = 0, vx{n}[{v}];")],
@@ -356,6 +359,7 @@ impl Emitter<'_> {
                 format!("{{ const {ct} v = {a}; const int64_t vi = {ai}; if ({c}) {{ a{n} = v; ai{n} = vi; }} }}")
             }
             ReduceKind::Var => {
+                let ct = self.d.variance_type(sdt);
                 let (m, q, c) = (lane(&format!("wm{n}")), lane(&format!("wq{n}")), lane(&format!("wn{n}")));
                 format!(
                     "{{ const int64_t nb = {c}; if (nb > 0) {{ const int64_t nn = wn{n} + nb; const {ct} d = {m} - wm{n}; const {ct} f = ({ct})nb / ({ct})nn; \
@@ -371,7 +375,7 @@ impl Emitter<'_> {
         let ct = compute_type(self.dt(n));
         match r.kind {
             ReduceKind::ArgMax | ReduceKind::ArgMin => format!("{ct} t{n} = ai{n};"),
-            ReduceKind::Var => format!("{ct} t{n} = ({ct})(wq{n} / ({}) (wn{n} - {}));", compute_type(self.dt(r.src)), r.correction),
+            ReduceKind::Var => format!("{ct} t{n} = ({ct})(wq{n} / ({}) (wn{n} - {}));", self.d.variance_type(self.dt(r.src)), r.correction),
             _ => format!("{ct} t{n} = ({ct})a{n};"),
         }
     }

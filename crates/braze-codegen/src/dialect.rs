@@ -15,6 +15,11 @@ pub trait Dialect {
             format!("{f}f")
         }
     }
+    /// The C type of a variance's Welford state (mean and squared deviations) for values of
+    /// `dt`.
+    fn variance_type(&self, dt: DType) -> &'static str {
+        compute_type(dt)
+    }
     /// `restrict` spelling.
     fn restrict(&self) -> &'static str {
         "restrict"
