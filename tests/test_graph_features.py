@@ -1080,3 +1080,29 @@ def test_transposed_copies(device, dtype, sizes):
         for a, b in zip(got, want):
             assert a.stride() == b.stride()
             torch.testing.assert_close(a, b, rtol=1e-2 if dtype == torch.bfloat16 else 1e-5, atol=1e-2 if dtype == torch.bfloat16 else 1e-5)
+
+
+def test_scaled_matmuls_lowered(device):
+    """`addmm` and `baddbmm` with scaling or a broadcast bias are braze's matmul plus pointwise
+    work (BLOOM's alibi scores before their softmax), not ATen calls; a zero `beta` ignores a
+    NaN bias, as eager does."""
+    torch.manual_seed(0)
+    d = device
+
+    def scores(alibi, q, k):
+        return torch.softmax(torch.baddbmm(alibi, q, k, beta=1.0, alpha=0.125), -1)
+
+    cases = [
+        (scores, (torch.randn(4, 1, 16, device=d), torch.randn(4, 16, 8, device=d), torch.randn(4, 8, 16, device=d))),
+        (lambda c, a, b: torch.addmm(c, a, b, beta=0.5, alpha=2.0),
+         (torch.randn(16, 24, device=d), torch.randn(16, 8, device=d), torch.randn(8, 24, device=d))),
+        (lambda c, a, b: torch.addmm(c, a, b, beta=0.0),
+         (torch.full((24,), float("nan"), device=d), torch.randn(16, 8, device=d), torch.randn(8, 24, device=d))),
+        (lambda c, a, b: torch.baddbmm(c, a, b, beta=-1.5),
+         (torch.randn(3, 16, 24, device=d), torch.randn(3, 16, 8, device=d), torch.randn(3, 8, 24, device=d))),
+    ]
+    for fn, args in cases:
+        before = dict(braze.stats.extern_ops)
+        got = compiled(fn, options={"on_unsupported": "error"})(*args)
+        torch.testing.assert_close(got, fn(*args), rtol=1e-4, atol=1e-4)
+        assert not _externs_since(before), _externs_since(before)

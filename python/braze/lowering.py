@@ -1897,12 +1897,31 @@ def _mm(L, node, a, b):
     return _plain_matmul(L, tf32, L.tensor(a), L.tensor(b))
 
 
-@register(A("addmm"))
+@register(A("addmm"), A("baddbmm"))
 def _addmm(L, node, bias, a, b, beta=1, alpha=1):
-    if beta != 1 or alpha != 1 or bias.meta["val"].dim() != 1:
-        raise Unsupported("addmm with scaling or a 2-dim bias")
+    """`beta * bias + alpha * (a @ b)`. A row-vector bias with no scaling is the matmul's own
+    (cuBLASLt's bias epilogue, the BLAS's beta); otherwise the matmul is plain and the scaling
+    and the broadcast bias are pointwise work that fuses into its consumers (BLOOM's
+    `baddbmm(alibi, q, k, beta=1, alpha=1/sqrt(d))` before its softmax). As in eager, a zero
+    `beta` ignores the bias, NaNs included."""
     tf32 = _matmul_ok(L, node, bias, a, b)
-    return _plain_matmul(L, tf32, L.tensor(a), L.tensor(b), L.tensor(bias))
+    if beta == 1 and alpha == 1 and bias.meta["val"].dim() == 1 and node.meta["val"].dim() == 2:
+        return _plain_matmul(L, tf32, L.tensor(a), L.tensor(b), L.tensor(bias))
+    dt = node.meta["val"].dtype
+    if dt.is_complex or not (isinstance(beta, (int, float)) and isinstance(alpha, (int, float))):
+        raise Unsupported("addmm/baddbmm with complex values or symbolic scaling")
+    r = _plain_matmul(L, tf32, L.tensor(a), L.tensor(b))
+    if alpha != 1:
+        r = L.op("mul", r, L.scalar(alpha, dt))
+    if beta == 0:
+        return r
+    t = L.tensor(bias, dt)
+    if beta != 1:
+        t = L.op("mul", t, L.scalar(beta, dt))
+    shape = L.sizes(node.meta["val"].shape)
+    if list(bias.meta["val"].shape) != list(node.meta["val"].shape):
+        t = L.op("expand", t, shape=shape)
+    return L.op("add", r, t)
 
 
 def _plain_matmul(L, tf32, *ins):
