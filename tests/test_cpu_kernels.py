@@ -436,3 +436,4 @@ def test_cat_rows_cut_into_pieces(dtype):
     src = "\n".join(r["source"] for r in braze.stats.records[n0:] if r.get("source"))
     for lo, hi in ((0, 16), (16, 48), (48, 56), (56, 64)):
         assert f"i3 = {lo}; i3 < {hi}; i3++" in src, src
+

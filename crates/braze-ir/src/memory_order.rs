@@ -1,7 +1,8 @@
 //! Memory order of a value: the order, outermost first, in which its dims are laid out where
 //! it comes from memory. A graph input or extern result has the strides it arrives with; a
 //! `layout` node has eager's strides; elementwise ops (unary, cast, binary, where) on an
-//! operand of their own shape read it in that operand's order.
+//! operand of their own shape read it in that operand's order, a concatenation in its
+//! operands'.
 //!
 //! Kernels use it to iterate a reduction in the order its input lies in memory: BatchNorm
 //! statistics of a channels_last tensor reduce over N, H, W with C fastest, so the kept C is
@@ -53,6 +54,9 @@ fn walk(g: &Graph, id: NodeId, depth: usize, seen: &mut HashSet<NodeId>) -> Opti
             }
             Some(order)
         }
+        // A concatenation lies in its operands' order (they share it but for the cat dim's
+        // size): an Inception block's branches, channels_last, concatenated along channels.
+        Op::Cat { .. } if depth < MAX_DEPTH => n.inputs.iter().find_map(|&i| walk(g, i, depth + 1, seen).filter(|o| o.windows(2).any(|w| w[0] > w[1]))),
         Op::Binary(_) | Op::Where if depth < MAX_DEPTH => {
             let shape = &g.ty(id).shape;
             n.inputs.iter().filter(|&&i| g.ty(i).shape == *shape).find_map(|&i| walk(g, i, depth + 1, seen).filter(|o| o.windows(2).any(|w| w[0] > w[1])))
@@ -100,13 +104,14 @@ pub fn dense_strides(shape: &[Expr], order: &[usize]) -> Vec<Expr> {
     strides
 }
 
-/// Where a computed elementwise value is stored: in the memory order of the operands it is
-/// computed from (a ReLU-backward of channels_last gradients stays channels_last), so the
+/// Where a computed elementwise value (or a concatenation) is stored: in the memory order of
+/// the operands it is computed from (a ReLU-backward of channels_last gradients stays
+/// channels_last; so do the concatenated branches of an Inception block), so the
 /// kernel writing it and the kernels reading it walk memory in order. `None`: row-major.
 /// Graph outputs keep eager's strides (the `layout` op), except those of free layout
 /// ([`Graph::free_layout_from`]: a forward's saved tensors).
 pub fn inherited_order(g: &Graph, id: NodeId) -> Option<Vec<usize>> {
-    if g.fixed_layout_output(id) || !matches!(g.node(id).op, Op::Unary(_) | Op::Cast(_) | Op::Binary(_) | Op::Where) {
+    if g.fixed_layout_output(id) || !matches!(g.node(id).op, Op::Unary(_) | Op::Cast(_) | Op::Binary(_) | Op::Where | Op::Cat { .. }) {
         return None;
     }
     memory_order(g, id)
@@ -150,6 +155,22 @@ fn dense_chain(shape: &[Expr], strides: &[Expr], dims: &[usize]) -> Option<Vec<u
 mod tests {
     use super::*;
     use crate::parse::parse_graph as parse;
+
+    #[test]
+    fn concatenation_keeps_its_operands_order() {
+        // Two channels_last branches concatenated along channels (an Inception block's), then
+        // a ReLU: both are stored channels_last, and the max over a slice of the cat (a pool's
+        // tap) reads it in that order.
+        let g = parse(
+            "graph g {\n  %0 = input index=0 strides=[1536, 1, 96, 24] : f32[2, 24, 4, 4]\n  %1 = input index=1 strides=[640, 1, 160, 40] : f32[2, 40, 4, 4]\n  %2 = cat dim=1 %0, %1 : f32[2, 64, 4, 4]\n  %3 = relu %2 : f32[2, 64, 4, 4]\n  %4 = slice dim=3 start=0 len=2 step=2 %3 : f32[2, 64, 4, 2]\n  %5 = slice dim=3 start=1 len=2 step=2 %3 : f32[2, 64, 4, 2]\n  %6 = max %4, %5 : f32[2, 64, 4, 2]\n  return %6\n}\n",
+        )
+        .unwrap();
+        let cl = Some(vec![0, 2, 3, 1]);
+        assert_eq!(inherited_order(&g, NodeId(2)), cl);
+        assert_eq!(inherited_order(&g, NodeId(3)), cl);
+        // (%6 is the graph output: stored with eager's strides, but computed in that order.)
+        assert_eq!(memory_order(&g, NodeId(6)), cl);
+    }
 
     #[test]
     fn channels_last_input_through_elementwise_ops() {
