@@ -437,3 +437,31 @@ def test_cat_rows_cut_into_pieces(dtype):
     for lo, hi in ((0, 16), (16, 48), (48, 56), (56, 64)):
         assert f"i3 = {lo}; i3 < {hi}; i3++" in src, src
 
+
+
+def test_weight_heavy_convolution_keeps_eager_layout():
+    """[Note: weight-heavy CPU convolutions]: in a CPU inference graph whose convolutions run
+    channels_last, one whose weight outweighs its activations (DeepLabV3's atrous 3x3
+    convolutions at 8x8) keeps eager's layout instead of ATen laying its weight out
+    channels_last on every call; values match eager."""
+    torch.manual_seed(0)
+
+    class M(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = torch.nn.Conv2d(3, 32, 3, padding=1)
+            self.b = torch.nn.Conv2d(32, 256, 3, padding=2, dilation=2)
+
+        def forward(self, x):
+            return torch.relu(self.b(F.avg_pool2d(torch.relu(self.a(x)), 32)))
+
+    m = M().eval()
+    x = torch.randn(2, 3, 128, 128)
+    with torch.no_grad():
+        got = compiled(m, dynamic=False, options={"on_unsupported": "error"})(x)
+        torch.testing.assert_close(got, m(x), rtol=1e-4, atol=1e-4)
+    rec = braze.stats.records[-1]
+    assert rec["externs"] == {"aten.convolution.default": 2}, rec["externs"]
+    assert "outweighs" in rec["extern_reasons"]["aten.convolution.default"], rec["extern_reasons"]
+    # The first convolution still runs channels_last: its input is laid out by a braze copy.
+    assert any(name.startswith("braze_poi_copy") for name, _ in rec["kernels"]), rec["kernels"]
