@@ -60,6 +60,12 @@ MODELS = {
     "timm_convnext": (lambda: timm.create_model("convnext_atto", num_classes=10), "image_cl", False),
     "resnet18": (lambda: torchvision.models.resnet18(num_classes=10), "image_cl", False),
     "mobilenet_v3": (lambda: torchvision.models.mobilenet_v3_small(num_classes=10), "image_cl", False),
+    # NCHW models whose blocks concatenate branches (a concatenation keeps its operands'
+    # memory order: `inherited_order` in braze-ir; CPU rows over it run in pieces, [Note: row
+    # segments]).
+    "googlenet": (lambda: torchvision.models.googlenet(num_classes=10, aux_logits=False, init_weights=True), "image", False),
+    "densenet": (lambda: torchvision.models.DenseNet(growth_rate=8, block_config=(2, 2), num_init_features=16, num_classes=10),
+                 "image", False),
 }
 
 
