@@ -438,7 +438,6 @@ def test_cat_rows_cut_into_pieces(dtype):
         assert f"i3 = {lo}; i3 < {hi}; i3++" in src, src
 
 
-
 def test_weight_heavy_convolution_keeps_eager_layout():
     """[Note: weight-heavy CPU convolutions]: in a CPU inference graph whose convolutions run
     channels_last, one whose weight outweighs its activations (DeepLabV3's atrous 3x3

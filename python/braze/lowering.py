@@ -1918,10 +1918,7 @@ def _addmm(L, node, bias, a, b, beta=1, alpha=1):
     t = L.tensor(bias, dt)
     if beta != 1:
         t = L.op("mul", t, L.scalar(beta, dt))
-    shape = L.sizes(node.meta["val"].shape)
-    if list(bias.meta["val"].shape) != list(node.meta["val"].shape):
-        t = L.op("expand", t, shape=shape)
-    return L.op("add", r, t)
+    return L.op("add", r, t)  # (binary ops broadcast)
 
 
 def _plain_matmul(L, tf32, *ins):
@@ -2416,9 +2413,11 @@ def _convolution(L, node, x, weight, bias, stride, padding, dilation, transposed
     if (not L.conv_cl or _conv_info(node, L.device) is None or not src.dtype.is_floating_point
             or not src.is_contiguous() or not val.is_contiguous()):
         raise Unsupported("convolution runs with eager's layout")
+    # A parameter or buffer of a CPU graph whose weights are laid out once ([Note: CPU convolutions]).
+    static_weight = (L.device.type == "cpu" and isinstance(weight, torch.fx.Node) and weight.op == "placeholder"
+                     and L.arg_index.get(weight) in L.static_inputs)
     if (L.device.type == "cpu" and L.saved_from is None and L.conv_layout == "auto" and _cl_weight_differs(wv)
-            and _hint(wv.numel()) > (_hint(src.numel()) or 0) + (_hint(val.numel()) or 0)
-            and not (isinstance(weight, torch.fx.Node) and weight.op == "placeholder" and L.arg_index.get(weight) in L.static_inputs)):
+            and _hint(wv.numel()) > (_hint(src.numel()) or 0) + (_hint(val.numel()) or 0) and not static_weight):
         # [Note: weight-heavy CPU convolutions] A channels_last convolution takes its weight
         # channels_last, and ATen lays a contiguous one out on every call: a strided copy
         # that, for a weight larger than the activations, costs more than the convolution's
@@ -2427,8 +2426,7 @@ def _convolution(L, node, x, weight, bias, stride, padding, dilation, transposed
         # layout; oneDNN then reorders the weight itself (a weight laid out once, under
         # freeze_weights, stays channels_last).
         raise Unsupported("convolution runs with eager's layout (its weight outweighs its activations)")
-    if (L.device.type == "cpu" and isinstance(weight, torch.fx.Node) and weight.op == "placeholder"
-            and L.arg_index.get(weight) in L.static_inputs and is_tensor_meta(wv) and wv.dim() == 4 and wv.is_contiguous()):
+    if static_weight and is_tensor_meta(wv) and wv.dim() == 4 and wv.is_contiguous():
         # A parameter's channels_last copy made once ([Note: CPU convolutions]).
         spec = CpuConv(stride, padding, dilation, groups)
         L.reasons[spec.__name__] = "library convolution, weight laid out once"

@@ -1123,7 +1123,7 @@ fn emit_vector_column(e: &Emitter, k: &Kernel, sms: u32, cfg: &Config, v: i64, l
 fn emit_welford_chunks(e: &Emitter, k: &Kernel, p: &braze_sched::loop_ir::Pass, v: i64, unroll: u32, yt: i64, rows: &str, lanes: Lanes, out: &mut String) -> Result<(), CodegenError> {
     let n_outer = k.outer.len();
     let last = (n_outer - 1) as u32;
-    let vars: Vec<(u32, u32)> = p.reductions.iter().filter(|r| r.kind == ReduceKind::Var).map(|r| (r.dst, r.src)).collect();
+    let vars: Vec<u32> = p.reductions.iter().filter(|r| r.kind == ReduceKind::Var).map(|r| r.dst).collect();
     // The first row: Welford's per-element update (the count's reciprocal is 1).
     writeln!(out, "    if (cy < {rows}) {{").unwrap();
     writeln!(out, "      const long long r = cy;").unwrap();
@@ -1132,28 +1132,23 @@ fn emit_welford_chunks(e: &Emitter, k: &Kernel, p: &braze_sched::loop_ir::Pass, 
     writeln!(out, "    }}").unwrap();
     // Later rows in whole chunks (no bounds test inside: the loads of a chunk issue together),
     // each variance's lanes summing deviations from the mean so far.
+    // The other reductions update per element as before (`lanes.each` has one update per
+    // reduction, in the reductions' order).
     let mut first = lanes.first.clone();
-    let mut each_var = Vec::new();
     let mut each = Vec::new();
-    for r in &p.reductions {
+    for (r, l) in p.reductions.iter().zip(&lanes.each) {
         if r.kind == ReduceKind::Var {
             let (n, s) = (r.dst, r.src);
             first.push(format!("float& cs{n} = cs{n}_v[j]; float& cq{n} = cq{n}_v[j];"));
-            each_var.push(format!("{{ const float d = t{s} - wm{n}; cs{n} += d; cq{n} += d * d; }}"));
-        }
-    }
-    // The other reductions update per element as before (`lanes.each` has one update per
-    // reduction, in the reductions' order).
-    for (r, l) in p.reductions.iter().zip(&lanes.each) {
-        if r.kind != ReduceKind::Var {
+            each.push(format!("{{ const float d = t{s} - wm{n}; cs{n} += d; cq{n} += d * d; }}"));
+        } else {
             each.push(l.clone());
         }
     }
-    each.splice(0..0, each_var);
     let step = yt * unroll as i64;
     writeln!(out, "    long long r0 = cy + {yt};").unwrap();
     writeln!(out, "    for (; r0 + {} < {rows}; r0 += {step}) {{", step - yt).unwrap();
-    for (n, _) in &vars {
+    for n in &vars {
         writeln!(out, "      float cs{n}_v[{v}] = {{}}, cq{n}_v[{v}] = {{}};").unwrap();
     }
     writeln!(out, "      #pragma unroll\n      for (int u = 0; u < {unroll}; u++) {{").unwrap();
@@ -1162,7 +1157,7 @@ fn emit_welford_chunks(e: &Emitter, k: &Kernel, p: &braze_sched::loop_ir::Pass, 
     let chunk = Lanes { first, each, ..Lanes::default() };
     emit_lanes(e, k, &p.body, last, v, &|_| false, &[], &chunk, "        ", out)?;
     writeln!(out, "      }}").unwrap();
-    for (n, _) in &vars {
+    for n in &vars {
         writeln!(out, "      {{ const bz_count_t nn = wn{n} + {unroll}; const float f = bz_wdiv({unroll}.0f, (float)nn), fw = (float)wn{n} * f;").unwrap();
         writeln!(out, "        #pragma unroll\n        for (int j = 0; j < {v}; j++) {{ const float m = cs{n}_v[j] * (1.0f / {unroll}); wm{n}_v[j] += m * f; wq{n}_v[j] += (cq{n}_v[j] - cs{n}_v[j] * m) + m * m * fw; }}").unwrap();
         writeln!(out, "        wn{n} = nn; }}").unwrap();

@@ -453,7 +453,9 @@ fn row_segments(k: &Kernel, body: &[Stmt]) -> Option<Vec<(i64, i64, Vec<Stmt>)>>
         .enumerate()
         .filter_map(|(j, s)| {
             let Stmt::InRange { dst, index, lo, hi } = s else { return None };
-            (index.linear_coef(v) == Some(1)).then_some(())?;
+            if index.linear_coef(v) != Some(1) {
+                return None;
+            }
             let r = index.sub(&Expr::var(v)).as_const()?;
             // Where `lo <= i + r < hi` holds within [0, n).
             let (a, b) = ((lo.as_const()? - r).clamp(0, n), (hi.as_const()? - r).clamp(0, n));

@@ -21,9 +21,12 @@ const MAX_DEPTH: usize = 32;
 /// the logical (row-major) one or cannot be told (symbolic strides, no stored ancestor).
 pub fn memory_order(g: &Graph, id: NodeId) -> Option<Vec<usize>> {
     let mut seen = HashSet::new();
-    let order = walk(g, id, 0, &mut seen)?;
-    let logical = order.windows(2).all(|w| w[0] < w[1]);
-    (!logical).then_some(order)
+    walk(g, id, 0, &mut seen).filter(|o| permuted(o))
+}
+
+/// Whether `order` differs from the logical (row-major) order.
+fn permuted(order: &[usize]) -> bool {
+    order.windows(2).any(|w| w[0] > w[1])
 }
 
 /// Each node is looked at once per query (`seen`), so a query costs at most the nodes within
@@ -56,10 +59,10 @@ fn walk(g: &Graph, id: NodeId, depth: usize, seen: &mut HashSet<NodeId>) -> Opti
         }
         // A concatenation lies in its operands' order (they share it but for the cat dim's
         // size): an Inception block's branches, channels_last, concatenated along channels.
-        Op::Cat { .. } if depth < MAX_DEPTH => n.inputs.iter().find_map(|&i| walk(g, i, depth + 1, seen).filter(|o| o.windows(2).any(|w| w[0] > w[1]))),
+        Op::Cat { .. } if depth < MAX_DEPTH => n.inputs.iter().find_map(|&i| walk(g, i, depth + 1, seen).filter(|o| permuted(o))),
         Op::Binary(_) | Op::Where if depth < MAX_DEPTH => {
             let shape = &g.ty(id).shape;
-            n.inputs.iter().filter(|&&i| g.ty(i).shape == *shape).find_map(|&i| walk(g, i, depth + 1, seen).filter(|o| o.windows(2).any(|w| w[0] > w[1])))
+            n.inputs.iter().filter(|&&i| g.ty(i).shape == *shape).find_map(|&i| walk(g, i, depth + 1, seen).filter(|o| permuted(o)))
         }
         _ => None,
     }
