@@ -117,6 +117,60 @@ def test_matmul_layouts(device, dtype):
         torch.backends.cuda.matmul.allow_tf32 = prec
 
 
+class _Conv1D(torch.nn.Module):
+    """GPT-2's linear: `addmm(b, x, W)` with W stored [in, out] (its weight gradient is
+    `xᵀ dY`, the output gradient as the matmul's b)."""
+
+    def __init__(self, n_in, n_out):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(n_in, n_out) * 0.05)
+        self.bias = torch.nn.Parameter(torch.randn(n_out) * 0.05)
+
+    def forward(self, x):
+        return torch.addmm(self.bias, x.reshape(-1, x.shape[-1]), self.weight).view(*x.shape[:-1], -1)
+
+
+def test_bias_gradient_epilogues(device, monkeypatch):
+    """A bf16 training step of nn.Linear (`dW = dYᵀ X`) and Conv1D (`dW = Xᵀ dY`) layers: each
+    bias gradient `sum(dY, 0)` is cuBLASLt's BGRAD epilogue of its weight gradient's matmul
+    ([Note: bias-gradient epilogues]), not a reduction kernel. The plan is checked on fake CUDA
+    tensors everywhere (braze's GPU plan without a GPU); on a GPU the step runs with the
+    epilogues asked for (off by default until measured) and every gradient matches eager's,
+    whether cuBLASLt took them or refused and the graph was compiled again without them."""
+    from braze import backend, plan_memory
+
+    monkeypatch.setattr(backend, "BIAS_GRAD_EPILOGUES", True)
+
+    class LinearBackward(torch.nn.Module):
+        def forward(self, g, x, h):
+            return g.t() @ x, g.sum(0), x.t() @ h, h.sum(0, keepdim=True)
+
+    bf = torch.bfloat16
+    shapes = {"g": (512, 256), "x": (512, 128), "h": (512, 64)}
+    graph, lowered = plan_memory.inference_plan(LinearBackward(), {k: torch.randn(*s, dtype=bf) for k, s in shapes.items()}, autocast=None)
+    sched = graph.c.schedule
+    assert sched.count("bias gradient") == 2 and "kernel" not in sched and not lowered.fallbacks, sched
+    if device != "cuda":
+        return
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.GELU(), _Conv1D(128, 256), torch.nn.ReLU(), torch.nn.Linear(256, 64)).to(device)
+    ref = copy.deepcopy(m)
+    x = torch.randn(8, 32, 64, device=device)
+    c = compiled(m, options={"on_unsupported": "error"})
+    before = len(braze.stats.records)
+    for mod, fn in ((m, c), (ref, ref)):
+        with torch.autocast("cuda", dtype=bf):
+            y = fn(x)
+        (y.float() ** 2).mean().backward()
+    recs = braze.stats.records[before:]
+    assert all(r["status"] == "compiled" and not r["externs"] for r in recs), [(r["name"], r["externs"]) for r in recs]
+    bwd = [r for r in recs if r["name"].startswith("backward")][0]["schedule"]
+    assert bwd.count(", bias gradient buf") == 3 or bwd.startswith("// bias-gradient epilogue refused"), bwd
+    for (name, p), q in zip(m.named_parameters(), ref.parameters()):
+        scale = q.grad.abs().max().item()
+        torch.testing.assert_close(p.grad, q.grad, rtol=2e-2, atol=2e-2 * scale, msg=name)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_matmul_epilogues(device, dtype):
     """linear + tanh-gelu rides on the matmul (cuBLASLt's GELU epilogue is the tanh form), a

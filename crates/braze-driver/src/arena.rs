@@ -194,13 +194,12 @@ fn lifetimes(sched: &braze_sched::Schedule) -> (Vec<usize>, Vec<usize>) {
     for (s, st) in sched.steps.iter().enumerate() {
         match st {
             Step::Kernel(k) => sched.kernels[*k].bufs.iter().for_each(|b| touch(b.id as usize, s)),
-            Step::Matmul { out, .. } | Step::Conv { out, .. } => {
+            Step::Matmul { .. } | Step::Conv { .. } => {
                 for x in st.library_operands() {
                     touch(x.buf as usize, s);
                 }
-                touch(*out as usize, s);
-                if let Step::Conv { workspace: Some(w), .. } = st {
-                    touch(*w as usize, s);
+                for o in st.library_outputs() {
+                    touch(o as usize, s);
                 }
             }
             Step::Extern { args, .. } => args.iter().for_each(|a| touch(a.buf as usize, s)),

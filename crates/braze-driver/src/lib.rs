@@ -5,7 +5,7 @@
 //! returns the [`Plan`] the Python runtime follows and the loaded [`Module`]. The Python
 //! binding (braze-py) only converts these to Python objects.
 
-use braze_ir::{ConvDir, Expr, Graph, Op};
+use braze_ir::{ConvDir, Epilogue, Expr, Graph, Op};
 use braze_runtime::cpu::{CpuItem, CpuModule};
 use braze_runtime::cudnn::ConvSpec;
 use braze_runtime::matmul::{MatmulExprs, MatmulSpec, OperandExprs};
@@ -211,8 +211,8 @@ impl ExprTable {
 
 /// A matmul step as the matrix libraries take it, its sizes as expressions.
 fn matmul_exprs(g: &Graph, sched: &braze_sched::Schedule, step: &Step) -> Result<MatmulExprs, DriverError> {
-    let Step::Matmul { node, a, b, bias, residual, out } = step else { return Err(DriverError::Internal("not a matmul step".into())) };
-    let (node, out, bias, residual) = (*node, *out, bias.as_ref(), residual.as_ref());
+    let Step::Matmul { node, a, b, bias, residual, out, bias_grad } = step else { return Err(DriverError::Internal("not a matmul step".into())) };
+    let (node, out, bias, residual, bias_grad) = (*node, *out, bias.as_ref(), residual.as_ref(), *bias_grad);
     let operand = |x: &Access| -> OperandExprs {
         let buf = &sched.buffers[x.buf as usize];
         let (sizes, strides, offset) = match &x.view {
@@ -230,7 +230,10 @@ fn matmul_exprs(g: &Graph, sched: &braze_sched::Schedule, step: &Step) -> Result
             batch_stride: if r == 3 { strides[0].clone() } else { Expr::zero() },
         }
     };
-    let Op::Matmul { epilogue, tf32, .. } = g.node(node).op else { return Err(DriverError::Internal("not a matmul".into())) };
+    let Op::Matmul { mut epilogue, tf32, .. } = g.node(node).op else { return Err(DriverError::Internal("not a matmul".into())) };
+    if bias_grad.is_none() && matches!(epilogue, Epilogue::BiasGradA | Epilogue::BiasGradB) {
+        epilogue = Epilogue::None; // nothing reads the sums
+    }
     let ty = g.ty(node);
     if ty.rank() > 3 {
         return Err(unsupported("matmul of rank > 3"));
@@ -253,6 +256,7 @@ fn matmul_exprs(g: &Graph, sched: &braze_sched::Schedule, step: &Step) -> Result
         bias,
         residual: residual.map(operand),
         out,
+        bias_grad,
         batch: if ty.rank() == 3 { ty.shape[0].clone() } else { Expr::one() },
         dtype: ty.dtype,
         tf32,
@@ -342,11 +346,15 @@ pub struct Options {
     /// run, so its memory can be checked on a machine without one
     /// (`braze.plan_memory`); it cannot be run.
     pub plan_only: bool,
+    /// Linears' bias gradients as cuBLASLt epilogues of their weight gradients' matmuls
+    /// ([Note: bias-gradient epilogues] in braze-passes); off for the second compile of a
+    /// graph whose epilogue cuBLASLt refused.
+    pub bias_grads: bool,
 }
 
 impl Default for Options {
     fn default() -> Self {
-        Options { cuda_graphs: true, matmul_tune: true, kernel_tune: false, arena_externs: HashSet::new(), elide_layouts: false, plan_only: false }
+        Options { cuda_graphs: true, matmul_tune: true, kernel_tune: false, arena_externs: HashSet::new(), elide_layouts: false, plan_only: false, bias_grads: true }
     }
 }
 
@@ -366,20 +374,41 @@ pub fn compile(g: Graph, target: Target, check_cuda: bool, check_arch: &str) -> 
     compile_with(g, target, check_cuda, check_arch, Options::default())
 }
 
+/// What cuBLASLt's refusal of a bias-gradient epilogue says: the graph is compiled again
+/// without those epilogues.
+const BIAS_GRAD_REFUSED: &str = "bias-gradient epilogue refused";
+
 pub fn compile_with(g: Graph, target: Target, check_cuda: bool, check_arch: &str, opts: Options) -> Result<(Plan, Option<Module>), DriverError> {
+    let retry = Options { bias_grads: false, ..opts.clone() };
+    match compile_graph(&g, target, check_cuda, check_arch, opts) {
+        Err(DriverError::Environment(m)) if m.starts_with(BIAS_GRAD_REFUSED) => {
+            let (mut plan, module) = compile_graph(&g, target, check_cuda, check_arch, retry)?;
+            plan.schedule = format!("// {m}: compiled without them\n{}", plan.schedule);
+            Ok((plan, module))
+        }
+        r => r,
+    }
+}
+
+fn compile_graph(g: &Graph, target: Target, check_cuda: bool, check_arch: &str, opts: Options) -> Result<(Plan, Option<Module>), DriverError> {
     let mut times = Vec::new();
     let mut t = Instant::now();
     let mut lap = |name: &str, times: &mut Vec<(String, f64)>| {
         times.push((name.to_string(), t.elapsed().as_secs_f64()));
         t = Instant::now();
     };
-    let errs = braze_ir::verify::verify(&g);
+    let errs = braze_ir::verify::verify(g);
     if !errs.is_empty() {
         return Err(unsupported(format!("imported graph is invalid: {}", errs.iter().map(|e| e.to_string()).collect::<Vec<_>>().join("; "))));
     }
     let graph_before = g.to_string();
-    let mut opt = braze_passes::optimize(&g);
+    let mut opt = braze_passes::optimize(g);
     if let Target::Cuda(ordinal) = target {
+        // Bias gradients in their weight gradients' matmuls (per-target stage; before the
+        // split would take the sums apart).
+        if opts.bias_grads {
+            opt = braze_passes::matmul_bias_grads::matmul_bias_grads(&opt);
+        }
         // Few long rows would leave most of the GPU idle: split them (per-target stage).
         let (_, sms) = cuda_device(ordinal, &opts)?;
         opt = braze_passes::split_reductions::split_reductions(&opt, 2 * sms as i64);
@@ -478,7 +507,12 @@ pub fn compile_with(g: Graph, target: Target, check_cuda: bool, check_arch: &str
                             Step::Kernel(k) => items.push(Item::Kernel(*k)),
                             Step::Matmul { .. } => {
                                 let spec = matmul_spec(&opt, &sched, st)?;
-                                items.push(Item::Matmul(Box::new(braze_runtime::cublaslt::prepare(spec, opts.matmul_tune.then_some(ordinal)).map_err(DriverError::from)?)))
+                                let grads = spec.bias_grad.is_some();
+                                let prepared = braze_runtime::cublaslt::prepare(spec, opts.matmul_tune.then_some(ordinal)).map_err(|e| match e {
+                                    RuntimeError::Environment(m) if grads => DriverError::Environment(format!("{BIAS_GRAD_REFUSED}: {m}")),
+                                    e => DriverError::from(e),
+                                })?;
+                                items.push(Item::Matmul(Box::new(prepared)))
                             }
                             Step::Conv { .. } => {
                                 let spec = conv_spec(&opt, &sched, st)?;
@@ -577,14 +611,12 @@ pub fn compile_with(g: Graph, target: Target, check_cuda: bool, check_arch: &str
     for (s, st) in sched.steps.iter().enumerate() {
         let touched: Vec<u32> = match st {
             Step::Kernel(k) => sched.kernels[*k].bufs.iter().map(|b| b.id).collect(),
-            Step::Conv { out, workspace, .. } => st.library_operands().map(|x| x.buf).chain([*out]).chain(*workspace).collect(),
-            Step::Matmul { out, .. } => st.library_operands().map(|x| x.buf).chain([*out]).collect(),
+            Step::Conv { .. } | Step::Matmul { .. } => st.library_operands().map(|x| x.buf).chain(st.library_outputs()).collect(),
             Step::Extern { .. } => Vec::new(),
         };
         let writes = match st {
             Step::Kernel(k) => Some(sched.kernels[*k].bufs.iter().filter(|b| b.written).map(|b| b.id).collect::<Vec<_>>()),
-            Step::Conv { out, workspace, .. } => Some([*out].into_iter().chain(*workspace).collect()),
-            Step::Matmul { out, .. } => Some(vec![*out]),
+            Step::Conv { .. } | Step::Matmul { .. } => Some(st.library_outputs().collect()),
             Step::Extern { .. } => None,
         };
         if let Some(w) = writes {

@@ -64,7 +64,7 @@ pub fn infer(op: &Op, ins: &[&TensorTy]) -> Result<Option<TensorTy>, Error> {
     }
     let t = |dtype: DType, shape: Vec<Expr>| Ok(Some(TensorTy::new(dtype, shape)));
     match op {
-        Op::Input { .. } | Op::ExternOut { .. } => Err(bad(format!("{} needs an explicit type", op.name()))),
+        Op::Input { .. } | Op::ExternOut { .. } | Op::BiasGrad => Err(bad(format!("{} needs an explicit type", op.name()))),
         Op::Extern { .. } => Ok(None),
         Op::Scalar { dtype, .. } => t(*dtype, vec![]),
         Op::Iota { len, dtype, .. } => t(*dtype, vec![len.clone()]),
@@ -206,8 +206,11 @@ pub fn infer(op: &Op, ins: &[&TensorTy]) -> Result<Option<TensorTy>, Error> {
             }
             t(first.dtype, s)
         }
-        Op::Matmul { residual, .. } => {
+        Op::Matmul { residual, epilogue, .. } => {
             let n = ins.len() - usize::from(*residual);
+            if matches!(epilogue, crate::op::Epilogue::BiasGradA | crate::op::Epilogue::BiasGradB) && (ins.len() != 2 || ins[0].rank() != 2) {
+                return Err(bad("a bias-gradient matmul takes two 2-d operands, no bias or residual".into()));
+            }
             if (n != 2 && n != 3) || ins.len() < 2 {
                 return Err(bad("matmul takes (a, b[, bias][, residual])".into()));
             }

@@ -92,8 +92,16 @@ named_enum! {
 }
 
 named_enum! {
-    /// What a matmul applies to its result before storing it.
-    Epilogue { None = "none", Relu = "relu", Gelu = "gelu" }
+    /// What a matmul applies to its result before storing it, or computes beside it.
+    Epilogue {
+        None = "none", Relu = "relu", Gelu = "gelu",
+        /// Also the sums of `a` over K (its rows' sums, `[M]`): a linear's bias gradient
+        /// when `a` is the output gradient transposed (`dW = dYᵀ X`). Read by `bias_grad`.
+        BiasGradA = "bias_grad_a",
+        /// Also the sums of `b` over K (its columns' sums, `[N]`): the bias gradient when
+        /// `b` is the output gradient (`dW = Xᵀ dY`, GPT-2's Conv1D). Read by `bias_grad`.
+        BiasGradB = "bias_grad_b",
+    }
 }
 
 named_enum! {
@@ -205,6 +213,11 @@ pub enum Op {
     Extern { target: String, outputs: u32, effect: bool },
     /// Result `index` of the `Extern` operand, laid out with `strides`.
     ExternOut { index: u32, strides: Vec<Expr> },
+    /// The sums over K that a 2-d matmul operand with a bias-gradient epilogue computed
+    /// beside its product (`[M]` for `bias_grad_a`, `[N]` for `bias_grad_b`, the matmul's
+    /// dtype), written by the same library call ([Note: bias-gradient epilogues] in
+    /// braze-passes). Typed explicitly, as `extern_out` is.
+    BiasGrad,
     /// The operand's value; when stored, its buffer is laid out with `strides` (a dense
     /// permutation: eager's strides for this value, e.g. channels_last), and a kernel that
     /// stores it iterates in that memory order.
@@ -237,6 +250,7 @@ impl Op {
             Op::Conv { .. } => "conv",
             Op::Extern { .. } => "extern",
             Op::ExternOut { .. } => "extern_out",
+            Op::BiasGrad => "bias_grad",
             Op::Layout { .. } => "layout",
         }
     }
@@ -263,16 +277,17 @@ impl Op {
         )
     }
 
-    /// Nodes whose values already live in memory (graph inputs, extern results).
+    /// Nodes whose values already live in memory (graph inputs, extern results, a matmul's
+    /// bias gradient).
     pub fn is_buffer(&self) -> bool {
-        matches!(self, Op::Input { .. } | Op::ExternOut { .. })
+        matches!(self, Op::Input { .. } | Op::ExternOut { .. } | Op::BiasGrad)
     }
 
     /// Expected number of operands, `None` when variadic.
     pub fn arity(&self) -> Option<usize> {
         Some(match self {
             Op::Input { .. } | Op::Scalar { .. } | Op::Iota { .. } | Op::Size { .. } => 0,
-            Op::Unary(_) | Op::Cast(_) | Op::Reduce { .. } | Op::Pad { .. } | Op::ExternOut { .. } | Op::Layout { .. } => 1,
+            Op::Unary(_) | Op::Cast(_) | Op::Reduce { .. } | Op::Pad { .. } | Op::ExternOut { .. } | Op::Layout { .. } | Op::BiasGrad => 1,
             Op::Permute(_) | Op::Expand(_) | Op::Reshape(_) | Op::Slice { .. } | Op::Select { .. } => 1,
             Op::Binary(_) | Op::IndexSelect { .. } | Op::Gather { .. } | Op::Conv { .. } => 2,
             Op::Where => 3,

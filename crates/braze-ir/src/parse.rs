@@ -86,8 +86,8 @@ fn parse_node(g: &mut Graph, line: &str) -> Result<(), String> {
     let op = build_op(&name, &attrs)?;
     let ty = ty.map(|t| parse_type(&t)).transpose()?;
     match op {
-        Op::Input { .. } | Op::ExternOut { .. } => {
-            let ty = ty.ok_or("input and extern_out need a `: type`")?;
+        Op::Input { .. } | Op::ExternOut { .. } | Op::BiasGrad => {
+            let ty = ty.ok_or("input, extern_out and bias_grad need a `: type`")?;
             g.add_typed(op, operands, Some(ty));
         }
         Op::Extern { .. } => {
@@ -367,6 +367,7 @@ pub fn build_op(name: &str, a: &Attrs) -> Result<Op, String> {
         },
         "extern_out" => Op::ExternOut { index: int("index")? as u32, strides: exprs("strides")? },
         "layout" => Op::Layout { strides: exprs("strides")? },
+        "bias_grad" => Op::BiasGrad,
         _ => {
             if let Some(u) = UnaryOp::from_name(name) {
                 Op::Unary(u)

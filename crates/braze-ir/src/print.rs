@@ -71,6 +71,7 @@ pub fn op_attrs(op: &Op) -> String {
         Op::Extern { target, outputs, effect } => format!("target=\"{target}\" outputs={outputs}{}", if *effect { " effect=true" } else { "" }),
         Op::ExternOut { index, strides } => format!("index={index} strides={}", list(strides)),
         Op::Layout { strides } => format!("strides={}", list(strides)),
+        Op::BiasGrad => String::new(),
     }
 }
 

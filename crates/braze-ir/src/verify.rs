@@ -7,13 +7,16 @@
 //! 4. `Input` indices are 0..n, each once; every `Input` has one stride per dim;
 //! 5. an `ExternOut`'s single operand is an `Extern` with more outputs than its index;
 //!    only `ExternOut` nodes use an `Extern`;
-//! 6. outputs name existing tensor-typed nodes.
+//! 6. outputs name existing tensor-typed nodes;
+//! 7. a `BiasGrad` reads a 2-d matmul with a bias-gradient epilogue and has the type of
+//!    the sums it computed (`[M]` or `[N]`).
 //!
 //! A verifier error after a pass is a braze bug, never a user error.
 
 use crate::graph::{Graph, NodeId};
 use crate::infer::infer;
-use crate::op::Op;
+use crate::op::{Epilogue, Op};
+use crate::TensorTy;
 use std::fmt;
 
 /// One broken invariant, at a node (or at the graph when `at` is None).
@@ -71,6 +74,19 @@ pub fn verify(g: &Graph) -> Vec<VerifyError> {
                 match &n.ty {
                     Some(t) if t.rank() == strides.len() => {}
                     _ => e(Some(id), "extern_out needs a type with one stride per dim".into()),
+                }
+            }
+            Op::BiasGrad => {
+                let m = n.inputs[0];
+                let want = match (&g.node(m).op, &g.node(m).ty) {
+                    (Op::Matmul { epilogue: Epilogue::BiasGradA, .. }, Some(t)) if t.rank() == 2 => Some(TensorTy::new(t.dtype, vec![t.shape[0].clone()])),
+                    (Op::Matmul { epilogue: Epilogue::BiasGradB, .. }, Some(t)) if t.rank() == 2 => Some(TensorTy::new(t.dtype, vec![t.shape[1].clone()])),
+                    _ => None,
+                };
+                match want {
+                    None => e(Some(id), "bias_grad reads a 2-d matmul with a bias-gradient epilogue".into()),
+                    Some(w) if n.ty.as_ref() != Some(&w) => e(Some(id), format!("bias_grad's type must be {w}")),
+                    Some(_) => {}
                 }
             }
             Op::Extern { .. } => {

@@ -8,6 +8,7 @@ pub mod const_fold;
 pub mod cse;
 pub mod dce;
 pub mod elide_layouts;
+pub mod matmul_bias_grads;
 pub mod matmul_epilogue;
 pub mod one_hot_sums;
 pub mod pad_matmuls;
@@ -32,6 +33,7 @@ pub const PASSES: &[(&str, Pass)] = &[
 
 /// Passes run only for some targets (not in the default pipeline).
 pub const TARGET_PASSES: &[(&str, Pass)] = &[
+    ("matmul_bias_grads", matmul_bias_grads::matmul_bias_grads),
     ("split_reductions", |g| split_reductions::split_reductions(g, 64)),
     ("pad_matmuls", pad_matmuls::pad_matmuls),
     ("elide_layouts", elide_layouts::elide_layouts),

@@ -15,11 +15,12 @@
 //! A graph output that is such a result is returned as that view, with the padded row stride,
 //! as Inductor's padded matmuls are: a row-major copy (eager's strides) cost GPT-2's
 //! inference 0.33 ms and doubled its peak memory (the padded and the copied logits, 411 MB
-//! each, alive at once). A matmul with a residual (cuBLASLt's C operand) is left alone.
+//! each, alive at once). A matmul with a residual (cuBLASLt's C operand) or a bias-gradient
+//! epilogue is left alone.
 
 use crate::cse::cse;
 use crate::dce::dce;
-use braze_ir::{Expr, Graph, Lit, NodeId, Op};
+use braze_ir::{Epilogue, Expr, Graph, Lit, NodeId, Op};
 
 /// Dims shorter than this are not padded.
 pub const MIN_DIM: i64 = 256;
@@ -45,6 +46,9 @@ fn pad_operand(g: &Graph, out: &mut Graph, map: &[NodeId], x: NodeId, pads: &[i6
 /// The padded form of matmul `id` in `out`, or `None` when it needs none.
 fn pad_one(g: &Graph, out: &mut Graph, map: &[NodeId], id: NodeId) -> Option<NodeId> {
     let Op::Matmul { epilogue, tf32, residual: false } = g.node(id).op else { return None };
+    if matches!(epilogue, Epilogue::BiasGradA | Epilogue::BiasGradB) {
+        return None; // a padded M or N would pad the sums ([Note: bias-gradient epilogues])
+    }
     let ins = &g.node(id).inputs;
     let ty = g.ty(id);
     let r = ty.rank();

@@ -94,7 +94,7 @@ impl GraphBuilder {
             a.insert(k.extract::<String>()?, attr(&v)?);
         }
         let op = parse::build_op(name, &a).map_err(unsupported)?;
-        if matches!(op, Op::Input { .. } | Op::Extern { .. } | Op::ExternOut { .. }) {
+        if matches!(op, Op::Input { .. } | Op::Extern { .. } | Op::ExternOut { .. } | Op::BiasGrad) {
             return Err(unsupported("use input() / extern_call()"));
         }
         let id = self.g.add(op, inputs.into_iter().map(NodeId).collect()).map_err(unsupported)?;
@@ -175,13 +175,15 @@ impl GraphBuilder {
     /// `arena_externs`: the extern calls (by key) whose operands may live in arenas.
     /// `elide_layouts`: drop redundant `layout` copies on the GPU too (always done on the CPU).
     /// `plan_only` (CUDA): the plan without a GPU, not runnable ([Note: plans without a GPU]).
-    #[pyo3(signature = (device="cpu", check_cuda=false, arch="sm_90", cuda_graphs=true, matmul_tune=true, kernel_tune=false, arena_externs=Vec::new(), elide_layouts=false, plan_only=false))]
+    /// `bias_grads` (CUDA): linears' bias gradients as epilogues of their weight gradients'
+    /// matmuls ([Note: bias-gradient epilogues]); off only to compare.
+    #[pyo3(signature = (device="cpu", check_cuda=false, arch="sm_90", cuda_graphs=true, matmul_tune=true, kernel_tune=false, arena_externs=Vec::new(), elide_layouts=false, plan_only=false, bias_grads=true))]
     #[allow(clippy::too_many_arguments)]
-    fn compile(&self, py: Python<'_>, device: &str, check_cuda: bool, arch: &str, cuda_graphs: bool, matmul_tune: bool, kernel_tune: bool, arena_externs: Vec<String>, elide_layouts: bool, plan_only: bool) -> PyResult<Compiled> {
+    fn compile(&self, py: Python<'_>, device: &str, check_cuda: bool, arch: &str, cuda_graphs: bool, matmul_tune: bool, kernel_tune: bool, arena_externs: Vec<String>, elide_layouts: bool, plan_only: bool, bias_grads: bool) -> PyResult<Compiled> {
         let g = self.g.clone();
         let target = Target::parse(device).map_err(driver_err)?;
         let arch = arch.to_string();
-        let opts = braze_driver::Options { cuda_graphs, matmul_tune, kernel_tune, arena_externs: arena_externs.into_iter().collect(), elide_layouts, plan_only };
+        let opts = braze_driver::Options { cuda_graphs, matmul_tune, kernel_tune, arena_externs: arena_externs.into_iter().collect(), elide_layouts, plan_only, bias_grads };
         let res = py.detach(move || catch_unwind(AssertUnwindSafe(|| braze_driver::compile_with(g, target, check_cuda, &arch, opts))));
         match res {
             Ok(r) => r.map(|(plan, module)| Compiled { plan, module }).map_err(driver_err),
@@ -276,6 +278,21 @@ fn kernels_timed() -> usize {
 #[pyfunction]
 fn cc_kernels_compiled() -> usize {
     braze_runtime::cpu::kernels_compiled()
+}
+
+/// Whether cuBLASLt takes a bias-gradient epilogue for a 2-d matmul of `dtype` ("bf16",
+/// "f16", "f32") `[m, k] @ [k, n]`, the sums of a (`side_a`) or b, each operand row-major or
+/// transposed: None, or cuBLASLt's refusal (needs `cuda_init` with cuBLASLt).
+#[pyfunction]
+#[allow(clippy::too_many_arguments)]
+fn cublaslt_probe_bias_grad(dtype: &str, side_a: bool, a_t: bool, b_t: bool, m: u64, n: u64, k: u64) -> PyResult<Option<String>> {
+    let dt = match dtype {
+        "bf16" => braze_ir::DType::BF16,
+        "f16" => braze_ir::DType::F16,
+        "f32" => braze_ir::DType::F32,
+        _ => return Err(pyo3::exceptions::PyValueError::new_err(format!("dtype {dtype}"))),
+    };
+    Ok(braze_runtime::cublaslt::probe_bias_grad(dt, side_a, a_t, b_t, m, n, k).err().map(|e| e.to_string()))
 }
 
 /// Loads cuDNN from `path` for library convolutions ([Note: library convolutions] in
@@ -658,6 +675,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(nvrtc_warm_up, m)?)?;
     m.add_function(wrap_pyfunction!(cpu_id, m)?)?;
     m.add_function(wrap_pyfunction!(cpu_blas_ready, m)?)?;
+    m.add_function(wrap_pyfunction!(cublaslt_probe_bias_grad, m)?)?;
     m.add_function(wrap_pyfunction!(relayout, m)?)?;
     m.add_function(wrap_pyfunction!(relayout_source, m)?)?;
     m.add("Unsupported", m.py().get_type::<Unsupported>())?;

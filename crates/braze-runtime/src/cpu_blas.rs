@@ -127,6 +127,9 @@ pub fn prepare(exprs: MatmulExprs) -> Result<CpuMatmul, RuntimeError> {
     if exprs.dtype != DType::F32 {
         return Err(RuntimeError::Environment(format!("{}: CPU matmuls are f32", exprs.name)));
     }
+    if exprs.bias_grad.is_some() || matches!(exprs.epilogue, Epilogue::BiasGradA | Epilogue::BiasGradB) {
+        return Err(RuntimeError::Environment(format!("{}: bias-gradient epilogues run on the GPU only", exprs.name)));
+    }
     let f = sgemm()?;
     let fixed = exprs.eval(&[]).map(call_of).transpose()?;
     Ok(CpuMatmul { exprs, f, fixed })
@@ -206,7 +209,7 @@ impl CpuMatmul {
                 }
                 let o = std::slice::from_raw_parts_mut(out, per);
                 match s.epilogue {
-                    Epilogue::None => {}
+                    Epilogue::None | Epilogue::BiasGradA | Epilogue::BiasGradB => {}
                     Epilogue::Relu => o.iter_mut().for_each(|v| *v = if *v > 0.0 || v.is_nan() { *v } else { 0.0 }),
                     Epilogue::Gelu => o.iter_mut().for_each(|v| {
                         let x = *v;

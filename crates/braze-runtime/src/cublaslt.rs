@@ -273,6 +273,11 @@ pub fn prepare(spec: MatmulSpec, tune_on: Option<i32>) -> Result<Prepared, Runti
             (Epilogue::Relu, true) => 6,
             (Epilogue::Gelu, false) => 32,
             (Epilogue::Gelu, true) => 36,
+            // cuBLASLt's A is our B and its B our A: our a's sums over K are its B's
+            // (BGRADB), our b's its A's (BGRADA).
+            (Epilogue::BiasGradA, false) if spec.bias_grad.is_some() && spec.residual.is_none() && spec.batch == 1 => 512,
+            (Epilogue::BiasGradB, false) if spec.bias_grad.is_some() && spec.residual.is_none() && spec.batch == 1 => 256,
+            (e, _) => return Err(RuntimeError::Environment(format!("{}: {} epilogue needs one 2-d product and its output", spec.name, e.name()))),
         };
         ok((l.desc_set)(desc, DESC_EPILOGUE, &epi as *const c_int as *const c_void, 4), "epilogue")?;
     }
@@ -293,6 +298,31 @@ pub fn prepare(spec: MatmulSpec, tune_on: Option<i32>) -> Result<Prepared, Runti
         }
     }
     Ok(p)
+}
+
+/// Whether cuBLASLt offers an algorithm for a 2-d `dtype` matmul `[m, k] @ [k, n]` with a
+/// bias-gradient epilogue (`side_a`: our a's sums, else b's), each operand stored row-major
+/// or transposed (`a_t`, `b_t`): `Ok(())` or cuBLASLt's refusal. For finding which layouts
+/// the epilogue takes ([Note: bias-gradient epilogues] in braze-passes).
+pub fn probe_bias_grad(dtype: DType, side_a: bool, a_t: bool, b_t: bool, m: u64, n: u64, k: u64) -> Result<(), RuntimeError> {
+    let operand = |buf: u32, rows: u64, cols: u64, t: bool| {
+        let (rs, cs) = if t { (1, rows as i64) } else { (cols as i64, 1) };
+        Operand { buf, offset: 0, rows, cols, rs, cs, batch_stride: 0 }
+    };
+    let spec = MatmulSpec {
+        name: "bias_grad_probe".into(),
+        a: operand(0, m, k, a_t),
+        b: operand(1, k, n, b_t),
+        bias: None,
+        residual: None,
+        out: 2,
+        bias_grad: Some(3),
+        batch: 1,
+        dtype,
+        tf32: false,
+        epilogue: if side_a { Epilogue::BiasGradA } else { Epilogue::BiasGradB },
+    };
+    prepare(spec, None).map(|_| ())
 }
 
 /// The largest power of two (at most 256) dividing an address.
@@ -364,6 +394,9 @@ impl Prepared {
         }
         if let Some((buf, off)) = s.bias {
             touch(buf, off + s.b.cols as i64);
+        }
+        if let Some(buf) = s.bias_grad {
+            touch(buf, if s.epilogue == Epilogue::BiasGradA { s.a.rows } else { s.b.cols } as i64);
         }
         touch(s.out, (s.batch * s.a.rows * s.b.cols) as i64);
         need
@@ -454,6 +487,11 @@ impl Prepared {
             if let Some((buf, off)) = s.bias {
                 let p = (ptrs[buf as usize] as i64 + off * es) as usize as *const c_void;
                 ok((l.desc_set)(self.desc, DESC_BIAS_POINTER, &p as *const *const c_void as *const c_void, 8), "bias pointer")?;
+            }
+            // A bias-gradient epilogue writes its sums where the bias pointer points.
+            if let Some(buf) = s.bias_grad {
+                let p = ptrs[buf as usize] as *const c_void;
+                ok((l.desc_set)(self.desc, DESC_BIAS_POINTER, &p as *const *const c_void as *const c_void, 8), "bias-gradient pointer")?;
             }
             let d = ptrs[s.out as usize] as *mut c_void;
             let c = s.residual.as_ref().map_or(d as *const c_void, at);

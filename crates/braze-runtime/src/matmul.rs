@@ -16,7 +16,9 @@ pub struct Operand {
 }
 
 /// `out[b] = epilogue(a[b] @ b[b] + bias + residual[b])`, row-major, `out` contiguous; the
-/// residual is cuBLASLt's C operand (beta = 1), row-major with its own row stride.
+/// residual is cuBLASLt's C operand (beta = 1), row-major with its own row stride. With a
+/// bias-gradient epilogue (2-d, no bias or residual) the sums of `a` (or `b`) over K go to
+/// buffer `bias_grad`, contiguous.
 #[derive(Clone, Debug)]
 pub struct MatmulSpec {
     pub name: String,
@@ -25,6 +27,7 @@ pub struct MatmulSpec {
     pub bias: Option<(u32, i64)>,
     pub residual: Option<Operand>,
     pub out: u32,
+    pub bias_grad: Option<u32>,
     pub batch: u64,
     pub dtype: DType,
     pub tf32: bool,
@@ -53,6 +56,7 @@ pub struct MatmulExprs {
     pub bias: Option<(u32, Expr)>,
     pub residual: Option<OperandExprs>,
     pub out: u32,
+    pub bias_grad: Option<u32>,
     pub batch: Expr,
     pub dtype: DType,
     pub tf32: bool,
@@ -90,6 +94,7 @@ impl MatmulExprs {
                 None => None,
             },
             out: self.out,
+            bias_grad: self.bias_grad,
             batch: u64::try_from(self.batch.eval_syms(syms)?).ok()?,
             dtype: self.dtype,
             tf32: self.tf32,

@@ -23,11 +23,12 @@ impl std::fmt::Display for Schedule {
         for s in &self.steps {
             match s {
                 Step::Kernel(k) => write!(f, "{}", self.kernels[*k])?,
-                Step::Matmul { a, b, bias, residual, out, node } => {
+                Step::Matmul { a, b, bias, residual, out, node, bias_grad } => {
                     let v = |a: &Access| format!("buf{}{}", a.buf, if a.view.is_some() { "(view)" } else { "" });
                     let bias = bias.as_ref().map(|x| format!(" + {}", v(x))).unwrap_or_default();
                     let res = residual.as_ref().map(|x| format!(" + {}", v(x))).unwrap_or_default();
-                    writeln!(f, "matmul {node}: buf{out} = {} @ {}{bias}{res}", v(a), v(b))?
+                    let grad = bias_grad.map(|g| format!(", bias gradient buf{g}")).unwrap_or_default();
+                    writeln!(f, "matmul {node}: buf{out} = {} @ {}{bias}{res}{grad}", v(a), v(b))?
                 }
                 Step::Conv { node, a, b, out, workspace } => {
                     let ws = workspace.map(|w| format!(", workspace buf{w}")).unwrap_or_default();

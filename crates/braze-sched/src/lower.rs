@@ -423,7 +423,7 @@ impl Builder<'_, '_> {
                 self.emit(dt, |dst| Stmt::Where { dst, c, a: v, b: p })
             }
             Op::Reduce { .. } => return Err(Illegal(format!("{n}: a reduction of another group has no buffer"))),
-            Op::Input { .. } | Op::ExternOut { .. } | Op::Extern { .. } => {
+            Op::Input { .. } | Op::ExternOut { .. } | Op::Extern { .. } | Op::BiasGrad => {
                 return Err(Illegal(format!("{n} has no buffer")));
             }
             _ => unreachable!(),

@@ -68,8 +68,10 @@ pub struct Access {
 pub enum Step {
     /// Run kernel `n`.
     Kernel(usize),
-    /// A matrix product by the vendor library: `out = epilogue(a @ b + bias)`.
-    Matmul { node: NodeId, a: Access, b: Access, bias: Option<Access>, residual: Option<Access>, out: BufId },
+    /// A matrix product by the vendor library: `out = epilogue(a @ b + bias)`; with a
+    /// bias-gradient epilogue it also writes the sums over K to `bias_grad` (the `bias_grad`
+    /// node's buffer; [Note: bias-gradient epilogues] in braze-passes).
+    Matmul { node: NodeId, a: Access, b: Access, bias: Option<Access>, residual: Option<Access>, out: BufId, bias_grad: Option<BufId> },
     /// A 2-d convolution or one of its gradients by the vendor library (conv node `node`):
     /// `out = conv(a, b)`, the operands in the op's order; `workspace`, a buffer of its own
     /// where its plan needs more than the libraries' shared workspace
@@ -90,6 +92,17 @@ impl Step {
             _ => [None, None, None, None],
         };
         ops.into_iter().flatten()
+    }
+
+    /// The buffers a library step writes: its result, a matmul's bias gradient, a
+    /// convolution's own workspace; none for other steps.
+    pub fn library_outputs(&self) -> impl Iterator<Item = BufId> {
+        let outs = match self {
+            Step::Matmul { out, bias_grad, .. } => [Some(*out), *bias_grad],
+            Step::Conv { out, workspace, .. } => [Some(*out), *workspace],
+            _ => [None, None],
+        };
+        outs.into_iter().flatten()
     }
 }
 
@@ -377,10 +390,10 @@ pub fn schedule(g: &Graph) -> Result<Schedule, SchedError> {
         let b = buf_of[base.index()].expect("realized base");
         Access { buf: b, view: strided(g, o, &buffers[b as usize].strides) }
     };
-    // Each extern's results, found in one pass over the graph.
+    // Each extern's results and each matmul's bias gradient, found in one pass over the graph.
     let mut extern_outs: std::collections::HashMap<NodeId, Vec<NodeId>> = std::collections::HashMap::new();
     for id in g.ids() {
-        if let Op::ExternOut { .. } = g.node(id).op {
+        if let Op::ExternOut { .. } | Op::BiasGrad = g.node(id).op {
             extern_outs.entry(g.node(id).inputs[0]).or_default().push(id);
         }
     }
@@ -397,7 +410,8 @@ pub fn schedule(g: &Graph) -> Result<Schedule, SchedError> {
             let ins = &g.node(e).inputs;
             let n = ins.len() - usize::from(residual);
             let residual = residual.then(|| access(ins[n]));
-            steps.push(Step::Matmul { node: e, a: access(ins[0]), b: access(ins[1]), bias: ins[..n].get(2).map(|&b| access(b)), residual, out: buf_of[e.index()].unwrap() });
+            let bias_grad = extern_outs.get(&e).and_then(|v| v.first()).map(|&bg| buf_of[bg.index()].unwrap());
+            steps.push(Step::Matmul { node: e, a: access(ins[0]), b: access(ins[1]), bias: ins[..n].get(2).map(|&b| access(b)), residual, out: buf_of[e.index()].unwrap(), bias_grad });
         } else if let Some(e) = e.filter(|&e| matches!(g.node(e).op, Op::Conv { .. })) {
             let ins = &g.node(e).inputs;
             steps.push(Step::Conv { node: e, a: access(ins[0]), b: access(ins[1]), out: buf_of[e.index()].unwrap(), workspace: None });
@@ -486,7 +500,7 @@ fn fuse(g: &Graph, stored: &[bool], log: &mut Vec<String>) -> Result<Fused, Sche
             next_order += 1;
             continue;
         }
-        if let Op::ExternOut { .. } = node.op {
+        if let Op::ExternOut { .. } | Op::BiasGrad = node.op {
             step_of[id.index()] = step_of[node.inputs[0].index()];
             continue;
         }
@@ -630,12 +644,14 @@ fn plan_frees(buffers: &[Buffer], kernels: &[Kernel], steps: &[Step], outputs: &
                     last[b.id as usize] = Some(s);
                 }
             }
-            Step::Matmul { out, .. } | Step::Conv { out, .. } => {
+            Step::Matmul { .. } | Step::Conv { .. } => {
                 for x in st.library_operands() {
                     last[x.buf as usize] = Some(s);
                 }
-                if last[*out as usize].is_none() {
-                    last[*out as usize] = Some(s);
+                for o in st.library_outputs() {
+                    if last[o as usize].is_none() {
+                        last[o as usize] = Some(s);
+                    }
                 }
             }
             Step::Extern { args, outs, .. } => {
