@@ -244,6 +244,24 @@ def test_out_of_range_index_raises_as_eager(case, device):
     torch.testing.assert_close(c(x, good), fn(x, good))
 
 
+def test_out_of_range_index_in_parallel_vector_loops():
+    """A gather large enough for the CPU's parallel, vectorized loops notes an out-of-range
+    index in an OR reduction over the threads and vector lanes ([Note: bounded indices] in
+    braze-codegen): one bad index anywhere (the first, the middle, the last of 200 000 rows)
+    raises; the good ones match eager's."""
+    x = torch.randn(4096, 32)
+    fn = lambda x, i: torch.nn.functional.embedding(i, x) * 2 + 1  # noqa: E731
+    c = compiled(fn, options={"on_unsupported": "error"})
+    good = torch.randint(0, 4096, (200_000,))
+    torch.testing.assert_close(c(x, good), fn(x, good))
+    for at in (0, 100_001, 199_999):
+        bad = good.clone()
+        bad[at] = 4096
+        with pytest.raises((IndexError, RuntimeError)):
+            c(x, bad)
+    torch.testing.assert_close(c(x, good), fn(x, good))
+
+
 def test_cpu_tensors_in_a_cuda_graph(device):
     """CPU scalars and CPU constants in a graph of GPU tensors (eager allows them) stay with
     PyTorch as host values; the rest of the graph compiles."""

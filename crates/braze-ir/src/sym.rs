@@ -425,6 +425,83 @@ impl Expr {
         })
     }
 
+    /// The expression with every division and modulo by a positive constant `c` of a sum
+    /// `c*q + r` folded to `q` (and `r`) where the loop variables' ranges put `r` in `0..c`
+    /// (`extent(n)`: `iN` runs over `0..extent`, when known): `(128*i2 + i3) // 128` is `i2`
+    /// and `(128*i2 + i3) % 128` is `i3` in a loop where `i3 < 128`.
+    pub fn fold_divmod_in(&self, extent: &dyn Fn(u32) -> Option<i64>) -> Expr {
+        if !self.atoms().any(|a| matches!(a, Atom::FloorDiv(..) | Atom::Mod(..) | Atom::Max(..) | Atom::Min(..))) {
+            return self.clone();
+        }
+        let mut out = Expr::zero();
+        for (m, c) in &self.terms {
+            let term = m.iter().fold(Expr::constant(*c), |acc, a| {
+                acc.mul(&match a {
+                    Atom::FloorDiv(x, y) => {
+                        let (x, y) = (x.fold_divmod_in(extent), y.fold_divmod_in(extent));
+                        match x.split_by(&y, extent) {
+                            Some((q, _)) => q,
+                            None => x.floordiv(&y),
+                        }
+                    }
+                    Atom::Mod(x, y) => {
+                        let (x, y) = (x.fold_divmod_in(extent), y.fold_divmod_in(extent));
+                        match x.split_by(&y, extent) {
+                            Some((_, r)) => r,
+                            None => x.rem(&y),
+                        }
+                    }
+                    Atom::Max(x, y) => x.fold_divmod_in(extent).max_of(&y.fold_divmod_in(extent)),
+                    Atom::Min(x, y) => x.fold_divmod_in(extent).min_of(&y.fold_divmod_in(extent)),
+                    other => Expr::atom(other.clone()),
+                })
+            });
+            out = out.add(&term);
+        }
+        out
+    }
+
+    /// `(q, r)` with `self == d*q + r` and `0 <= r < d` over the loop variables' ranges, for a
+    /// positive constant `d`: `q` takes the terms whose coefficients `d` divides.
+    fn split_by(&self, d: &Expr, extent: &dyn Fn(u32) -> Option<i64>) -> Option<(Expr, Expr)> {
+        let c = d.as_const().filter(|&c| c > 0)?;
+        let (mut q, mut r) = (BTreeMap::new(), BTreeMap::new());
+        for (m, k) in &self.terms {
+            if k % c == 0 {
+                q.insert(m.clone(), k / c);
+            } else {
+                r.insert(m.clone(), *k);
+            }
+        }
+        let r = Expr { terms: r };
+        let (lo, hi) = r.range_in(extent)?;
+        (lo >= 0 && hi < c).then_some((Expr { terms: q }, r))
+    }
+
+    /// The least and greatest value over the loop variables' ranges, for a sum of constant
+    /// multiples of loop variables and a constant; `None` for anything else.
+    fn range_in(&self, extent: &dyn Fn(u32) -> Option<i64>) -> Option<(i64, i64)> {
+        let (mut lo, mut hi) = (0i64, 0i64);
+        for (m, k) in &self.terms {
+            match m.as_slice() {
+                [] => {
+                    lo = lo.checked_add(*k)?;
+                    hi = hi.checked_add(*k)?;
+                }
+                [Atom::Var(v)] => {
+                    let top = k.checked_mul(extent(*v).filter(|&e| e > 0)? - 1)?;
+                    if top >= 0 {
+                        hi = hi.checked_add(top)?;
+                    } else {
+                        lo = lo.checked_add(top)?;
+                    }
+                }
+                _ => return None,
+            }
+        }
+        Some((lo, hi))
+    }
+
     /// Renders as C with a caller-supplied spelling for leaves: `/` and `%` for division,
     /// conditional expressions for `Max` and `Min`.
     pub fn render(&self, leaf: &dyn Fn(&Atom) -> String) -> String {
@@ -730,6 +807,22 @@ mod tests {
         let mut none = Vec::new();
         i3.add(&Expr::constant(2)).tmps(&mut none);
         assert!(none.is_empty());
+    }
+
+    #[test]
+    fn divisions_folded_by_loop_ranges() {
+        let p = |t: &str| parse_expr(t).unwrap();
+        let ext = |v: u32| [4, 5, 128, 128].get(v as usize).copied();
+        // A flattened [128, 128] index taken apart again.
+        assert_eq!(p("(128*i2 + i3) // 128").fold_divmod_in(&ext), p("i2"));
+        assert_eq!(p("(128*i2 + i3) % 128").fold_divmod_in(&ext), p("i3"));
+        assert_eq!(p("5*((256*i0 + 2*i3 + 1) // 2)").fold_divmod_in(&ext), p("640*i0 + 5*i3"));
+        // Inside other atoms, and not where the rest may reach the divisor.
+        assert_eq!(p("((128*i2 + i3) // 128) // 3").fold_divmod_in(&ext), p("i2 // 3"));
+        assert_eq!(p("(64*i2 + i3) // 64").fold_divmod_in(&ext), p("(64*i2 + i3) // 64"));
+        assert_eq!(p("(128*i2 + t1) // 128").fold_divmod_in(&ext), p("(128*i2 + t1) // 128"));
+        assert_eq!(p("(128*i7 + i3) // 128").fold_divmod_in(&ext), p("i7"));
+        assert_eq!(p("(i8 + 1) // 128").fold_divmod_in(&ext), p("(i8 + 1) // 128"));
     }
 
     #[test]

@@ -15,18 +15,46 @@
 //! or when a statement uses it as a value (iota, the range masks of cat and pad).
 //! The merged dim takes the pair's place, so the innermost outer dim stays last (what
 //! `column` kernels and the CUDA vector path look at).
+//!
+//! First, divisions and modulos that the loop ranges decide are folded
+//! ([`Expr::fold_divmod_in`]): a view that flattens dims and splits them again (bilinear
+//! upsampling's gather from a flattened `[8 * 8]` grid, indexed `(128*i2 + i3) // 128` and
+//! `% 128` for output row `i2` and column `i3`) then reads `i2` and `i3`, so what depends on
+//! the row alone is loop-invariant in the inner loop, and more pairs merge.
 
 use crate::loop_ir::{Kernel, Stmt};
 use braze_ir::Expr;
 
 /// Merges `k`'s mergeable dims.
 pub fn merge_dims(k: &mut Kernel) {
+    fold_divmods(k);
     loop {
         let n_outer = k.outer.len();
         let n = n_outer + k.inner.len();
         let mut pairs = (0..n.saturating_sub(1)).filter(|&v| v + 1 != n_outer);
         let Some(v) = pairs.find(|&v| mergeable(k, v)) else { return };
         merge(k, v);
+    }
+}
+
+/// Folds the divisions and modulos of `k`'s indices that its loop ranges decide.
+fn fold_divmods(k: &mut Kernel) {
+    let sizes: Vec<Option<i64>> = k.outer.iter().chain(&k.inner).map(|e| e.as_const()).collect();
+    let extent = |v: u32| sizes.get(v as usize).copied().flatten();
+    let fold = |e: &mut Expr| *e = e.fold_divmod_in(&extent);
+    for s in k.prelude.iter_mut().chain(k.passes.iter_mut().flat_map(|p| p.body.iter_mut().chain(p.after.iter_mut()))) {
+        match s {
+            Stmt::Load { index, .. } | Stmt::Store { index, .. } | Stmt::Index { index, .. } | Stmt::Bounded { hi: index, .. } => fold(index),
+            Stmt::InRange { index, lo, hi, .. } => {
+                fold(index);
+                fold(lo);
+                fold(hi);
+            }
+            Stmt::Const { .. } | Stmt::Unary { .. } | Stmt::Binary { .. } | Stmt::Where { .. } | Stmt::Cast { .. } => {}
+        }
+    }
+    for r in k.passes.iter_mut().flat_map(|p| p.reductions.iter_mut()) {
+        fold(&mut r.inner_index);
     }
 }
 
