@@ -438,11 +438,27 @@ def test_cat_rows_cut_into_pieces(dtype):
         assert f"i3 = {lo}; i3 < {hi}; i3++" in src, src
 
 
-def test_weight_heavy_convolution_keeps_eager_layout():
+def test_weight_heavy_convolution_keeps_eager_layout(monkeypatch):
     """[Note: weight-heavy CPU convolutions]: in a CPU inference graph whose convolutions run
     channels_last, one whose weight outweighs its activations (DeepLabV3's atrous 3x3
     convolutions at 8x8) keeps eager's layout instead of ATen laying its weight out
-    channels_last on every call; values match eager."""
+    channels_last on every call: its input reaches ATen contiguous, as eager's (a channels_last
+    one took ATen's channels_last path, weight layout and all); values match eager."""
+    from braze import runtime
+
+    seen = []
+    plain = runtime._callable
+
+    def recording(target):
+        fn = plain(target)
+        if target is not torch.ops.aten.convolution.default:
+            return fn
+
+        def call(x, w, *rest):
+            seen.append((tuple(x.shape), x.stride(), w.stride()))
+            return fn(x, w, *rest)
+        return call
+    monkeypatch.setattr(runtime, "_callable", recording)
     torch.manual_seed(0)
 
     class M(torch.nn.Module):
@@ -464,3 +480,11 @@ def test_weight_heavy_convolution_keeps_eager_layout():
     assert "outweighs" in rec["extern_reasons"]["aten.convolution.default"], rec["extern_reasons"]
     # The first convolution still runs channels_last: its input is laid out by a braze copy.
     assert any(name.startswith("braze_poi_copy") for name, _ in rec["kernels"]), rec["kernels"]
+    # A weight-heavy convolution right after a channels_last one (timm ResNet-26d's last
+    # stage): the ReLU between them is stored contiguous for it.
+    seq = torch.nn.Sequential(torch.nn.Conv2d(3, 64, 3, stride=16, padding=1), torch.nn.ReLU(), torch.nn.Conv2d(64, 512, 3, stride=2, padding=1)).eval()
+    x = torch.randn(8, 3, 128, 128)
+    seen.clear()
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(seq, dynamic=False, options={"on_unsupported": "error"})(x), seq(x), rtol=1e-4, atol=1e-4)
+    assert [s[:2] for s in seen] == [((8, 3, 128, 128), (49152, 1, 384, 3)), ((8, 64, 8, 8), (4096, 64, 8, 1))], seen
