@@ -24,6 +24,8 @@ use braze_ir::{contiguous_strides, DType, Expr, Graph, NodeId, Op};
 use std::collections::HashSet;
 
 const RECOMPUTE_LIMIT: usize = 4;
+/// See [Note: broadcast values stored].
+const BROADCAST_LIMIT: usize = 16;
 /// See [Note: long inlined chains].
 const CHAIN_LIMIT: usize = 64;
 
@@ -199,6 +201,28 @@ fn bounded_inline_cost(g: &Graph, n: NodeId, stored: &[bool], cap: usize) -> usi
     c
 }
 
+/// Whether inlining `n` loads anything: it reaches a stored value or a reduction through
+/// values that are not stored. Past `8 * CHAIN_LIMIT` values without one, taken as not (a
+/// pool's 25 window masks are that much index arithmetic).
+fn reads_memory(g: &Graph, n: NodeId, stored: &[bool]) -> bool {
+    let mut seen = HashSet::new();
+    let mut stack = vec![n];
+    while let Some(x) = stack.pop() {
+        if seen.len() > 8 * CHAIN_LIMIT {
+            return false;
+        }
+        for &i in &g.node(x).inputs {
+            if stored[i.index()] || matches!(g.node(i).op, Op::Reduce { .. }) {
+                return true;
+            }
+            if seen.insert(i) {
+                stack.push(i);
+            }
+        }
+    }
+    false
+}
+
 pub fn schedule(g: &Graph) -> Result<Schedule, SchedError> {
     let n = g.nodes.len();
     let mut stored = vec![false; n];
@@ -268,6 +292,36 @@ pub fn schedule(g: &Graph) -> Result<Schedule, SchedError> {
     for id in g.ids() {
         if !stored[id.index()] && users[id.index()] > 1 && g.node(id).op.is_pointwise() && bounded_inline_cost(g, id, &stored, CHAIN_LIMIT) > CHAIN_LIMIT {
             stored[id.index()] = true;
+        }
+    }
+    // [Note: broadcast values stored] A pointwise value read through a broadcast (an `expand`,
+    // or the operand of an elementwise op with fewer elements than its result), seen through
+    // views, is computed per element of the result when inlined. One that inlines a long
+    // expression (more than `BROADCAST_LIMIT` ops) and is broadcast over at least twice its
+    // own elements is stored, computed once per its own element: Swin's shifted-window
+    // attention mask (built by slice assignments, 70 ops an element) was evaluated inline for
+    // every head and query of each window's softmax, 3 of its kernels 16% of the call on the
+    // 2-core CPU. Only a value that reads memory: index arithmetic on iotas alone (a pool's
+    // window masks) stays inline, where a kernel can tell it constant over a row's interior
+    // ([Note: interior rows] in braze-codegen).
+    for id in g.ids() {
+        let node = g.node(id);
+        if !matches!(node.op, Op::Expand(_) | Op::Binary(_) | Op::Where) {
+            continue;
+        }
+        let Some(wide) = g.ty(id).numel().as_const() else { continue };
+        for &i in &node.inputs {
+            let mut base = i;
+            while g.node(base).op.is_view() {
+                base = g.node(base).inputs[0];
+            }
+            let b = base.index();
+            if stored[b] || !g.node(base).op.is_pointwise() || g.ty(i).numel().as_const().is_none_or(|n| 2 * n > wide) {
+                continue;
+            }
+            if bounded_inline_cost(g, base, &stored, BROADCAST_LIMIT) > BROADCAST_LIMIT && reads_memory(g, base, &stored) {
+                stored[b] = true;
+            }
         }
     }
     let mut log = Vec::new();
