@@ -41,20 +41,26 @@ pub fn merge_dims(k: &mut Kernel) {
 fn fold_divmods(k: &mut Kernel) {
     let sizes: Vec<Option<i64>> = k.outer.iter().chain(&k.inner).map(|e| e.as_const()).collect();
     let extent = |v: u32| sizes.get(v as usize).copied().flatten();
-    let fold = |e: &mut Expr| *e = e.fold_divmod_in(&extent);
+    map_indices(k, &|e| e.fold_divmod_in(&extent));
+}
+
+/// Replaces every index expression of `k` (loads, stores, index values, bounds, masks'
+/// ranges, reductions' inner indices) by `f` of it.
+fn map_indices(k: &mut Kernel, f: &dyn Fn(&Expr) -> Expr) {
+    let map = |e: &mut Expr| *e = f(e);
     for s in k.prelude.iter_mut().chain(k.passes.iter_mut().flat_map(|p| p.body.iter_mut().chain(p.after.iter_mut()))) {
         match s {
-            Stmt::Load { index, .. } | Stmt::Store { index, .. } | Stmt::Index { index, .. } | Stmt::Bounded { hi: index, .. } => fold(index),
+            Stmt::Load { index, .. } | Stmt::Store { index, .. } | Stmt::Index { index, .. } | Stmt::Bounded { hi: index, .. } => map(index),
             Stmt::InRange { index, lo, hi, .. } => {
-                fold(index);
-                fold(lo);
-                fold(hi);
+                map(index);
+                map(lo);
+                map(hi);
             }
             Stmt::Const { .. } | Stmt::Unary { .. } | Stmt::Binary { .. } | Stmt::Where { .. } | Stmt::Cast { .. } => {}
         }
     }
     for r in k.passes.iter_mut().flat_map(|p| p.reductions.iter_mut()) {
-        fold(&mut r.inner_index);
+        map(&mut r.inner_index);
     }
 }
 
@@ -91,19 +97,5 @@ fn merge(k: &mut Kernel, v: usize) {
         std::cmp::Ordering::Equal => Expr::zero(),
         std::cmp::Ordering::Greater => Expr::var(n - 1),
     };
-    let subst = |e: &mut Expr| *e = e.subst_vars(&f);
-    for s in k.prelude.iter_mut().chain(k.passes.iter_mut().flat_map(|p| p.body.iter_mut().chain(p.after.iter_mut()))) {
-        match s {
-            Stmt::Load { index, .. } | Stmt::Store { index, .. } | Stmt::Index { index, .. } | Stmt::Bounded { hi: index, .. } => subst(index),
-            Stmt::InRange { index, lo, hi, .. } => {
-                subst(index);
-                subst(lo);
-                subst(hi);
-            }
-            Stmt::Const { .. } | Stmt::Unary { .. } | Stmt::Binary { .. } | Stmt::Where { .. } | Stmt::Cast { .. } => {}
-        }
-    }
-    for r in k.passes.iter_mut().flat_map(|p| p.reductions.iter_mut()) {
-        subst(&mut r.inner_index);
-    }
+    map_indices(k, &|e| e.subst_vars(&f));
 }
