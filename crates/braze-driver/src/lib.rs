@@ -379,10 +379,9 @@ pub fn compile(g: Graph, target: Target, check_cuda: bool, check_arch: &str) -> 
 const BIAS_GRAD_REFUSED: &str = "bias-gradient epilogue refused";
 
 pub fn compile_with(g: Graph, target: Target, check_cuda: bool, check_arch: &str, opts: Options) -> Result<(Plan, Option<Module>), DriverError> {
-    let retry = Options { bias_grads: false, ..opts.clone() };
-    match compile_graph(&g, target, check_cuda, check_arch, opts) {
+    match compile_graph(&g, target, check_cuda, check_arch, &opts) {
         Err(DriverError::Environment(m)) if m.starts_with(BIAS_GRAD_REFUSED) => {
-            let (mut plan, module) = compile_graph(&g, target, check_cuda, check_arch, retry)?;
+            let (mut plan, module) = compile_graph(&g, target, check_cuda, check_arch, &Options { bias_grads: false, ..opts })?;
             plan.schedule = format!("// {m}: compiled without them\n{}", plan.schedule);
             Ok((plan, module))
         }
@@ -390,7 +389,7 @@ pub fn compile_with(g: Graph, target: Target, check_cuda: bool, check_arch: &str
     }
 }
 
-fn compile_graph(g: &Graph, target: Target, check_cuda: bool, check_arch: &str, opts: Options) -> Result<(Plan, Option<Module>), DriverError> {
+fn compile_graph(g: &Graph, target: Target, check_cuda: bool, check_arch: &str, opts: &Options) -> Result<(Plan, Option<Module>), DriverError> {
     let mut times = Vec::new();
     let mut t = Instant::now();
     let mut lap = |name: &str, times: &mut Vec<(String, f64)>| {
@@ -410,7 +409,7 @@ fn compile_graph(g: &Graph, target: Target, check_cuda: bool, check_arch: &str, 
             opt = braze_passes::matmul_bias_grads::matmul_bias_grads(&opt);
         }
         // Few long rows would leave most of the GPU idle: split them (per-target stage).
-        let (_, sms) = cuda_device(ordinal, &opts)?;
+        let (_, sms) = cuda_device(ordinal, opts)?;
         opt = braze_passes::split_reductions::split_reductions(&opt, 2 * sms as i64);
         // cuBLASLt's fast kernels need aligned matrices (per-target stage).
         opt = braze_passes::pad_matmuls::pad_matmuls(&opt);
@@ -481,7 +480,7 @@ fn compile_graph(g: &Graph, target: Target, check_cuda: bool, check_arch: &str, 
             (braze_codegen::openmp::module_source(&distinct), m)
         }
         Target::Cuda(ordinal) => {
-            let (arch, sms) = cuda_device(ordinal, &opts)?;
+            let (arch, sms) = cuda_device(ordinal, opts)?;
             let configs = if opts.kernel_tune && !opts.plan_only {
                 let (tunables, of) = kernel_tune::tunables(&sched, sms as u32);
                 let chosen = braze_runtime::cuda::kernel_tune::choose(&tunables, &arch, version, ordinal).map_err(DriverError::from)?;

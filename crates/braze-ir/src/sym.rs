@@ -340,17 +340,34 @@ impl Expr {
 
     /// The expression with each loop variable `iN` replaced by `f(N)`, inside divisions too.
     pub fn subst_vars(&self, f: &dyn Fn(u32) -> Expr) -> Expr {
+        self.map_atoms(&|a| match a {
+            Atom::Var(n) => Some(f(*n)),
+            _ => None,
+        })
+    }
+
+    /// The expression rebuilt bottom-up: the operands of each division, modulo, `Max` and
+    /// `Min` first, then each atom (with its rebuilt operands) replaced by `f` of it where `f`
+    /// gives a value, else made again from them (and folded where they allow).
+    fn map_atoms(&self, f: &dyn Fn(&Atom) -> Option<Expr>) -> Expr {
         let mut out = Expr::zero();
         for (m, c) in &self.terms {
             let term = m.iter().fold(Expr::constant(*c), |acc, a| {
-                acc.mul(&match a {
-                    Atom::Var(n) => f(*n),
-                    Atom::FloorDiv(x, y) => x.subst_vars(f).floordiv(&y.subst_vars(f)),
-                    Atom::Mod(x, y) => x.subst_vars(f).rem(&y.subst_vars(f)),
-                    Atom::Max(x, y) => x.subst_vars(f).max_of(&y.subst_vars(f)),
-                    Atom::Min(x, y) => x.subst_vars(f).min_of(&y.subst_vars(f)),
-                    other => Expr::atom(other.clone()),
-                })
+                let m = |x: &Expr| Box::new(x.map_atoms(f));
+                let a = match a {
+                    Atom::FloorDiv(x, y) => Atom::FloorDiv(m(x), m(y)),
+                    Atom::Mod(x, y) => Atom::Mod(m(x), m(y)),
+                    Atom::Max(x, y) => Atom::Max(m(x), m(y)),
+                    Atom::Min(x, y) => Atom::Min(m(x), m(y)),
+                    other => other.clone(),
+                };
+                acc.mul(&f(&a).unwrap_or_else(|| match a {
+                    Atom::FloorDiv(x, y) => x.floordiv(&y),
+                    Atom::Mod(x, y) => x.rem(&y),
+                    Atom::Max(x, y) => x.max_of(&y),
+                    Atom::Min(x, y) => x.min_of(&y),
+                    other => Expr::atom(other),
+                }))
             });
             out = out.add(&term);
         }
@@ -433,32 +450,11 @@ impl Expr {
         if !self.atoms().any(|a| matches!(a, Atom::FloorDiv(..) | Atom::Mod(..) | Atom::Max(..) | Atom::Min(..))) {
             return self.clone();
         }
-        let mut out = Expr::zero();
-        for (m, c) in &self.terms {
-            let term = m.iter().fold(Expr::constant(*c), |acc, a| {
-                acc.mul(&match a {
-                    Atom::FloorDiv(x, y) => {
-                        let (x, y) = (x.fold_divmod_in(extent), y.fold_divmod_in(extent));
-                        match x.split_by(&y, extent) {
-                            Some((q, _)) => q,
-                            None => x.floordiv(&y),
-                        }
-                    }
-                    Atom::Mod(x, y) => {
-                        let (x, y) = (x.fold_divmod_in(extent), y.fold_divmod_in(extent));
-                        match x.split_by(&y, extent) {
-                            Some((_, r)) => r,
-                            None => x.rem(&y),
-                        }
-                    }
-                    Atom::Max(x, y) => x.fold_divmod_in(extent).max_of(&y.fold_divmod_in(extent)),
-                    Atom::Min(x, y) => x.fold_divmod_in(extent).min_of(&y.fold_divmod_in(extent)),
-                    other => Expr::atom(other.clone()),
-                })
-            });
-            out = out.add(&term);
-        }
-        out
+        self.map_atoms(&|a| match a {
+            Atom::FloorDiv(x, y) => x.split_by(y, extent).map(|(q, _)| q),
+            Atom::Mod(x, y) => x.split_by(y, extent).map(|(_, r)| r),
+            _ => None,
+        })
     }
 
     /// `(q, r)` with `self == d*q + r` and `0 <= r < d` over the loop variables' ranges, for a

@@ -311,10 +311,7 @@ pub fn schedule(g: &Graph) -> Result<Schedule, SchedError> {
         }
         let Some(wide) = g.ty(id).numel().as_const() else { continue };
         for &i in &node.inputs {
-            let mut base = i;
-            while g.node(base).op.is_view() {
-                base = g.node(base).inputs[0];
-            }
+            let base = view_base(g, i);
             let b = base.index();
             if stored[b] || !g.node(base).op.is_pointwise() || g.ty(i).numel().as_const().is_none_or(|n| 2 * n > wide) {
                 continue;
