@@ -130,33 +130,38 @@ class _Conv1D(torch.nn.Module):
         return torch.addmm(self.bias, x.reshape(-1, x.shape[-1]), self.weight).view(*x.shape[:-1], -1)
 
 
-def test_bias_gradient_epilogues(device, monkeypatch):
+def test_bias_gradient_epilogues(device):
     """A bf16 training step of nn.Linear (`dW = dYᵀ X`) and Conv1D (`dW = Xᵀ dY`) layers: each
     bias gradient `sum(dY, 0)` is cuBLASLt's BGRAD epilogue of its weight gradient's matmul
     ([Note: bias-gradient epilogues]), not a reduction kernel. The plan is checked on fake CUDA
     tensors everywhere (braze's GPU plan without a GPU); on a GPU the step runs with the
-    epilogues asked for (off by default until measured) and every gradient matches eager's,
+    epilogues asked for (option `bias_grad_epilogues`, off by default) and every gradient matches eager's,
     whether cuBLASLt took them or refused and the graph was compiled again without them."""
-    from braze import backend, plan_memory
+    from braze import plan_memory
 
-    monkeypatch.setattr(backend, "BIAS_GRAD_EPILOGUES", True)
+    opts = {"bias_grad_epilogues": True}
 
     class LinearBackward(torch.nn.Module):
         def forward(self, g, x, h):
-            return g.t() @ x, g.sum(0), x.t() @ h, h.sum(0, keepdim=True)
+            # The second sum as CUDA's autograd writes it under autocast: in f32, rounded back.
+            return g.t() @ x, g.sum(0), x.t() @ h, h.sum(0, keepdim=True, dtype=torch.float32).to(h.dtype)
 
     bf = torch.bfloat16
     shapes = {"g": (512, 256), "x": (512, 128), "h": (512, 64)}
-    graph, lowered = plan_memory.inference_plan(LinearBackward(), {k: torch.randn(*s, dtype=bf) for k, s in shapes.items()}, autocast=None)
+    inputs = {k: torch.randn(*s, dtype=bf) for k, s in shapes.items()}
+    graph, lowered = plan_memory.inference_plan(LinearBackward(), inputs, autocast=None, options=opts)
     sched = graph.c.schedule
     assert sched.count("bias gradient") == 2 and "kernel" not in sched and not lowered.fallbacks, sched
+    # Off by default: the sums are reduction kernels.
+    graph, _ = plan_memory.inference_plan(LinearBackward(), inputs, autocast=None)
+    assert "bias gradient" not in graph.c.schedule and graph.c.schedule.count("kernel") == 2, graph.c.schedule
     if device != "cuda":
         return
     torch.manual_seed(0)
     m = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.GELU(), _Conv1D(128, 256), torch.nn.ReLU(), torch.nn.Linear(256, 64)).to(device)
     ref = copy.deepcopy(m)
     x = torch.randn(8, 32, 64, device=device)
-    c = compiled(m, options={"on_unsupported": "error"})
+    c = compiled(m, options={"on_unsupported": "error", **opts})
     before = len(braze.stats.records)
     for mod, fn in ((m, c), (ref, ref)):
         with torch.autocast("cuda", dtype=bf):

@@ -221,17 +221,9 @@ def _build(lowered, cfg: Config, plan_only=False):
         # Under whole-graph replay the runs of kernels are captured with the rest: no replay
         # of their own.
         return lowered.builder.compile(device=target, cuda_graphs=cfg.cuda_graphs and not cfg.whole_graph_replay, matmul_tune=cfg.matmul_tune, kernel_tune=cfg.kernel_tune, arena_externs=arena_externs,
-                                        elide_layouts=lowered.conv_channels_last or lowered.library_convs > 0, plan_only=plan_only, bias_grads=BIAS_GRAD_EPILOGUES)
+                                        elide_layouts=lowered.conv_channels_last or lowered.library_convs > 0, plan_only=plan_only, bias_grads=cfg.bias_grad_epilogues)
     check = os.environ.get("BRAZE_CHECK_CUDA") == "1" and cuda.nvrtc_available()
     return lowered.builder.compile(device="cpu", check_cuda=check, kernel_tune=cfg.kernel_tune, arena_externs=arena_externs)
-
-
-#: Linears' bias gradients as cuBLASLt epilogues of their weight gradients' matmuls
-#: ([Note: bias-gradient epilogues] in braze-passes). Off until measured: on the H200 (torch
-#: 2.11) GPT-2's and BERT's training graphs came out with none (the plans on fake CUDA
-#: tensors have them: cuBLASLt refused, and the graphs compiled again without them);
-#: `benchmarks/bias_grad_probe.py` lists the layouts cuBLASLt takes.
-BIAS_GRAD_EPILOGUES = False
 
 
 def _compile_subgraph(gm, name, *, cfg):

@@ -52,6 +52,10 @@ OPTIONS = {
     "cudnn_convs": "bool: on the GPU, channels_last 2-d convolutions and their gradients run through cuDNN from braze's own runs of "
                    "kernels (no ATen call per convolution; replayed with them as CUDA graphs) (default True; False: "
                    "ATen's convolution)",
+    "bias_grad_epilogues": "bool: on the GPU, a 16-bit linear's bias gradient (the sum of its output gradient) is "
+                           "computed by cuBLASLt in the epilogue of its weight gradient's matmul instead of a "
+                           "reduction kernel; a graph whose matmul cuBLASLt refuses it for is compiled again "
+                           "without (default False: measured even with separate kernels on the H200)",
     "direct_autograd": "bool: run graphs without mutation, aliasing, subclasses or RNG state through braze's own "
                        "autograd.Function instead of AOTAutograd's runtime wrappers (default True)",
 }
@@ -75,6 +79,7 @@ class Config:
     whole_graph_replay: bool = False
     conv_layout: str = "auto"
     cudnn_convs: bool = True
+    bias_grad_epilogues: bool = False
 
     @staticmethod
     def make(mode=None, options=None) -> "Config":
@@ -109,7 +114,7 @@ class Config:
             raise BrazeConfigError("braze: option 'conv_layout' must be 'auto', 'channels_last' or 'eager'")
         flags = {}
         for name, default in (("cuda_graphs", mode != "max-autotune-no-cudagraphs"), ("matmul_tune", mode.startswith("max-autotune")),
-                              ("kernel_tune", mode.startswith("max-autotune")), ("cudnn_convs", True),
+                              ("kernel_tune", mode.startswith("max-autotune")), ("cudnn_convs", True), ("bias_grad_epilogues", False),
                               ("whole_graph_replay", mode in ("reduce-overhead", "max-autotune"))):
             flags[name] = options.get(name, default)
             if not isinstance(flags[name], bool):

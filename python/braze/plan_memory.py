@@ -46,9 +46,9 @@ def _as_on_a_gpu():
         torch._C._conv_determine_backend_memory_format = det
 
 
-def inference_plan(model, inputs, autocast=torch.bfloat16, name="inference_0"):
+def inference_plan(model, inputs, autocast=torch.bfloat16, name="inference_0", options=None):
     """The plan braze makes for `model(**inputs)` in inference on a GPU, with the default
-    options: `model` and `inputs` (a dict of keyword arguments) are CPU tensors whose shapes,
+    options or `options` (as torch.compile takes them): `model` and `inputs` (a dict of keyword arguments) are CPU tensors whose shapes,
     dtypes and strides the fake CUDA ones take (weights are not read). Returns (the graph as
     the runtime holds it, not callable: `CompiledGraph` with its `Prepared` plan, lowered
     graph)."""
@@ -92,7 +92,7 @@ def inference_plan(model, inputs, autocast=torch.bfloat16, name="inference_0"):
                 n.target = torch.ops.aten.as_strided.default
         gm.recompile()
         lowered = lower_graph(gm, name)
-        graph = CompiledGraph(_build(lowered, Config.make(), plan_only=True), lowered, name)
+        graph = CompiledGraph(_build(lowered, Config.make(options=options), plan_only=True), lowered, name)
     return graph, lowered
 
 

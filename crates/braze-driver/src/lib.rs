@@ -506,9 +506,13 @@ fn compile_graph(g: &Graph, target: Target, check_cuda: bool, check_arch: &str, 
                             Step::Kernel(k) => items.push(Item::Kernel(*k)),
                             Step::Matmul { .. } => {
                                 let spec = matmul_spec(&opt, &sched, st)?;
-                                let grads = spec.bias_grad.is_some();
+                                let grads = spec.bias_grad.is_some().then(|| {
+                                    let (a, b) = (&spec.a, &spec.b);
+                                    format!("{:?} {}: a {}x{} strides ({}, {}), b {}x{} strides ({}, {})", spec.dtype, spec.epilogue.name(), a.rows, a.cols, a.rs, a.cs, b.rows, b.cols, b.rs, b.cs)
+                                });
                                 let prepared = braze_runtime::cublaslt::prepare(spec, opts.matmul_tune.then_some(ordinal)).map_err(|e| match e {
-                                    RuntimeError::Environment(m) if grads => DriverError::Environment(format!("{BIAS_GRAD_REFUSED}: {m}")),
+                                    // Whatever cuBLASLt says (no algorithm, NOT_SUPPORTED): compiled again without.
+                                    e if grads.is_some() => DriverError::Environment(format!("{BIAS_GRAD_REFUSED}: {e} ({})", grads.clone().unwrap_or_default())),
                                     e => DriverError::from(e),
                                 })?;
                                 items.push(Item::Matmul(Box::new(prepared)))

@@ -4,9 +4,11 @@
 //! (`CUBLASLT_EPILOGUE_BGRADA` / `BGRADB`), as the matmul reads `dY` anyway: the column
 //! reduction, a kernel of its own or a part of the kernel producing `dY`, goes away.
 //!
-//! A 16-bit sum over dim 0 of a 2-d value `G`, of `G`'s dtype (`[1, N]` kept or `[N]`), and a
-//! plain 2-d matmul (no epilogue, bias or residual, same dtype) reading `G` become one matmul
-//! with a bias-gradient epilogue and a `bias_grad` node for the sum:
+//! A 16-bit sum over dim 0 of a 2-d value `G`, of `G`'s dtype (`[1, N]` kept or `[N]`) or
+//! summed in f32 and rounded back to it (`sum(G, 0, dtype=float32)`, what CUDA's autograd
+//! asks for under autocast), and a plain 2-d matmul (no epilogue, bias or residual, same
+//! dtype) reading `G` become one matmul with a bias-gradient epilogue and a `bias_grad` node
+//! for the sum:
 //!
 //! - `matmul(permute(G, [1, 0]), X)` (`nn.Linear`: `dW = dYᵀ X`): `a`'s sums over K,
 //!   `bias_grad_a`;
@@ -24,29 +26,24 @@ use std::collections::HashMap;
 
 pub fn matmul_bias_grads(g: &Graph) -> Graph {
     let users = g.users();
-    // Sum node -> (matmul, epilogue); matmul -> its sum.
+    // The node a sum's value ends in -> (matmul, epilogue); matmul -> that node.
     let mut sum_of: HashMap<NodeId, (NodeId, Epilogue)> = HashMap::new();
     let mut taken: HashMap<NodeId, NodeId> = HashMap::new();
     for id in g.ids() {
-        let n = g.node(id);
-        let Op::Reduce { kind: ReduceKind::Sum, dims, .. } = &n.op else { continue };
-        let x = n.inputs[0];
-        let (tx, tr) = (g.ty(x), g.ty(id));
-        if dims != &[0] || tx.rank() != 2 || tr.dtype != tx.dtype || !matches!(tx.dtype, DType::BF16 | DType::F16) {
-            continue;
-        }
+        let Some((grad, end)) = bias_sum(g, &users, id) else { continue };
         let plain = |m: NodeId| {
             matches!(g.node(m).op, Op::Matmul { epilogue: Epilogue::None, residual: false, .. })
                 && g.node(m).inputs.len() == 2
                 && g.ty(m).rank() == 2
-                && m.index() < id.index()
+                && g.ty(m).dtype == g.ty(grad).dtype
+                && m.index() < end.index()
                 && !taken.contains_key(&m)
         };
         // `matmul(X, G)`: G is b.
-        let mut found = users[x.index()].iter().copied().find(|&m| plain(m) && g.node(m).inputs[1] == x).map(|m| (m, Epilogue::BiasGradB));
+        let mut found = users[grad.index()].iter().copied().find(|&m| plain(m) && g.node(m).inputs[1] == grad).map(|m| (m, Epilogue::BiasGradB));
         // `matmul(Gᵀ, X)`: Gᵀ is a.
         if found.is_none() {
-            found = users[x.index()]
+            found = users[grad.index()]
                 .iter()
                 .copied()
                 .filter(|&p| matches!(&g.node(p).op, Op::Permute(perm) if perm == &[1, 0]))
@@ -55,8 +52,8 @@ pub fn matmul_bias_grads(g: &Graph) -> Graph {
                 .map(|m| (m, Epilogue::BiasGradA));
         }
         if let Some((m, e)) = found {
-            taken.insert(m, id);
-            sum_of.insert(id, (m, e));
+            taken.insert(m, end);
+            sum_of.insert(end, (m, e));
         }
     }
     if sum_of.is_empty() {
@@ -87,6 +84,39 @@ pub fn matmul_bias_grads(g: &Graph) -> Graph {
     }
     out.outputs_from(g, &map);
     dce(&out)
+}
+
+/// A bias gradient's sum at `id`: (the 16-bit 2-d value `G` summed over dim 0, the node its
+/// 16-bit result ends in). Either a sum of `G`'s dtype (`sum(G, 0)`), or the sum in f32 that
+/// CUDA's autograd asks for and its rounding back, `cast(reshape*(sum(cast(G, f32), 0)), G's
+/// dtype)` with each link read by the next alone: cuBLASLt's epilogue also sums in f32.
+fn bias_sum(g: &Graph, users: &[Vec<NodeId>], id: NodeId) -> Option<(NodeId, NodeId)> {
+    let n = g.node(id);
+    let Op::Reduce { kind: ReduceKind::Sum, dims, .. } = &n.op else { return None };
+    if dims != &[0] || g.ty(n.inputs[0]).rank() != 2 {
+        return None;
+    }
+    let half = |t: DType| matches!(t, DType::BF16 | DType::F16);
+    let x = n.inputs[0];
+    let (tx, tr) = (g.ty(x).dtype, g.ty(id).dtype);
+    if half(tx) && tr == tx {
+        return Some((x, id));
+    }
+    let Op::Cast(DType::F32) = g.node(x).op else { return None };
+    let grad = g.node(x).inputs[0];
+    let t16 = g.ty(grad).dtype;
+    if !half(t16) || tr != DType::F32 {
+        return None;
+    }
+    let mut end = id;
+    loop {
+        let [next] = users[end.index()][..] else { return None };
+        match g.node(next).op {
+            Op::Reshape(_) => end = next,
+            Op::Cast(t) if t == t16 => return Some((grad, next)),
+            _ => return None,
+        }
+    }
 }
 
 #[cfg(test)]
@@ -123,6 +153,36 @@ mod tests {
         assert_eq!(count(&out, |op| matches!(op, Op::Matmul { epilogue: Epilogue::BiasGradB, .. })), 1, "{out}");
         // Printed and parsed back the same.
         assert_eq!(parse(&out.to_string()).unwrap().to_string(), out.to_string());
+    }
+
+    #[test]
+    fn sums_in_f32_rounded_back_join_too() {
+        // CUDA autocast's linear backward (torch 2.11): sum(dY, 0, dtype=float32), then the
+        // rounding to bf16 after a reshape. A sum in f32 kept in f32 is left alone.
+        let g = parse(
+            "graph g {
+              %0 = input index=0 strides=[64, 1] : bf16[256, 64]
+              %1 = input index=1 strides=[32, 1] : bf16[256, 32]
+              %2 = permute dims=[1, 0] %0 : bf16[64, 256]
+              %3 = matmul epilogue=none tf32=false %2, %1 : bf16[64, 32]
+              %4 = cast dtype=f32 %0 : f32[256, 64]
+              %5 = sum dims=[0] keepdim=true %4 : f32[1, 64]
+              %6 = reshape shape=[64] %5 : f32[64]
+              %7 = cast dtype=bf16 %6 : bf16[64]
+              %8 = cast dtype=f32 %7 : f32[64]
+              %9 = permute dims=[1, 0] %1 : bf16[32, 256]
+              %10 = matmul epilogue=none tf32=false %9, %0 : bf16[32, 64]
+              %11 = cast dtype=f32 %0 : f32[256, 64]
+              %12 = sum dims=[0] keepdim=false %11 : f32[64]
+              return %3, %8, %10, %12
+            }",
+        )
+        .unwrap();
+        let out = matmul_bias_grads(&g);
+        assert!(braze_ir::verify::verify(&out).is_empty(), "{out}");
+        assert_eq!(count(&out, |op| matches!(op, Op::BiasGrad)), 1, "{out}");
+        assert_eq!(count(&out, |op| matches!(op, Op::Reduce { .. })), 1, "{out}");
+        assert_eq!(count(&out, |op| matches!(op, Op::Matmul { epilogue: Epilogue::BiasGradA, .. })), 1, "{out}");
     }
 
     #[test]

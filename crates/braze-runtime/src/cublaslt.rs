@@ -354,7 +354,7 @@ impl Prepared {
                 st = (l.heuristic)(h, self.desc, self.la, self.lb, self.lc, self.ld, pref, res.len() as c_int, res.as_mut_ptr(), &mut count);
             }
             (l.pref_destroy)(pref);
-            ok(st, "heuristic")?;
+            ok(st, &format!("heuristic for {}", self.spec.name))?;
         }
         let algos: Vec<Algo> = res[..count.max(0) as usize].iter().filter(|r| r.state == 0).map(|r| r.algo).collect();
         if algos.is_empty() {
