@@ -176,6 +176,42 @@ def test_bias_gradient_epilogues(device):
         torch.testing.assert_close(p.grad, q.grad, rtol=2e-2, atol=2e-2 * scale, msg=name)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_small_matmuls_as_reductions(device, dtype):
+    """[Note: small matmuls]: on the GPU a matmul of at most 2^18 multiply-adds is braze's own
+    reduction, not a library call. The plan is checked on fake CUDA tensors everywhere: two
+    TinyBlock(64) on 2×64 are six kernels and no matmul (per block the LayerNorm's statistics,
+    the first linear with the normalization inlined, the second with GELU and scale inlined).
+    On a GPU a training step's outputs and gradients match eager's, with no ATen call and no
+    library matmul forward or backward."""
+    from braze import plan_memory
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(TinyBlock(64), TinyBlock(64)).to(dtype).eval()
+    graph, lowered = plan_memory.inference_plan(model, {"input": torch.randn(2, 64, dtype=dtype)}, autocast=None)
+    sched = graph.c.schedule
+    assert "matmul" not in sched and sched.count("kernel ") == 6 and not lowered.fallbacks, sched
+    if device != "cuda":
+        return
+    m = model.to(device).train()
+    ref = copy.deepcopy(m)
+    x = torch.randn(2, 64, device=device, dtype=dtype)
+    c = compiled(m, options={"on_unsupported": "error"})
+    before = len(braze.stats.records)
+    outs = []
+    for fn in (c, ref):
+        y = fn(x)
+        (y.float() ** 2).sum().backward()
+        outs.append(y)
+    recs = braze.stats.records[before:]
+    assert len(recs) == 2 and all(r["status"] == "compiled" and not r["externs"] and "matmul" not in r["schedule"] for r in recs), recs
+    tol = {"rtol": 1e-4, "atol": 1e-4} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
+    torch.testing.assert_close(outs[0], outs[1], **tol)
+    for (name, p), q in zip(m.named_parameters(), ref.parameters()):
+        scale = max(q.grad.abs().max().item(), 1.0)
+        torch.testing.assert_close(p.grad, q.grad, rtol=tol["rtol"], atol=tol["atol"] * scale, msg=name)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_matmul_epilogues(device, dtype):
     """linear + tanh-gelu rides on the matmul (cuBLASLt's GELU epilogue is the tanh form), a
@@ -192,12 +228,13 @@ def test_matmul_epilogues(device, dtype):
         y = F.linear(h, w2, b2) + r
         z = rt.t() + F.linear(h, w2)
         e = F.gelu(F.linear(x, w1))
-        v = F.linear(h.view(2, 24, 64), w3, b2) + r3  # 3-d linear: a reshape between
+        v = F.linear(h.view(2, 256, 64), w3, b2) + r3  # 3-d linear: a reshape between
         u = torch.bmm(p, q) + rb  # batched: the residual has a batch stride
         return h, y, z, e, v, u
 
     g = lambda *s: torch.randn(*s, device=device, dtype=dtype)
-    args = (g(48, 32), g(64, 32) * 0.3, g(64), g(32, 64) * 0.3, g(32), g(48, 32), g(32, 48), g(32, 64) * 0.3, g(2, 24, 32), g(3, 5, 7), g(3, 7, 6), g(3, 5, 6))
+    # Each matmul above [Note: small matmuls]'s size, so cuBLASLt computes it.
+    args = (g(512, 32), g(64, 32) * 0.3, g(64), g(32, 64) * 0.3, g(32), g(512, 32), g(32, 512), g(32, 64) * 0.3, g(2, 256, 32), g(3, 64, 128) * 0.3, g(3, 128, 64), g(3, 64, 64))
     tol = {"rtol": 5e-5, "atol": 5e-5} if dtype == torch.float32 else {"rtol": 1e-2, "atol": 1e-2}
     prec = torch.backends.cuda.matmul.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = False

@@ -403,6 +403,9 @@ fn compile_graph(g: &Graph, target: Target, check_cuda: bool, check_arch: &str, 
     let graph_before = g.to_string();
     let mut opt = braze_passes::optimize(g);
     if let Target::Cuda(ordinal) = target {
+        // Matmuls too small for a library call become braze's reductions (per-target stage:
+        // [Note: small matmuls]).
+        opt = braze_passes::small_matmuls::small_matmuls(&opt);
         // Bias gradients in their weight gradients' matmuls (per-target stage; before the
         // split would take the sums apart).
         if opts.bias_grads {

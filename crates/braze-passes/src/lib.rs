@@ -14,6 +14,7 @@ pub mod one_hot_sums;
 pub mod pad_matmuls;
 pub mod rewrite;
 pub mod simplify;
+pub mod small_matmuls;
 pub mod split_reductions;
 
 use braze_ir::Graph;
@@ -33,6 +34,7 @@ pub const PASSES: &[(&str, Pass)] = &[
 
 /// Passes run only for some targets (not in the default pipeline).
 pub const TARGET_PASSES: &[(&str, Pass)] = &[
+    ("small_matmuls", small_matmuls::small_matmuls),
     ("matmul_bias_grads", matmul_bias_grads::matmul_bias_grads),
     ("split_reductions", |g| split_reductions::split_reductions(g, 64)),
     ("pad_matmuls", pad_matmuls::pad_matmuls),
