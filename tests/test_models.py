@@ -955,12 +955,14 @@ def test_cuda_graph_replay(device, compiled_graphs):
     c = compiled(f)
     for i in range(5):
         x.copy_(torch.randn_like(x))  # same pointer, new values: a replay must read them
-        torch.testing.assert_close(c(x, w), f(x, w))
+        # (x @ w is braze's reduction on the GPU, [Note: small matmuls]: f32 sums in another
+        # order than cuBLAS's.)
+        torch.testing.assert_close(c(x, w), f(x, w), rtol=1e-5, atol=1e-4)
     (g,) = compiled_graphs
     assert g.c.replays >= 3
     for i in range(6):  # two buffer sets in turn, then a fresh one each call
         y = others[i % 2] if i < 4 else torch.randn(64, 32, device=device)
-        torch.testing.assert_close(c(y, w), f(y, w))
+        torch.testing.assert_close(c(y, w), f(y, w), rtol=1e-5, atol=1e-4)
 
 
 def test_relayout_kernels_compile():
@@ -1058,7 +1060,7 @@ def test_pointwise_kernels_store_in_place_of_dying_buffers(device, compiled_grap
         return (h.t().contiguous() * 2).sin()
 
     x = torch.randn(64, 64, device=device)
-    torch.testing.assert_close(compiled(transposed)(x), transposed(x))
+    torch.testing.assert_close(compiled(transposed)(x), transposed(x), rtol=1e-5, atol=1e-4)  # a small matmul
     assert compiled_graphs[-1].c.in_place == 0, compiled_graphs[-1].c.schedule
 
 
@@ -1362,7 +1364,7 @@ def test_cuda_graphs_option_and_mode(how, device, compiled_graphs):
     x, w = torch.randn(64, 32, device=device), torch.randn(32, 16, device=device)
     c = braze.compile(f, **kw)
     for _ in range(4):
-        torch.testing.assert_close(c(x, w), f(x, w))
+        torch.testing.assert_close(c(x, w), f(x, w), rtol=1e-5, atol=1e-4)  # a small matmul
     (g,) = compiled_graphs
     assert g.c.replays == 0
 
