@@ -2,6 +2,7 @@
 the host CPU, and the vectorized max/min/argmax/Welford reductions match eager (NaN inputs,
 rows of every length around the vector block, changed thread counts) on fresh random inputs."""
 import os
+import re
 import sys
 import threading
 
@@ -488,3 +489,37 @@ def test_weight_heavy_convolution_keeps_eager_layout(monkeypatch):
     with torch.no_grad():
         torch.testing.assert_close(compiled(seq, dynamic=False, options={"on_unsupported": "error"})(x), seq(x), rtol=1e-4, atol=1e-4)
     assert [s[:2] for s in seen] == [((8, 3, 128, 128), (49152, 1, 384, 3)), ((8, 64, 8, 8), (4096, 64, 8, 1))], seen
+    # A 1x1 convolution whose weight is more than four times its activations (ResNeXt-50's
+    # last stage) too; one below that stays channels_last.
+    seq = torch.nn.Sequential(torch.nn.Conv2d(3, 256, 3, stride=16, padding=1), torch.nn.ReLU(), torch.nn.Conv2d(256, 1024, 1),
+                              torch.nn.ReLU(), torch.nn.Conv2d(1024, 64, 1)).eval()
+    x = torch.randn(2, 3, 64, 64)
+    seen.clear()
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(seq, dynamic=False, options={"on_unsupported": "error"})(x), seq(x), rtol=1e-4, atol=1e-4)
+    assert [s[:2] for s in seen] == [((2, 3, 64, 64), (12288, 1, 192, 3)), ((2, 256, 4, 4), (4096, 16, 4, 1)), ((2, 1024, 4, 4), (16384, 1, 4096, 1024))], seen
+
+
+def test_kernel_between_layouts_keeps_its_store_strides_short():
+    """[Note: inner dim by stride]: a pointwise kernel storing one value NCHW and another
+    channels_last over rows too short to tile (8x8) runs the channels innermost, where the
+    channels_last store is contiguous and the NCHW one 256 bytes apart, instead of the last
+    dim, where the channels_last stores were 4 KiB apart (one L1 set); values and strides
+    are eager's."""
+    torch.manual_seed(0)
+    x = torch.randn(4, 1024, 8, 8).contiguous(memory_format=torch.channels_last)
+    y = torch.randn(4, 1024, 8, 8)
+
+    def f(y, x):
+        h = y * 2 + x
+        return h, (h.relu() + 1).contiguous(memory_format=torch.channels_last)
+
+    n0 = len(braze.stats.records)
+    got = compiled(f, dynamic=False, options={"on_unsupported": "error"})(y, x)
+    for g, w in zip(got, f(y, x)):
+        torch.testing.assert_close(g, w)
+        assert g.stride() == w.stride()
+    (rec,) = braze.stats.records[n0:]
+    assert len(rec["kernels"]) == 1, rec["kernels"]
+    loops = re.findall(r"#pragma omp simd\s*\n\s*for \(int64_t i\d+ = 0; i\d+ < (\d+);", rec["source"])
+    assert loops == ["1024"], rec["source"]

@@ -2416,8 +2416,9 @@ def _convolution(L, node, x, weight, bias, stride, padding, dilation, transposed
     # A parameter or buffer of a CPU graph whose weights are laid out once ([Note: CPU convolutions]).
     static_weight = (L.device.type == "cpu" and isinstance(weight, torch.fx.Node) and weight.op == "placeholder"
                      and L.arg_index.get(weight) in L.static_inputs)
-    if (L.device.type == "cpu" and L.saved_from is None and L.conv_layout == "auto" and _cl_weight_differs(wv)
-            and _hint(wv.numel()) > (_hint(src.numel()) or 0) + (_hint(val.numel()) or 0) and not static_weight):
+    one = is_tensor_meta(wv) and wv.dim() == 4 and wv.is_contiguous() and not _cl_weight_differs(wv)
+    if (L.device.type == "cpu" and L.saved_from is None and L.conv_layout == "auto" and (_cl_weight_differs(wv) or one)
+            and _hint(wv.numel()) > (4 if one else 1) * ((_hint(src.numel()) or 0) + (_hint(val.numel()) or 0)) and not static_weight):
         # [Note: weight-heavy CPU convolutions] A channels_last convolution takes its weight
         # channels_last, and ATen lays a contiguous one out on every call: a strided copy
         # that, for a weight larger than the activations, costs more than the convolution's
@@ -2427,7 +2428,12 @@ def _convolution(L, node, x, weight, bias, stride, padding, dilation, transposed
         # freeze_weights, stays channels_last). Its input is given contiguous, as eager's: a
         # channels_last input (its producer stores the other convolutions' layout) made ATen
         # take the channels_last path and lay the weight out anyway (timm ResNet-26d's last
-        # stage at 4x4: 512x512 3x3 convolutions 3.41 ms each against eager's 1.16).
+        # stage at 4x4: 512x512 3x3 convolutions 3.41 ms each against eager's 1.16). A 1x1
+        # weight is channels_last as it is, but oneDNN's channels_last path is slow where it
+        # is four times the activations (ResNeXt-50's last stage, 1024 -> 2048 channels at
+        # 4x4 on 4 images: 1.86 ms against 0.83 in eager's layout); below that it was faster
+        # or even. The kernels between the layouts keep their strides short ([Note: inner dim
+        # by stride] in braze-codegen).
         L.reasons[op_name(node.target)] = "Unsupported: convolution runs with eager's layout (its weight outweighs its activations)"
         saved = L.env[x]
         L.env[x] = L.layout(L.tensor(x), list(src.stride()))
