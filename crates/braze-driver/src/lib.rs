@@ -515,7 +515,7 @@ fn compile_graph(g: &Graph, target: Target, check_cuda: bool, check_arch: &str, 
                                 });
                                 let prepared = braze_runtime::cublaslt::prepare(spec, opts.matmul_tune.then_some(ordinal)).map_err(|e| match e {
                                     // Whatever cuBLASLt says (no algorithm, NOT_SUPPORTED): compiled again without.
-                                    e if grads.is_some() => DriverError::Environment(format!("{BIAS_GRAD_REFUSED}: {e} ({})", grads.clone().unwrap_or_default())),
+                                    e if grads.is_some() => DriverError::Environment(format!("{BIAS_GRAD_REFUSED}: {e} ({})", grads.as_deref().unwrap_or_default())),
                                     e => DriverError::from(e),
                                 })?;
                                 items.push(Item::Matmul(Box::new(prepared)))
