@@ -205,11 +205,45 @@ def test_small_matmuls_as_reductions(device, dtype):
         outs.append(y)
     recs = braze.stats.records[before:]
     assert len(recs) == 2 and all(r["status"] == "compiled" and not r["externs"] and "matmul" not in r["schedule"] for r in recs), recs
+    # The tanh GELU a CUDA linear takes as its epilogue, expanded again.
+    lin = torch.nn.Linear(64, 96).to(device, dtype)
+    with torch.no_grad():
+        want = torch.nn.functional.gelu(lin(x), approximate="tanh")
+        got = compiled(lambda t: torch.nn.functional.gelu(lin(t), approximate="tanh"), options={"on_unsupported": "error"})(x)
+    assert "matmul" not in braze.stats.records[-1]["schedule"]
     tol = {"rtol": 1e-4, "atol": 1e-4} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
+    torch.testing.assert_close(got, want, **tol)
     torch.testing.assert_close(outs[0], outs[1], **tol)
     for (name, p), q in zip(m.named_parameters(), ref.parameters()):
         scale = max(q.grad.abs().max().item(), 1.0)
         torch.testing.assert_close(p.grad, q.grad, rtol=tol["rtol"], atol=tol["atol"] * scale, msg=name)
+
+
+def test_small_matmul_epilogues_on_the_cpu(device, monkeypatch):
+    """[Note: small matmuls]' numerics where CI can run them: the GPU's pass on the CPU
+    (BRAZE_SMALL_MATMULS_CPU). Linears with bias, relu and residual epilogues, a 3-d linear, a
+    batched product with a residual: each is a reduction (no matmul left) and matches eager."""
+    if device != "cpu" or not braze._core.cpu_blas_ready():
+        pytest.skip("the CPU's BLAS matmuls, made small reductions by the test hook")
+    monkeypatch.setenv("BRAZE_SMALL_MATMULS_CPU", "1")
+    F = torch.nn.functional
+
+    def f(x, w1, b1, w2, b2, r, w3, r3, p, q, rb):
+        h = F.relu(F.linear(x, w1, b1))
+        y = F.linear(h, w2, b2) + r
+        v = F.linear(h.view(2, 8, 64), w3) + r3
+        u = torch.bmm(p, q) + rb
+        return h, y, v, u
+
+    torch.manual_seed(0)
+    g = torch.randn
+    args = (g(16, 32), g(64, 32) * 0.3, g(64), g(32, 64) * 0.3, g(32), g(16, 32), g(32, 64) * 0.3, g(2, 8, 32), g(3, 5, 7), g(3, 7, 6), g(3, 5, 6))
+    outs = compiled(f, dynamic=False, options={"on_unsupported": "error"})(*args)
+    for o, r in zip(outs, f(*args)):
+        torch.testing.assert_close(o, r, rtol=1e-5, atol=1e-5)
+        assert o.stride() == r.stride()
+    rec = braze.stats.records[-1]
+    assert rec["status"] == "compiled" and "matmul" not in rec["schedule"] and not rec["externs"], rec["schedule"]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])

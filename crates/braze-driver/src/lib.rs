@@ -423,6 +423,11 @@ fn compile_graph(g: &Graph, target: Target, check_cuda: bool, check_arch: &str, 
         // Convolutions of CPU inference graphs ask for channels_last inputs that are often
         // channels_last already (per-target stage: not yet measured on the GPU).
         opt = braze_passes::elide_layouts::elide_layouts(&opt);
+        if std::env::var("BRAZE_SMALL_MATMULS_CPU").is_ok_and(|v| v == "1") {
+            // A test hook: the GPU's small matmuls on the CPU, so the CPU suite checks their
+            // numerics and epilogues ([Note: small matmuls]).
+            opt = braze_passes::small_matmuls::small_matmuls(&opt);
+        }
         if let Some(blocks) = std::env::var("BRAZE_SPLIT_REDUCTIONS_CPU").ok().and_then(|v| v.parse::<i64>().ok()) {
             // A test hook: the GPU's split on the CPU, so the CPU suite checks its numerics.
             opt = braze_passes::split_reductions::split_reductions(&opt, blocks);
