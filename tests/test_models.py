@@ -244,6 +244,11 @@ def test_small_matmul_epilogues_on_the_cpu(device, monkeypatch):
         assert o.stride() == r.stride()
     rec = braze.stats.records[-1]
     assert rec["status"] == "compiled" and "matmul" not in rec["schedule"] and not rec["externs"], rec["schedule"]
+    # Degenerate sizes: K = 1 (an outer product), M = N = 1 (a dot product), batched ones.
+    for sa, sb in (((4, 1), (1, 5)), ((1, 8), (8, 1)), ((1, 1), (1, 1)), ((3, 1, 4), (3, 4, 1)), ((2, 3, 1), (2, 1, 5))):
+        a, b = torch.randn(*sa), torch.randn(*sb)
+        torch.testing.assert_close(compiled(torch.matmul, dynamic=False, options={"on_unsupported": "error"})(a, b), a @ b)
+        assert "matmul" not in braze.stats.records[-1]["schedule"], (sa, sb)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
