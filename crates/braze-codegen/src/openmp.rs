@@ -703,7 +703,7 @@ fn emit_tiled_loops(k: &Kernel, e: &Emitter, out: &mut String, a: usize, serial:
 /// it was (0.24 against 0.31 swapped).
 fn inner_dim(k: &Kernel) -> Option<usize> {
     let n = k.outer.len();
-    if n < 2 || k.passes.len() != 1 {
+    if n < 2 || k.passes.len() != 1 || k.outer[n - 1].as_const().is_none_or(|c| c > TILE_ROW_MIN) {
         return None;
     }
     let last = n - 1;
