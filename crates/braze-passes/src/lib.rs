@@ -41,6 +41,12 @@ pub const TARGET_PASSES: &[(&str, Pass)] = &[
     ("elide_layouts", elide_layouts::elide_layouts),
 ];
 
+/// How many nodes of `g` have an op `f` holds for (the passes' unit tests).
+#[cfg(test)]
+pub(crate) fn count_ops(g: &Graph, f: impl Fn(&braze_ir::Op) -> bool) -> usize {
+    g.ids().filter(|&i| f(&g.node(i).op)).count()
+}
+
 pub fn pass_by_name(name: &str) -> Option<Pass> {
     PASSES.iter().chain(TARGET_PASSES).find(|(n, _)| *n == name).map(|(_, p)| *p)
 }

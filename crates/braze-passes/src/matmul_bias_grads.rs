@@ -122,11 +122,8 @@ fn bias_sum(g: &Graph, users: &[Vec<NodeId>], id: NodeId) -> Option<(NodeId, Nod
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::count_ops as count;
     use braze_ir::parse::parse_graph as parse;
-
-    fn count(g: &Graph, f: impl Fn(&Op) -> bool) -> usize {
-        g.ids().filter(|&i| f(&g.node(i).op)).count()
-    }
 
     #[test]
     fn linear_and_conv1d_bias_gradients_join_their_weight_gradients() {

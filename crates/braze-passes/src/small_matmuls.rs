@@ -22,32 +22,17 @@ use braze_ir::{BinaryOp, DType, Epilogue, Expr, Graph, Lit, NodeId, Op, ReduceKi
 pub const MAX_MACS: i64 = 1 << 18;
 
 pub fn small_matmuls(g: &Graph) -> Graph {
-    let mut out = Graph::like(g);
-    let mut map: Vec<NodeId> = Vec::with_capacity(g.nodes.len());
-    let mut changed = false;
-    for id in g.ids() {
-        let n = g.node(id);
-        let ins: Vec<NodeId> = n.inputs.iter().map(|i| map[i.index()]).collect();
-        let new = match as_reduction(g, &mut out, id, &ins) {
-            Some(v) => {
-                changed = true;
-                v
-            }
-            None => out.add_typed(n.op.clone(), ins, n.ty.clone()),
-        };
-        map.push(new);
+    match crate::rewrite::rebuild(g, as_reduction) {
+        Some(out) => dce(&out),
+        None => g.clone(),
     }
-    if !changed {
-        return g.clone();
-    }
-    out.outputs_from(g, &map);
-    dce(&out)
 }
 
-/// Matmul `id` as a reduction built in `out` (its operands there: `ins`), or None when it is
-/// not small, static and of a plain, relu or gelu epilogue.
-fn as_reduction(g: &Graph, out: &mut Graph, id: NodeId, ins: &[NodeId]) -> Option<NodeId> {
+/// Matmul `id` as a reduction built in `out` (`map`: old ids to new), or None when it is not
+/// small, static and of a plain, relu or gelu epilogue.
+fn as_reduction(g: &Graph, out: &mut Graph, map: &[NodeId], id: NodeId) -> Option<NodeId> {
     let n = g.node(id);
+    let ins: Vec<NodeId> = n.inputs.iter().map(|i| map[i.index()]).collect();
     let Op::Matmul { epilogue, residual, .. } = n.op else { return None };
     if !matches!(epilogue, Epilogue::None | Epilogue::Relu | Epilogue::Gelu) {
         return None;
@@ -122,11 +107,8 @@ fn as_reduction(g: &Graph, out: &mut Graph, id: NodeId, ins: &[NodeId]) -> Optio
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::count_ops as count;
     use braze_ir::parse::parse_graph as parse;
-
-    fn count(g: &Graph, f: impl Fn(&Op) -> bool) -> usize {
-        g.ids().filter(|&i| f(&g.node(i).op)).count()
-    }
 
     #[test]
     fn small_matmuls_become_sums_large_ones_stay() {
