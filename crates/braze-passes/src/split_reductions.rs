@@ -41,27 +41,14 @@ pub const MIN_PIECE: i64 = 64;
 
 /// Splits every reduction that would run on fewer than `min_blocks` blocks.
 pub fn split_reductions(g: &Graph, min_blocks: i64) -> Graph {
-    let mut out = Graph::like(g);
-    let mut map: Vec<NodeId> = Vec::with_capacity(g.nodes.len());
-    let mut changed = false;
-    for id in g.ids() {
+    let split = |g: &Graph, out: &mut Graph, map: &[NodeId], id: NodeId| {
         let n = g.node(id);
-        let inputs: Vec<NodeId> = n.inputs.iter().map(|i| map[i.index()]).collect();
-        let new_id = match plan(g, id, min_blocks).and_then(|p| emit(&mut out, n, inputs[0], &p).ok()) {
-            Some(new_id) => {
-                changed = true;
-                new_id
-            }
-            None => out.add_typed(n.op.clone(), inputs, n.ty.clone()),
-        };
-        map.push(new_id);
-    }
-    out.outputs_from(g, &map);
-    if changed {
+        plan(g, id, min_blocks).and_then(|p| emit(out, n, map[n.inputs[0].index()], &p).ok())
+    };
+    match crate::rewrite::rebuild(g, split) {
         // A variance and a mean of the same input share their stage 1 input and sums.
-        cse(&dce(&out))
-    } else {
-        out
+        Some(out) => cse(&dce(&out)),
+        None => g.clone(),
     }
 }
 
