@@ -1783,3 +1783,32 @@ def test_row_kernel_reloads_stored_sum_and_writes_in_place(device, compiled_grap
         src = rec.get("cuda_source") if device == "cpu" else None
         if src:
             assert re.search(r"b%s\[[^\]]+\] = (t\d+); c\d+\[j\] = \1;" % stored, src), src
+
+
+@pytest.mark.parametrize("mode", ["default", "reduce-overhead"])
+def test_programmatic_launch(device, compiled_graphs, mode):
+    """[Note: programmatic launch] (braze-runtime): every generated CUDA kernel waits for the
+    kernel before it first thing; on Hopper and newer they launch with programmatic dependent
+    launch (option `programmatic_launch`, on by default), and a chain of kernels each reading
+    all of the one before (a normalization's statistics, then its use, twelve times over) gives
+    eager's values on every call, in both modes, with the option on and off."""
+
+    def f(x):
+        for _ in range(12):
+            x = torch.tanh((x - x.mean(-1, keepdim=True)) * torch.rsqrt(x.var(-1, keepdim=True) + 1e-5)) + x.sum() * 1e-3
+        return x
+
+    for on in (True, False):
+        torch._dynamo.reset()
+        compiled_graphs.clear()
+        c = braze.compile(f, mode=mode, options={"on_unsupported": "error", "programmatic_launch": on})
+        for _ in range(4):
+            x = torch.randn(48, 300, device=device)
+            torch.testing.assert_close(c(x), f(x), rtol=1e-4, atol=1e-4)
+        src = braze.stats.records[-1]["source"] if device == "cuda" else braze.stats.records[-1].get("cuda_source")
+        if device == "cuda" or braze.cuda.nvrtc_available():  # (a CPU graph's CUDA code: BRAZE_CHECK_CUDA)
+            kernels = re.findall(r'__global__ void __launch_bounds__\(\d+\) (\w+)\([^)]*\) \{\n  (\S+)', src)
+            assert kernels and all(first == "bz_entry();" for _, first in kernels), kernels
+        (g,) = compiled_graphs
+        hopper = device == "cuda" and torch.cuda.get_device_capability()[0] >= 9
+        assert g.c.programmatic_launch == (on and hopper)

@@ -56,6 +56,9 @@ OPTIONS = {
                            "computed by cuBLASLt in the epilogue of its weight gradient's matmul instead of a "
                            "reduction kernel; a graph whose matmul cuBLASLt refuses it for is compiled again "
                            "without (default False: measured even with separate kernels on the H200)",
+    "programmatic_launch": "bool: on Hopper and newer GPUs, launch braze's kernels with programmatic dependent launch: "
+                           "a kernel's launch overlaps the kernel before it, and its first instruction waits for that "
+                           "one to finish (default True)",
     "direct_autograd": "bool: run graphs without mutation, aliasing, subclasses or RNG state through braze's own "
                        "autograd.Function instead of AOTAutograd's runtime wrappers (default True)",
 }
@@ -80,6 +83,7 @@ class Config:
     conv_layout: str = "auto"
     cudnn_convs: bool = True
     bias_grad_epilogues: bool = False
+    programmatic_launch: bool = True
 
     @staticmethod
     def make(mode=None, options=None) -> "Config":
@@ -114,7 +118,7 @@ class Config:
             raise BrazeConfigError("braze: option 'conv_layout' must be 'auto', 'channels_last' or 'eager'")
         flags = {}
         for name, default in (("cuda_graphs", mode != "max-autotune-no-cudagraphs"), ("matmul_tune", mode.startswith("max-autotune")),
-                              ("kernel_tune", mode.startswith("max-autotune")), ("cudnn_convs", True), ("bias_grad_epilogues", False),
+                              ("kernel_tune", mode.startswith("max-autotune")), ("cudnn_convs", True), ("bias_grad_epilogues", False), ("programmatic_launch", True),
                               ("whole_graph_replay", mode in ("reduce-overhead", "max-autotune"))):
             flags[name] = options.get(name, default)
             if not isinstance(flags[name], bool):

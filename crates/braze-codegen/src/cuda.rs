@@ -48,6 +48,15 @@ typedef unsigned char uint8_t;
 #define bz_min_uint8_t ((uint8_t)0)
 #define bz_max_uint8_t ((uint8_t)255)
 #define BZ __device__ __forceinline__
+// Every kernel starts here ([Note: programmatic launch] in braze-runtime): on Hopper and newer
+// it waits until the kernel before it in the stream has finished and its writes are visible,
+// then lets the next kernel launch, whose blocks start while this one runs.
+BZ void bz_entry() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
 BZ float bz_self(int c, float a, float b) { return c ? a : b; }
 // Welford's mean update divides by the element count once per element: __fdividef (a
 // reciprocal and a multiply, within 2 ulp) instead of IEEE division, which was most of the
@@ -746,7 +755,7 @@ fn emit_kernel_by_id(k: &Kernel, sms: u32, cfg: &Config, out: &mut String) -> Re
     // [Note: tiled transposes]
     let tiled = if is_red { None } else { crate::tiles::tile_plan(k) };
     let threads = if col { col_x * col_y } else if tiled.is_some() { TILE as u32 * TILE_ROWS } else { block };
-    writeln!(out, "extern \"C\" __global__ void __launch_bounds__({threads}) {}({}) {{", k.name, params.join(", ")).unwrap();
+    writeln!(out, "extern \"C\" __global__ void __launch_bounds__({threads}) {}({}) {{\n  bz_entry();", k.name, params.join(", ")).unwrap();
     let launch = |work: Expr, per_block: u64, cap: u32| Launch {
         name: k.name.clone(),
         unit: 0,
@@ -793,7 +802,7 @@ fn emit_kernel_by_id(k: &Kernel, sms: u32, cfg: &Config, out: &mut String) -> Re
         writeln!(out, "}}\n").unwrap();
         let name = format!("{}_scalar", k.name);
         let source = format!(
-            "{}\n/* {name}: {}'s loop for unaligned pointers */\nextern \"C\" __global__ void __launch_bounds__({threads}) {name}({}) {{\n{scalar}",
+            "{}\n/* {name}: {}'s loop for unaligned pointers */\nextern \"C\" __global__ void __launch_bounds__({threads}) {name}({}) {{\n  bz_entry();\n{scalar}",
             d.prelude(),
             k.name,
             params.join(", ")

@@ -350,11 +350,14 @@ pub struct Options {
     /// ([Note: bias-gradient epilogues] in braze-passes); off for the second compile of a
     /// graph whose epilogue cuBLASLt refused.
     pub bias_grads: bool,
+    /// CUDA, Hopper and newer: kernels launch with programmatic dependent launch
+    /// (braze-runtime's [Note: programmatic launch]).
+    pub programmatic_launch: bool,
 }
 
 impl Default for Options {
     fn default() -> Self {
-        Options { cuda_graphs: true, matmul_tune: true, kernel_tune: false, arena_externs: HashSet::new(), elide_layouts: false, plan_only: false, bias_grads: true }
+        Options { cuda_graphs: true, matmul_tune: true, kernel_tune: false, arena_externs: HashSet::new(), elide_layouts: false, plan_only: false, bias_grads: true, programmatic_launch: true }
     }
 }
 
@@ -563,6 +566,7 @@ fn compile_graph(g: &Graph, target: Target, check_cuda: bool, check_arch: &str, 
                     let cached = placed.cached && !names.is_empty();
                     let mut cm = CudaModule::load(&placed.cubins, ordinal, launches, items, cached, version).map_err(DriverError::from)?;
                     cm.replay = opts.cuda_graphs;
+                    cm.programmatic &= opts.programmatic_launch;
                     Some(Module::Cuda(cm))
                 }
             };

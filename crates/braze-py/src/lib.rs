@@ -177,13 +177,14 @@ impl GraphBuilder {
     /// `plan_only` (CUDA): the plan without a GPU, not runnable ([Note: plans without a GPU]).
     /// `bias_grads` (CUDA): linears' bias gradients as epilogues of their weight gradients'
     /// matmuls ([Note: bias-gradient epilogues]); off only to compare.
-    #[pyo3(signature = (device="cpu", check_cuda=false, arch="sm_90", cuda_graphs=true, matmul_tune=true, kernel_tune=false, arena_externs=Vec::new(), elide_layouts=false, plan_only=false, bias_grads=true))]
+    /// `programmatic_launch` (CUDA, Hopper and newer): braze-runtime's [Note: programmatic launch].
+    #[pyo3(signature = (device="cpu", check_cuda=false, arch="sm_90", cuda_graphs=true, matmul_tune=true, kernel_tune=false, arena_externs=Vec::new(), elide_layouts=false, plan_only=false, bias_grads=true, programmatic_launch=true))]
     #[allow(clippy::too_many_arguments)]
-    fn compile(&self, py: Python<'_>, device: &str, check_cuda: bool, arch: &str, cuda_graphs: bool, matmul_tune: bool, kernel_tune: bool, arena_externs: Vec<String>, elide_layouts: bool, plan_only: bool, bias_grads: bool) -> PyResult<Compiled> {
+    fn compile(&self, py: Python<'_>, device: &str, check_cuda: bool, arch: &str, cuda_graphs: bool, matmul_tune: bool, kernel_tune: bool, arena_externs: Vec<String>, elide_layouts: bool, plan_only: bool, bias_grads: bool, programmatic_launch: bool) -> PyResult<Compiled> {
         let g = self.g.clone();
         let target = Target::parse(device).map_err(driver_err)?;
         let arch = arch.to_string();
-        let opts = braze_driver::Options { cuda_graphs, matmul_tune, kernel_tune, arena_externs: arena_externs.into_iter().collect(), elide_layouts, plan_only, bias_grads };
+        let opts = braze_driver::Options { cuda_graphs, matmul_tune, kernel_tune, arena_externs: arena_externs.into_iter().collect(), elide_layouts, plan_only, bias_grads, programmatic_launch };
         let res = py.detach(move || catch_unwind(AssertUnwindSafe(|| braze_driver::compile_with(g, target, check_cuda, &arch, opts))));
         match res {
             Ok(r) => r.map(|(plan, module)| Compiled { plan, module }).map_err(driver_err),
@@ -360,6 +361,13 @@ impl Compiled {
             Some(braze_driver::Module::Cuda(m)) => m.replays.load(std::sync::atomic::Ordering::Relaxed),
             _ => 0,
         }
+    }
+
+    /// Whether the kernels launch with programmatic dependent launch (braze-runtime's [Note:
+    /// programmatic launch]).
+    #[getter]
+    fn programmatic_launch(&self) -> bool {
+        matches!(self.module.as_ref(), Some(braze_driver::Module::Cuda(m)) if m.programmatic)
     }
 
     #[getter]

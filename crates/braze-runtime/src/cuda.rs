@@ -30,6 +30,28 @@ type CuEvent = *mut c_void;
 type CuGraph = *mut c_void;
 type CuGraphExec = *mut c_void;
 
+/// `CUlaunchAttribute`: an attribute id, padding to 8 bytes, and a 64-byte value union.
+#[repr(C)]
+struct CuLaunchAttribute {
+    id: c_int,
+    pad: c_int,
+    value: [u64; 8],
+}
+
+/// `CUlaunchConfig` for `cuLaunchKernelEx`.
+#[repr(C)]
+struct CuLaunchConfig {
+    grid: [c_uint; 3],
+    block: [c_uint; 3],
+    shared_bytes: c_uint,
+    stream: CuStream,
+    attrs: *mut CuLaunchAttribute,
+    num_attrs: c_uint,
+}
+
+/// `CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION`.
+const PROGRAMMATIC_STREAM_SERIALIZATION: c_int = 6;
+
 struct Nvrtc {
     _lib: Library,
     version: unsafe extern "C" fn(*mut c_int, *mut c_int) -> c_int,
@@ -71,6 +93,7 @@ struct Driver {
     graph_exec_destroy: unsafe extern "C" fn(CuGraphExec) -> CuResult,
     graph_launch: unsafe extern "C" fn(CuGraphExec, CuStream) -> CuResult,
     launch: unsafe extern "C" fn(CuFunction, c_uint, c_uint, c_uint, c_uint, c_uint, c_uint, c_uint, CuStream, *mut *mut c_void, *mut *mut c_void) -> CuResult,
+    launch_ex: unsafe extern "C" fn(*const CuLaunchConfig, CuFunction, *mut *mut c_void, *mut *mut c_void) -> CuResult,
     error_string: unsafe extern "C" fn(CuResult, *mut *const c_char) -> CuResult,
 }
 
@@ -115,6 +138,7 @@ pub fn init_driver(path: &str) -> Result<(), RuntimeError> {
             load: sym!(lib, b"cuModuleLoadData"),
             get_fn: sym!(lib, b"cuModuleGetFunction"),
             launch: sym!(lib, b"cuLaunchKernel"),
+            launch_ex: sym!(lib, b"cuLaunchKernelEx"),
             mem_alloc: sym!(lib, b"cuMemAlloc_v2"),
             mem_free: sym!(lib, b"cuMemFree_v2"),
             memset_d8: sym!(lib, b"cuMemsetD8_v2"),
@@ -423,6 +447,22 @@ pub fn device_info(ordinal: i32) -> Result<(String, i32), RuntimeError> {
     }
 }
 
+/// [Note: programmatic launch] On Hopper and newer GPUs braze's kernels launch with
+/// programmatic dependent launch (`cuLaunchKernelEx` with programmatic stream serialization):
+/// the GPU may start a kernel before the one ahead of it in the stream has finished. Each
+/// kernel's first statement (`bz_entry` in braze-codegen's prelude) waits for its predecessor
+/// to finish and its writes to be visible (`griddepcontrol.wait`), then allows its own
+/// successor to launch (`griddepcontrol.launch_dependents`): a kernel's launch and block
+/// scheduling overlap the kernel before it instead of following it. Nothing is read or
+/// written before the wait, so the order of effects is the stream's; as the predecessor
+/// finished only after its own wait, every earlier kernel has finished too. Library kernels
+/// (cuBLASLt, cuDNN, ATen) launch as before; a braze kernel after one waits for it the same
+/// way. Captured into a CUDA graph, such launches become programmatic edges. The code
+/// generated for older architectures has no wait, and they launch plainly.
+fn hopper_or_newer(arch: &str) -> bool {
+    arch.strip_prefix("sm_").and_then(|v| v.parse::<u32>().ok()).is_some_and(|v| v >= 90)
+}
+
 /// What a tuning choice made on device `ordinal` is valid for ([Note: remembered choices]):
 /// the device's name, architecture and multiprocessor count.
 pub fn device_scope(ordinal: i32) -> Result<String, RuntimeError> {
@@ -579,6 +619,9 @@ pub struct CudaModule {
     /// A small zeroed allocation in the module's context that stands for an empty buffer
     /// ([Note: empty buffers] in braze-driver).
     pub scratch: usize,
+    /// Whether kernels launch with programmatic dependent launch ([Note: programmatic
+    /// launch]): the device is Hopper or newer, and option `programmatic_launch` is on.
+    pub programmatic: bool,
 }
 
 /// [Note: replay] A run of items whose buffer pointers and sizes are exactly those of one of
@@ -681,6 +724,7 @@ impl CudaModule {
     /// kernels name one function, [Note: kernel dedup] in braze-codegen).
     pub fn load(cubins: &[Vec<u8>], ordinal: i32, specs: Vec<LaunchSpec>, items: Vec<Item>, cached: bool, version: &str) -> Result<CudaModule, RuntimeError> {
         let (arch, _) = device_info(ordinal)?;
+        let programmatic = hopper_or_newer(&arch);
         let d = driver()?;
         let mut modules: Vec<CuModule> = Vec::with_capacity(cubins.len());
         // SAFETY: driver API used as documented; each cubin outlives cuModuleLoadData.
@@ -716,6 +760,7 @@ impl CudaModule {
                 graphs: Default::default(),
                 replays: Default::default(),
                 scratch: scratch as usize,
+                programmatic,
             })
         }
     }
@@ -882,7 +927,13 @@ impl CudaModule {
                     continue;
                 }
                 let f = if s.misaligned(ptrs) { self.fallback(k)? } else { self.fns[k] };
-                let rc = (d.launch)(f, blocks, 1, 1, s.block, s.block_y, 1, 0, stream as CuStream, params.as_mut_ptr(), std::ptr::null_mut());
+                let rc = if self.programmatic {
+                    let mut attr = CuLaunchAttribute { id: PROGRAMMATIC_STREAM_SERIALIZATION, pad: 0, value: [1, 0, 0, 0, 0, 0, 0, 0] };
+                    let cfg = CuLaunchConfig { grid: [blocks, 1, 1], block: [s.block, s.block_y, 1], shared_bytes: 0, stream: stream as CuStream, attrs: &mut attr, num_attrs: 1 };
+                    (d.launch_ex)(&cfg, f, params.as_mut_ptr(), std::ptr::null_mut())
+                } else {
+                    (d.launch)(f, blocks, 1, 1, s.block, s.block_y, 1, 0, stream as CuStream, params.as_mut_ptr(), std::ptr::null_mut())
+                };
                 if rc != 0 {
                     check(d, rc, &format!("launch of {}", s.name))?;
                 }
