@@ -860,7 +860,8 @@ def test_conv_layout_choice():
     """Which graphs run their convolutions channels_last under conv_layout='auto' ([Note:
     convolution layout]): on the GPU convnets of more than a few channels, not those with
     convolutions grouped over several channels per group (depthwise ones are fine); on the
-    CPU inference graphs whose activations outweigh their non-1x1 weights; never under 'eager'; always under 'channels_last'."""
+    CPU graphs whose activations outweigh their non-1x1 weights, in training only those with
+    grouped convolutions; never under 'eager'; always under 'channels_last'."""
     from braze.lowering import conv_channels_last
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     x = torch.randn(2, 3, 32, 32)
@@ -880,7 +881,10 @@ def test_conv_layout_choice():
     assert conv_channels_last(small, "inference", cpu, "auto")
     # On the CPU not where the weights ATen lays out per call outweigh the activations.
     assert not conv_channels_last(_traced(_ConvNet(96).eval(), torch.randn(1, 3, 8, 8)), "inference", cpu, "auto")
+    # CPU training: only graphs with grouped (or depthwise) convolutions, whose NCHW kernels
+    # and gradients are oneDNN's slow ones.
     assert not conv_channels_last(wide, "forward", cpu, "auto")
+    assert conv_channels_last(grouped, "forward", cpu, "auto") and conv_channels_last(depthwise, "forward", cpu, "auto")
     # A backward follows its forward's choice.
     assert conv_channels_last(plain, "backward", cuda, True) and not conv_channels_last(wide, "backward", cuda, False)
 

@@ -47,7 +47,8 @@ OPTIONS = {
                    "'max-autotune-no-cudagraphs', else False: static heuristics, nothing timed)",
     "conv_layout": "how 2-d convolutions of tensors contiguous in eager are laid out: 'auto' (channels_last where "
                    "it pays: on the GPU graphs whose convolutions are not grouped across channels, inference and "
-                   "training; on the CPU inference graphs whose activations outweigh their weights), 'channels_last' (always), 'eager' (eager's layouts). "
+                   "training; on the CPU graphs whose activations outweigh their weights, in training only those with grouped "
+                   "convolutions), 'channels_last' (always), 'eager' (eager's layouts). "
                    "Outputs keep eager's strides either way (default 'auto')",
     "cudnn_convs": "bool: on the GPU, channels_last 2-d convolutions and their gradients run through cuDNN from braze's own runs of "
                    "kernels (no ATen call per convolution; replayed with them as CUDA graphs) (default True; False: "
