@@ -415,6 +415,29 @@ def test_interior_rows(window, hw):
         assert "for (int64_t i2 = 1; i2 <" in src or "for (int64_t i3 = 1; i3 <" in src, src
 
 
+@pytest.mark.parametrize("window", [(3, 2, 1), (3, 1, 1), (5, 3, 2)])
+def test_interior_rows_of_narrow_taps(window):
+    """[Note: interior rows] for 16-bit taps: a bf16 max pool over an NCHW activation in
+    inference (a ResNet stem's BatchNorm, ReLU and pool under CPU autocast) has no argmax, but
+    its taps are bf16, which x86 cannot gather: its rows split into border and interior too
+    (the interior walks its taps at their stride). Values match eager's, NaN included."""
+    k, s, p = window
+    bn = torch.nn.BatchNorm2d(8).eval()
+    with torch.no_grad():
+        bn.running_mean.uniform_(-1, 1)
+        bn.running_var.uniform_(0.5, 2)
+    f = lambda x: F.max_pool2d(torch.relu(bn(x)), k, s, p)
+    x = torch.randn(2, 8, 40, 37).to(torch.bfloat16)
+    x.view(-1)[::29] = float("nan")
+    n0 = len(braze.stats.records)
+    with torch.no_grad():
+        out = compiled(f, dynamic=False, options={"on_unsupported": "error", "conv_layout": "eager"})(x)
+        ref = f(x)
+    torch.testing.assert_close(out, ref, equal_nan=True)
+    src = "\n".join(r["source"] for r in braze.stats.records[n0:] if r.get("source"))
+    assert "for (int64_t i2 = 1; i2 <" in src or "for (int64_t i3 = 1; i3 <" in src, src
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cat_rows_cut_into_pieces(dtype):
     """[Note: row segments]: a concatenation along channels of channels_last sources (an

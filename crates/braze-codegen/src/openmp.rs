@@ -381,7 +381,10 @@ fn emit_row(k: &Kernel, e: &Emitter, out: &mut String, body: &[Stmt], lo: &str, 
 /// (eager 6.2); where only the taps' masks fold, the gathers were faster than the
 /// interior's stride-2 walks at 16 lanes over 55 outputs (inference pool 2.2 -> 4.1 ms).
 /// Returns (interior start, end, interior body), or None when no mask qualifies or the
-/// interior is shorter than half the row (or 8).
+/// interior is shorter than half the row (or 8). Rows whose masked taps load 16- or 8-bit
+/// elements split too, argmax or not: x86 has no gather for them, and GCC loaded each lane
+/// alone (a bf16 ResNet-18 stem's BatchNorm, ReLU and pool, 4 x 64 x 32 x 32 NCHW: 4.0 ->
+/// 1.1 ms; the whole model under CPU autocast at b4 128² 16.2-16.6 -> 14.5 ms).
 fn interior_rows(k: &Kernel, body: &[Stmt]) -> Option<(i64, i64, Vec<Stmt>)> {
     use braze_ir::{BinaryOp, Lit};
     let lastd = k.outer.len().checked_sub(1)?;
@@ -442,7 +445,10 @@ fn interior_rows(k: &Kernel, body: &[Stmt]) -> Option<(i64, i64, Vec<Stmt>)> {
             known.push((j, range));
         }
     }
-    if !iota_masks {
+    // Taps of 16- or 8-bit elements (a bf16 max pool) have no gather instruction to fall
+    // back on: GCC loads them element by element, and the interior's strided walk wins.
+    let narrow_taps = body.iter().any(|s| matches!(s, Stmt::Load { buf, mask: Some(_), .. } if k.bufs.iter().any(|b| b.id == *buf && b.dtype.size() < 4)));
+    if !iota_masks && !narrow_taps {
         return None;
     }
     let lo = known.iter().map(|(_, r)| r.start).max()?;
