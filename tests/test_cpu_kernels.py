@@ -381,7 +381,9 @@ def test_steady_masked_loads(dtype, hw):
     y = torch.randn(2, 3, hw, hw).to(dtype)
     torch.testing.assert_close(compiled(pad, dynamic=False)(y), pad(y))
     src = "\n".join(r["source"] for r in braze.stats.records[n1:] if r.get("source"))
-    if hw > 2:
+    # (16-bit rows long enough split into border and interior, [Note: interior rows]: the
+    # interior knows the last dim's mask true and hoists the other's row pointer.)
+    if hw > 2 and dtype == torch.float32:
         assert "bz_zeros;" not in src[src.index("void braze_"):], src
 
 

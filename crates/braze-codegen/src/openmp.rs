@@ -569,12 +569,19 @@ fn emit_loops(k: &Kernel, e: &Emitter, out: &mut String, serial: bool, depth: us
         }
         match interior_rows(k, body) {
             Some((lo, hi, inner)) => {
+                // Each part in a block of its own: its hoisted masks and row pointers.
+                let mut part = |body: &[Stmt], from: &str, to: &str| -> Result<(), CodegenError> {
+                    writeln!(out, "{}{{", pad(depth)).unwrap();
+                    emit_row(k, e, out, body, from, to, &row_pragma, depth + 1)?;
+                    writeln!(out, "{}}}", pad(depth)).unwrap();
+                    Ok(())
+                };
                 if lo > 0 {
-                    emit_row(k, e, out, body, "0", &lo.to_string(), &row_pragma, depth)?;
+                    part(body, "0", &lo.to_string())?;
                 }
-                emit_row(k, e, out, &inner, &lo.to_string(), &hi.to_string(), &row_pragma, depth)?;
+                part(&inner, &lo.to_string(), &hi.to_string())?;
                 if Some(hi) != k.outer.last().and_then(Expr::as_const) {
-                    emit_row(k, e, out, body, &hi.to_string(), &n, &row_pragma, depth)?;
+                    part(body, &hi.to_string(), &n)?;
                 }
             }
             None => emit_row(k, e, out, body, "0", &n, &row_pragma, depth)?,
