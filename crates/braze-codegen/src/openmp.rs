@@ -384,7 +384,10 @@ fn emit_row(k: &Kernel, e: &Emitter, out: &mut String, body: &[Stmt], lo: &str, 
 /// interior is shorter than half the row (or 8). Rows whose masked taps load 16- or 8-bit
 /// elements split too, argmax or not: x86 has no gather for them, and GCC loaded each lane
 /// alone (a bf16 ResNet-18 stem's BatchNorm, ReLU and pool, 4 x 64 x 32 x 32 NCHW: 4.0 ->
-/// 1.1 ms; the whole model under CPU autocast at b4 128² 16.2-16.6 -> 14.5 ms).
+/// 1.1 ms; the whole model under CPU autocast at b4 128² 16.2-16.6 -> 14.5 ms). So do rows
+/// that load each buffer under a mask at most once (a pad: f32 8 x 64 x 112 x 112 padded
+/// by (1, 1, 2, 0), 3.29 -> 0.83 ms, eager 1.71); a window's taps in f32 keep their gathers
+/// (that pool 1.67 ms gathered, 3.79 split).
 fn interior_rows(k: &Kernel, body: &[Stmt]) -> Option<(i64, i64, Vec<Stmt>)> {
     use braze_ir::{BinaryOp, Lit};
     let lastd = k.outer.len().checked_sub(1)?;
@@ -446,9 +449,15 @@ fn interior_rows(k: &Kernel, body: &[Stmt]) -> Option<(i64, i64, Vec<Stmt>)> {
         }
     }
     // Taps of 16- or 8-bit elements (a bf16 max pool) have no gather instruction to fall
-    // back on: GCC loads them element by element, and the interior's strided walk wins.
-    let narrow_taps = body.iter().any(|s| matches!(s, Stmt::Load { buf, mask: Some(_), .. } if k.bufs.iter().any(|b| b.id == *buf && b.dtype.size() < 4)));
-    if !iota_masks && !narrow_taps {
+    // back on: GCC loads them element by element, and the interior's strided walk wins. A
+    // buffer loaded under a mask once (a pad, not a window of taps) splits in any dtype.
+    let masked: Vec<u32> = body.iter().filter_map(|s| match s {
+        Stmt::Load { buf, mask: Some(_), .. } => Some(*buf),
+        _ => None,
+    }).collect();
+    let narrow_taps = masked.iter().any(|m| k.bufs.iter().any(|b| b.id == *m && b.dtype.size() < 4));
+    let window = masked.iter().enumerate().any(|(i, m)| masked[..i].contains(m));
+    if !iota_masks && !narrow_taps && (masked.is_empty() || window) {
         return None;
     }
     let lo = known.iter().map(|(_, r)| r.start).max()?;
