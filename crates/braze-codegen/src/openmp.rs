@@ -560,37 +560,30 @@ fn emit_loops(k: &Kernel, e: &Emitter, out: &mut String, serial: bool, depth: us
             writeln!(out, "{}for (int64_t i{i} = 0; i{i} < {}; i{i}++) {{", pad(depth), ix(size)).unwrap();
             depth += 1;
         }
-        // The last dim: one row, or a row's border and interior ([Note: interior rows]).
+        // The last dim: one row, or pieces of it, each in a block of its own (its hoisted
+        // masks and row pointers): a concatenation's sources ([Note: row segments]) or a
+        // row's border and interior ([Note: interior rows]).
         let row_pragma = if n_outer == 1 { if serial { "#pragma omp simd".to_string() } else { "#pragma omp parallel for simd schedule(static)".to_string() } } else { "#pragma omp simd".to_string() };
         let n = k.outer.last().map(ix).unwrap_or_default();
-        if let Some(pieces) = row_segments(k, body) {
-            // Each piece in a block of its own: its hoisted masks and row pointers.
-            for (lo, hi, piece) in &pieces {
-                writeln!(out, "{}{{", pad(depth)).unwrap();
-                emit_row(k, e, out, piece, &lo.to_string(), &hi.to_string(), &row_pragma, depth + 1)?;
-                writeln!(out, "{}}}", pad(depth)).unwrap();
+        let pieces = row_segments(k, body).or_else(|| {
+            let (lo, hi, inner) = interior_rows(k, body)?;
+            let end = k.outer.last().and_then(Expr::as_const)?; // (a split row's length is constant)
+            let mut v = Vec::new();
+            if lo > 0 {
+                v.push((0, lo, body.to_vec()));
             }
-            for _ in 1..n_outer {
-                depth -= 1;
-                writeln!(out, "{}}}", pad(depth)).unwrap();
+            v.push((lo, hi, inner));
+            if hi < end {
+                v.push((hi, end, body.to_vec()));
             }
-            return Ok(());
-        }
-        match interior_rows(k, body) {
-            Some((lo, hi, inner)) => {
-                // Each part in a block of its own: its hoisted masks and row pointers.
-                let mut part = |body: &[Stmt], from: &str, to: &str| -> Result<(), CodegenError> {
+            Some(v)
+        });
+        match pieces {
+            Some(pieces) => {
+                for (lo, hi, piece) in &pieces {
                     writeln!(out, "{}{{", pad(depth)).unwrap();
-                    emit_row(k, e, out, body, from, to, &row_pragma, depth + 1)?;
+                    emit_row(k, e, out, piece, &lo.to_string(), &hi.to_string(), &row_pragma, depth + 1)?;
                     writeln!(out, "{}}}", pad(depth)).unwrap();
-                    Ok(())
-                };
-                if lo > 0 {
-                    part(body, "0", &lo.to_string())?;
-                }
-                part(&inner, &lo.to_string(), &hi.to_string())?;
-                if Some(hi) != k.outer.last().and_then(Expr::as_const) {
-                    part(body, &hi.to_string(), &n)?;
                 }
             }
             None => emit_row(k, e, out, body, "0", &n, &row_pragma, depth)?,
