@@ -131,7 +131,8 @@ def _train_step(n_layers, compiled):
     ids = torch.randint(0, 128, (2, 16))
     attn = torch.ones(2, 16, dtype=torch.long)
     torch.manual_seed(1)
-    fn = torch.compile(model, backend="braze", options={"on_unsupported": "error"}) if compiled else model
+    # eager_random: the compiled step's dropout draws eager's masks, so the two steps compare.
+    fn = torch.compile(model, backend="braze", options={"on_unsupported": "error", "eager_random": True}) if compiled else model
     loss = fn(ids, ids, attn)
     loss.backward()
     return loss.detach(), [p.grad for p in model.parameters()]
@@ -141,7 +142,7 @@ def test_kernels_cached_one_by_one(monkeypatch, tmp_path):
     """[Note: kernel dedup] and [Note: per-kernel cache]: a 3-layer training step emits each
     repeated layer's kernels once, and a 2-layer model compiled afterwards (other graphs,
     other buffer ids) finds every kernel in the disk cache and compiles nothing; both match
-    eager (dropout included: both draw from the same seed)."""
+    eager (dropout included: with option eager_random both draw eager's masks from one seed)."""
     monkeypatch.setenv("BRAZE_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("BRAZE_CHECK_CUDA", "0")
     for layers, cached in ((3, False), (2, True)):

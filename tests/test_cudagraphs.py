@@ -261,3 +261,36 @@ def test_broadcast_gradient_is_copied_in(device, mode):
     if device == "cuda":
         assert caps == 2 and reps == 6 and plain == 0, (caps, reps, plain)
         assert len(cudagraphs.stats.not_captured) == refused, cudagraphs.stats.not_captured[refused:]
+
+
+def test_random_values_fresh_every_replay(device):
+    """[Note: random values] A training block with dropout replays as one CUDA graph, and
+    every replay draws a new seed (the seed's `randint` is captured as PyTorch's random ops
+    are): masks differ from call to call, follow `torch.manual_seed`, and each backward uses
+    its own forward's mask."""
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Dropout(0.5)).to(device).train()
+    c = braze.compile(m, mode="reduce-overhead", options={"on_unsupported": "error"})
+    x = torch.randn(32, 64, device=device)
+    before = counts()
+    masks = []
+    for i in range(5):
+        if i == 3:
+            torch.manual_seed(42)
+        if i == 4:
+            torch.manual_seed(42)
+        m.zero_grad(set_to_none=True)
+        y = c(x)
+        y.sum().backward()
+        kept = y != 0
+        masks.append(kept.clone())
+        assert abs(kept.float().mean().item() - 0.5) < 0.05
+        # dL/db of the linear is the column count of kept elements, each scaled by 2.
+        torch.testing.assert_close(m[0].bias.grad, kept.float().sum(0) * 2)
+    for r in braze.stats.records:
+        assert not r["externs"], r["extern_reasons"]
+    assert len({tuple(k.flatten().tolist()) for k in masks[:4]}) == 4
+    assert torch.equal(masks[3], masks[4])
+    caps, reps, plain = (a - b for a, b in zip(counts(), before))
+    if device == "cuda":
+        assert caps == 2 and reps >= 6 and plain == 0, (caps, reps, plain)

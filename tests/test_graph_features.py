@@ -1046,11 +1046,105 @@ def test_cumsum_and_flip_lowered(device):
     assert "cumsum over a long" in rec["extern_reasons"]["aten.cumsum.default"]
 
 
+def _random_ops(x):
+    """Every random op braze computes itself: dropout, `bernoulli_` (stochastic depth's
+    keep mask), `bernoulli` of a probability tensor, `rand_like`, `randn_like`, `uniform_`
+    and a 16-bit `rand`."""
+    y = F.dropout(x, 0.25, training=True)
+    keep = x.new_empty(x.shape[0], 1).bernoulli_(0.8)
+    coins = torch.bernoulli(torch.full_like(x, 0.3))
+    wide = torch.empty_like(x).uniform_(-2.0, 3.0)
+    half = torch.rand(x.shape, dtype=torch.bfloat16, device=x.device)
+    return y * keep, keep, coins, torch.rand_like(x), torch.randn_like(x), wide, half
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_random_ops_compiled(device, dtype):
+    """[Note: random values] Random ops are braze's own (no ATen call but the seed's draw):
+    the same `torch.manual_seed` gives the same values, the next call other values, each
+    distribution has its moments, 16-bit uniforms stay below 1, and a dropout's gradient
+    uses the mask its forward drew."""
+    x = torch.randn(256, 512, device=device, dtype=dtype, requires_grad=True)
+    c = compiled(_random_ops, options={"on_unsupported": "error"})
+    torch.manual_seed(3)
+    a = c(x)
+    torch.manual_seed(3)
+    b = c(x)
+    nxt = c(x)
+    _no_eager()
+    for r in braze.stats.records:
+        assert not r["externs"], (r["name"], r["extern_reasons"])
+    for p, q, n in zip(a, b, nxt):
+        assert torch.equal(p, q)
+    assert not torch.equal(a[3], nxt[3]) and not torch.equal(a[0], nxt[0])
+    y, keep, coins, u, z, wide, half = (t.detach().double() for t in a)
+    n = u.numel()
+    tol = 6 / n ** 0.5  # six standard deviations of a mean of n values of unit spread
+    kept = y != 0
+    assert abs(kept.double().mean() - 0.75 * keep.mean()) < tol + 0.05
+    assert set(keep.unique().tolist()) <= {0.0, 1.0} and abs(keep.mean() - 0.8) < 0.12  # 256 rows
+    assert set(coins.unique().tolist()) == {0.0, 1.0} and abs(coins.mean() - 0.3) < tol
+    assert 0 <= u.min() and u.max() < 1 and abs(u.mean() - 0.5) < tol and abs(u.var() - 1 / 12) < tol
+    assert abs(z.mean()) < tol and abs(z.std() - 1) < tol and z.abs().max() > 3
+    assert -2 <= wide.min() and wide.max() <= 3 and abs(wide.mean() - 0.5) < 5 * tol
+    assert 0 <= half.min() and half.max() < 1 and abs(half.mean() - 0.5) < tol
+    assert a[6].dtype == torch.bfloat16
+    # Streams are independent: the uniforms and normals of one call are uncorrelated.
+    assert abs(torch.corrcoef(torch.stack([u.flatten(), z.flatten()]))[0, 1]) < tol
+    xs = x.detach().double()
+    rows = keep.squeeze(1) != 0
+    want = torch.where(kept, xs / 0.75, 0.0)[rows]
+    torch.testing.assert_close(y[rows], want, rtol=1e-2 if dtype == torch.bfloat16 else 1e-6, atol=0)
+    a[0].sum().backward()
+    mask = (kept & (keep != 0)).to(x.grad.dtype)
+    torch.testing.assert_close(x.grad.double(), (mask / 0.75).double(), rtol=1e-2 if dtype == torch.bfloat16 else 1e-6, atol=0)
+
+
+def test_random_values_independent_of_layout(device):
+    """[Note: random values] A random value depends on its element's position alone: the same
+    seed gives the same `rand_like` whether it is stored alone, transposed into another
+    kernel's order, or consumed in two kernels (inlined twice)."""
+    x = torch.randn(64, 96, device=device)
+
+    def alone(x):
+        return torch.rand_like(x)
+
+    def fused(x):
+        r = torch.rand_like(x)
+        return r.t().contiguous() * 1.0, (r * x).sum(0), r + x.sin()
+
+    torch.manual_seed(11)
+    r = compiled(alone, options={"on_unsupported": "error"})(x)
+    torch.manual_seed(11)
+    t, s, p = compiled(fused, options={"on_unsupported": "error"})(x)
+    _no_eager()
+    torch.testing.assert_close(t, r.t())
+    torch.testing.assert_close(s, (r * x).sum(0))
+    torch.testing.assert_close(p, r + x.sin())
+
+
+def test_eager_random_option(device):
+    """Option eager_random: random ops are PyTorch's own calls, so under one seed the
+    compiled function gives eager's values."""
+    def f(x):
+        return F.dropout(x, 0.5, training=True) + torch.rand_like(x)
+
+    x = torch.randn(128, 64, device=device)
+    torch.manual_seed(5)
+    got = compiled(f, options={"eager_random": True})(x)
+    torch.manual_seed(5)
+    want = f(x)
+    torch.testing.assert_close(got, want)
+    (rec,) = braze.stats.records
+    assert set(rec["externs"]) == {"aten.native_dropout.default", "aten.rand_like.default"}, rec["externs"]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_dropout_backward_lowered(device, dtype):
-    """Dropout's backward (`mask * grad * scale`) is braze's, fused: the training graph's only
-    ATen call is the forward's random mask (`native_dropout`, eager's RNG, so the same seed
-    gives the same mask). 16-bit gradients round once, as eager's kernel: equal bit for bit."""
+    """Dropout's backward (`mask * grad * scale`) is braze's, fused. With option eager_random
+    the training graph's only ATen call is the forward's random mask (`native_dropout`,
+    eager's RNG, so the same seed gives the same mask). 16-bit gradients round once, as
+    eager's kernel: equal bit for bit."""
     def f(x):
         return torch.nn.functional.dropout(x.sin(), p=0.3, training=True).cos() * 2
 
@@ -1058,7 +1152,7 @@ def test_dropout_backward_lowered(device, dtype):
     x2 = x.detach().clone().requires_grad_()
     torch._dynamo.reset()
     braze.stats.reset()
-    c = compiled(f)
+    c = compiled(f, options={"eager_random": True})
     torch.manual_seed(7)
     got = c(x)
     got.backward(torch.ones_like(got))

@@ -68,7 +68,7 @@ def compile_fx_graph(gm: torch.fx.GraphModule, example_inputs, *, cfg: Config, k
         def lower(library_convs):
             return lower_graph(gm, name, functools.partial(_compile_subgraph, cfg=cfg), _static_inputs(kind) if cfg.freeze_weights else (),
                                _saved_strides(gm) if kind == "backward" else None, _conv_layout(kind, cfg), _saved_from(kind),
-                               library_convs=library_convs)
+                               library_convs=library_convs, eager_random=cfg.eager_random)
         lowered = lower(cfg.cudnn_convs)
         t1 = time.perf_counter()
         try:

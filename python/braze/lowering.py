@@ -228,8 +228,10 @@ class Lowerer:
     """Walks one FX graph into a GraphBuilder."""
 
     def __init__(self, gm: torch.fx.GraphModule, name: str, subcompile=None, static_inputs=(), input_strides=None,
-                 conv_layout="auto", saved_from=None, library_convs=True):
+                 conv_layout="auto", saved_from=None, library_convs=True, eager_random=False):
         self.gm = gm
+        # Option eager_random: random ops call PyTorch's kernels ([Note: random values]).
+        self.eager_random = eager_random
         # Channels_last convolutions on the GPU as braze's `conv` op, run by cuDNN from braze's
         # runs (option cudnn_convs); else ATen calls.
         self.library_convs = library_convs
@@ -282,6 +284,8 @@ class Lowerer:
         self.arg_index = {}  # placeholder node -> its position among the graph's arguments
         self.input_layouts = {}  # ir id of a tensor input -> its strides as compiled (text)
         self.mutations = []  # (placeholder node, FX node of the new value): aten.copy_ into an input
+        self.seed = None  # ir id of the call's random seed, drawn once the first random op needs it
+        self.n_random = 0  # random ops so far: each draws from its own stream of the seed
 
     # ---- emitting IR -------------------------------------------------------------------
     def op(self, name: str, *ins: int, **attrs) -> int:
@@ -1174,6 +1178,97 @@ def _dropout_bw(L, node, g, mask, scale):
     cd = torch.float32 if od in (torch.float16, torch.bfloat16) else od
     r = L.op("mul", L.op("mul", L.tensor(mask, cd), L.tensor(g, cd)), L.scalar(float(scale), cd))
     return L.cast(r, od)
+
+
+# ---- random values --------------------------------------------------------------------
+# [Note: random values] Random ops (dropout's mask, `bernoulli`, `rand`, `randn`) are braze's
+# `rand` op: Philox values computed in the kernels that use them, so a dropout fuses with
+# its neighbours instead of splitting the graph around an ATen call. Each compiled call
+# draws one 63-bit seed from PyTorch's generator on the graph's device (`aten.randint`, the
+# only ATen call this takes; under a CUDA graph it is captured like any random op, and every
+# replay draws anew); every random op of the graph reads its own stream of that seed. So the
+# values follow `torch.manual_seed` (the same seed gives the same values, run after run) but
+# are not eager's: PyTorch's own kernels consume its generator otherwise, as Inductor's do.
+# A dropout's mask is an output of the forward, saved for its backward as eager saves it.
+
+def _seed(L, device) -> int:
+    """The IR value of this call's random seed (a 0-dim int64 on `device`)."""
+    if L.seed is None:
+        key = f"rng_seed#{len(L.externs)}"
+        (L.seed,) = L.b.extern_call(key, [], [("i64", [], [])], True)
+        L.externs[key] = ExternCall(aten.randint.low, (0, 2**63 - 1, []), {"dtype": torch.int64, "device": device}, [()], "rng_seed")
+    return L.seed
+
+
+def _random(L, v, dist: str, dtype=None) -> int:
+    """Random values of `v`'s shape (FX metadata) and `dtype` (default `v`'s) from `dist`."""
+    if L.eager_random:
+        raise Unsupported("option eager_random: PyTorch's own random kernels")
+    dtype = dtype or v.dtype
+    if not dtype.is_floating_point:
+        raise Unsupported(f"random values of dtype {dtype}")
+    seed = _seed(L, v.device)
+    stream = L.n_random
+    L.n_random += 1
+    return L.op("rand", seed, dist=dist, shape=L.sizes(v.shape), stream=stream, dtype=dt(dtype))
+
+
+def _no_generator(kw):
+    if kw.get("generator") is not None:
+        raise Unsupported("a random op with its own generator")
+
+
+def _uniform_dtype(dtype):
+    """The dtype a probability test draws its uniforms in (f64 for f64 operands)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+@register(A("native_dropout"))
+def _native_dropout(L, node, x, p, train=None):
+    """`(x * keep / (1 - p), keep)` with `keep` true with probability 1 - p (eager's
+    `native_dropout`); without training, `x` and a mask of ones."""
+    out, mask = node.meta["val"]
+    od = out.dtype
+    if train is not None and not train:
+        return L.tensor(x, od), L.op("expand", L.scalar(True, torch.bool), shape=L.sizes(mask.shape))
+    cd = _uniform_dtype(od)
+    keep = L.op("lt", _random(L, out, "uniform", cd), L.scalar(1.0 - float(p), cd))
+    scale = 1.0 / (1.0 - float(p)) if float(p) < 1.0 else 0.0
+    kept = L.op("mul", L.tensor(x, cd), L.scalar(scale, cd))
+    return L.cast(L.op("where", keep, kept, L.scalar(0.0, cd)), od), keep
+
+
+@register(A("bernoulli"))
+def _bernoulli(L, node, x, p=None, **kw):
+    """`bernoulli(x)` (each element 1 with probability x), `bernoulli(x, p)` (a float or a
+    tensor of probabilities): 0 or 1 in x's dtype."""
+    _no_generator(kw)
+    v = node.meta["val"]
+    cd = _uniform_dtype(v.dtype)
+    prob = L.tensor(x if p is None else p, cd)
+    return L.cast(L.op("lt", _random(L, v, "uniform", cd), prob), v.dtype)
+
+
+@register(A("rand"), A("rand_like"))
+def _rand(L, node, *a, **kw):
+    _no_generator(kw)
+    return _random(L, node.meta["val"], "uniform")
+
+
+@register(A("randn"), A("randn_like"))
+def _randn(L, node, *a, **kw):
+    _no_generator(kw)
+    return _random(L, node.meta["val"], "normal")
+
+
+@register(A("uniform"))
+def _uniform(L, node, x, lo=0.0, hi=1.0, **kw):
+    """Uniform values on [lo, hi) of x's shape and dtype (functionalized `uniform_`)."""
+    _no_generator(kw)
+    v = node.meta["val"]
+    cd = _uniform_dtype(v.dtype)
+    u = _random(L, v, "uniform", cd)
+    return L.cast(L.op("add", L.scalar(float(lo), cd), L.op("mul", u, L.scalar(float(hi) - float(lo), cd))), v.dtype)
 
 
 @register(A("_to_copy"), torch.ops.prims.convert_element_type)
@@ -2961,10 +3056,10 @@ for _op, _fn in (("cond", _lower_cond), ("while_loop", _lower_while), ("invoke_s
 
 
 def lower_graph(gm: torch.fx.GraphModule, name: str, subcompile=None, static_inputs=(), input_strides=None,
-                conv_layout="auto", saved_from=None, library_convs=True) -> Lowered:
+                conv_layout="auto", saved_from=None, library_convs=True, eager_random=False) -> Lowered:
     # AOTAutograd calls its compilers with its fake mode active; the graph's constants are
     # real tensors and are read (item(), detach()) as such.
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
     with unset_fake_temporarily():
-        return Lowerer(gm, name, subcompile, static_inputs, input_strides, conv_layout, saved_from, library_convs).run()
+        return Lowerer(gm, name, subcompile, static_inputs, input_strides, conv_layout, saved_from, library_convs, eager_random).run()

@@ -2,7 +2,7 @@
 
 use crate::dialect::{compute_type, Dialect};
 use crate::CodegenError;
-use braze_ir::{Atom, BinaryOp, DType, Expr, Lit, ReduceKind, UnaryOp};
+use braze_ir::{Atom, BinaryOp, DType, Expr, Lit, RandomDist, ReduceKind, UnaryOp};
 use braze_sched::loop_ir::{stmt_reads, Kernel, Reduction, Stmt};
 
 /// Index expressions in C (all index arithmetic is on non-negative int64 values).
@@ -102,6 +102,23 @@ impl Emitter<'_> {
             }
             Stmt::Const { dst, value } => decl(*dst, lit(*value, self.dt(*dst))),
             Stmt::Index { dst, index: i } => decl(*dst, format!("({})({})", compute_type(self.dt(*dst)), index(i))),
+            Stmt::Random { dst, dist, seed, index: i, stream } => {
+                let (seed, at) = (format!("(uint64_t)t{seed}"), format!("(uint64_t)({})", index(i)));
+                let call = match (dist, self.dt(*dst)) {
+                    (RandomDist::Uniform, DType::F64) => format!("bz_uniform_f64({seed}, {at}, {stream}u)"),
+                    (RandomDist::Uniform, dt) => {
+                        let bits = match dt {
+                            DType::F16 => 11,
+                            DType::BF16 => 8,
+                            _ => 24,
+                        };
+                        format!("bz_uniform_bits({seed}, {at}, {stream}u, {bits})")
+                    }
+                    (RandomDist::Normal, DType::F64) => format!("bz_normal_f64({seed}, {at}, {stream}u)"),
+                    (RandomDist::Normal, _) => format!("bz_normal_f32({seed}, {at}, {stream}u)"),
+                };
+                decl(*dst, call)
+            }
             Stmt::InRange { dst, index: i, lo, hi } => {
                 let v = index(i);
                 decl(*dst, format!("({} <= ({v})) & (({v}) < {})", index(lo), index(hi)))
@@ -510,6 +527,7 @@ pub(crate) fn tmp_deps(body: &[Stmt]) -> std::collections::HashMap<u32, u64> {
         let d = match s {
             Stmt::Load { index, mask, .. } => expr_deps(index, &deps) | mask.map_or(0, |m| deps.get(&m).copied().unwrap_or(u64::MAX)),
             Stmt::Index { index, .. } => expr_deps(index, &deps),
+            Stmt::Random { seed, index, .. } => expr_deps(index, &deps) | deps.get(seed).copied().unwrap_or(u64::MAX),
             Stmt::InRange { index, lo, hi, .. } => expr_deps(index, &deps) | expr_deps(lo, &deps) | expr_deps(hi, &deps),
             Stmt::Bounded { a, hi, .. } => deps.get(a).copied().unwrap_or(u64::MAX) | expr_deps(hi, &deps),
             s => stmt_reads(s).iter().fold(0, |m, t| m | deps.get(t).copied().unwrap_or(u64::MAX)),

@@ -69,6 +69,15 @@ pub fn infer(op: &Op, ins: &[&TensorTy]) -> Result<Option<TensorTy>, Error> {
         Op::Scalar { dtype, .. } => t(*dtype, vec![]),
         Op::Iota { len, dtype, .. } => t(*dtype, vec![len.clone()]),
         Op::Size { dtype, .. } => t(*dtype, vec![]),
+        Op::Random { shape, dtype, .. } => {
+            if ins[0].dtype != DType::I64 || ins[0].rank() != 0 {
+                return Err(bad("rand's operand is its seed, a 0-dim i64".into()));
+            }
+            if !dtype.is_float() {
+                return Err(bad(format!("rand makes float values, not {dtype}")));
+            }
+            t(*dtype, shape.clone())
+        }
         Op::Unary(u) => {
             let dt = match u {
                 UnaryOp::F64FromBits if ins[0].dtype != DType::I64 => return Err(bad("f64_from_bits takes an i64".into())),

@@ -23,7 +23,7 @@ pub mod verify;
 
 pub use dtype::DType;
 pub use graph::{contiguous_strides, Graph, Node, NodeId, TensorTy};
-pub use op::{BinaryOp, ConvDir, Epilogue, Lit, Op, ReduceKind, UnaryOp};
+pub use op::{BinaryOp, ConvDir, Epilogue, Lit, Op, RandomDist, ReduceKind, UnaryOp};
 pub use sym::{Atom, Expr};
 
 /// Errors of graph construction and parsing.

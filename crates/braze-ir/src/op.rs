@@ -117,6 +117,17 @@ named_enum! {
 }
 
 named_enum! {
+    /// The distribution of a `rand` op's values.
+    RandomDist {
+        /// Uniform on [0, 1), on the grid of the dtype's precision (so a 16-bit value never
+        /// rounds up to 1).
+        Uniform = "uniform",
+        /// Standard normal (Box-Muller over two uniforms).
+        Normal = "normal",
+    }
+}
+
+named_enum! {
     /// Reductions over a set of dims.
     ReduceKind {
         Sum = "sum", Prod = "prod",
@@ -162,6 +173,12 @@ pub enum Op {
     Size { value: Expr, dtype: DType },
     /// `start + step * i` for `i` in `0..len`, 1-dim. No operands.
     Iota { len: Expr, start: i64, step: i64, dtype: DType },
+    /// Random values of `shape` and a float `dtype` drawn from `dist` ([Note: random
+    /// values] in braze-sched): the element at row-major position `i` is a function of
+    /// (seed, `stream`, `i`) alone, so any kernel, layout or iteration order computes the
+    /// same value. Operand: the seed, a 0-dim i64 the runtime draws from PyTorch's
+    /// generator per call. `stream` tells apart the random ops of one graph.
+    Random { dist: RandomDist, shape: Vec<Expr>, stream: i64, dtype: DType },
     /// Elementwise op of one operand.
     Unary(UnaryOp),
     /// Elementwise op of two broadcast operands of one dtype.
@@ -231,6 +248,7 @@ impl Op {
             Op::Input { .. } => "input",
             Op::Scalar { .. } => "scalar",
             Op::Iota { .. } => "iota",
+            Op::Random { .. } => "rand",
             Op::Size { .. } => "size",
             Op::Unary(u) => u.name(),
             Op::Binary(b) => b.name(),
@@ -267,6 +285,7 @@ impl Op {
             self,
             Op::Unary(_)
                 | Op::Binary(_)
+                | Op::Random { .. }
                 | Op::Where
                 | Op::Cast(_)
                 | Op::Layout { .. }
@@ -288,6 +307,7 @@ impl Op {
         Some(match self {
             Op::Input { .. } | Op::Scalar { .. } | Op::Iota { .. } | Op::Size { .. } => 0,
             Op::Unary(_) | Op::Cast(_) | Op::Reduce { .. } | Op::Pad { .. } | Op::ExternOut { .. } | Op::Layout { .. } | Op::BiasGrad => 1,
+            Op::Random { .. } => 1,
             Op::Permute(_) | Op::Expand(_) | Op::Reshape(_) | Op::Slice { .. } | Op::Select { .. } => 1,
             Op::Binary(_) | Op::IndexSelect { .. } | Op::Gather { .. } | Op::Conv { .. } => 2,
             Op::Where => 3,

@@ -331,6 +331,12 @@ pub fn build_op(name: &str, a: &Attrs) -> Result<Op, String> {
         "scalar" => Op::Scalar { value: get("value")?.lit()?, dtype: dtype("dtype")? },
         "size" => Op::Size { value: expr("value")?, dtype: dtype("dtype")? },
         "iota" => Op::Iota { len: expr("len")?, start: int("start")?, step: int("step")?, dtype: dtype("dtype")? },
+        "rand" => Op::Random {
+            dist: crate::op::RandomDist::from_name(text("dist")?).ok_or("unknown distribution")?,
+            shape: exprs("shape")?,
+            stream: int("stream")?,
+            dtype: dtype("dtype")?,
+        },
         "where" => Op::Where,
         "cast" => Op::Cast(dtype("dtype")?),
         "permute" => Op::Permute(dims("dims")?),

@@ -43,6 +43,7 @@ pub fn op_attrs(op: &Op) -> String {
         Op::Scalar { value, dtype } => format!("value={} dtype={dtype}", fmt_lit(*value)),
         Op::Size { value, dtype } => format!("value={} dtype={dtype}", e(value)),
         Op::Iota { len, start, step, dtype } => format!("len={} start={start} step={step} dtype={dtype}", e(len)),
+        Op::Random { dist, shape, stream, dtype } => format!("dist={} shape={} stream={stream} dtype={dtype}", dist.name(), list(shape)),
         Op::Unary(_) | Op::Binary(_) | Op::Where => String::new(),
         Op::Cast(d) => format!("dtype={d}"),
         Op::Reduce { kind, dims, keepdim, correction } => {

@@ -17,7 +17,7 @@
 //! Temporaries `tN` are assigned once; their dtypes are in `Kernel::tmp_dtypes`.
 
 use braze_ir::print::fmt_lit;
-use braze_ir::{Atom, BinaryOp, DType, Expr, Lit, ReduceKind, UnaryOp};
+use braze_ir::{Atom, BinaryOp, DType, Expr, Lit, RandomDist, ReduceKind, UnaryOp};
 use std::fmt;
 
 pub type BufId = u32;
@@ -32,6 +32,9 @@ pub enum Stmt {
     Const { dst: Tmp, value: Lit },
     /// `dst = index` converted to dst's dtype (iota; gathered indices).
     Index { dst: Tmp, index: Expr },
+    /// `dst` = the random value of `dist` at counter (`index`, `stream`) under key `seed` (an
+    /// i64 temporary), on the grid of dst's dtype ([Note: random values]).
+    Random { dst: Tmp, dist: RandomDist, seed: Tmp, index: Expr, stream: i64 },
     /// `dst = (lo <= index) && (index < hi)`: an in-bounds mask.
     InRange { dst: Tmp, index: Expr, lo: Expr, hi: Expr },
     Unary { dst: Tmp, op: UnaryOp, a: Tmp },
@@ -114,7 +117,9 @@ impl Kernel {
         let all = self.prelude.iter().chain(self.passes.iter().flat_map(|p| p.body.iter().chain(&p.after)));
         for s in all {
             match s {
-                Stmt::Load { index, .. } | Stmt::Store { index, .. } | Stmt::Index { index, .. } | Stmt::Bounded { hi: index, .. } => index.syms(&mut out),
+                Stmt::Load { index, .. } | Stmt::Store { index, .. } | Stmt::Index { index, .. } | Stmt::Random { index, .. } | Stmt::Bounded { hi: index, .. } => {
+                    index.syms(&mut out)
+                }
                 Stmt::InRange { index, lo, hi, .. } => {
                     index.syms(&mut out);
                     lo.syms(&mut out);
@@ -237,6 +242,7 @@ enum Key {
     Load(BufId, Expr, Option<u32>),
     Const(u64, u8),
     Index(Expr),
+    Random(RandomDist, u32, Expr, i64),
     InRange(Expr, Expr, Expr),
     Unary(UnaryOp, u32),
     Binary(BinaryOp, u32, u32),
@@ -271,6 +277,7 @@ fn value_numbers(k: &Kernel) -> std::collections::HashMap<Tmp, u32> {
                 Lit::B(b) => Key::Const(*b as u64, 2),
             },
             Stmt::Index { index, .. } => Key::Index(index.clone()),
+            Stmt::Random { dist, seed, index, stream, .. } => Key::Random(*dist, arg(seed), index.clone(), *stream),
             Stmt::InRange { index, lo, hi, .. } => Key::InRange(index.clone(), lo.clone(), hi.clone()),
             Stmt::Unary { op, a, .. } => Key::Unary(*op, arg(a)),
             Stmt::Binary { op, a, b, .. } => Key::Binary(*op, arg(a), arg(b)),
@@ -496,6 +503,10 @@ pub fn stmt_reads(s: &Stmt) -> Vec<Tmp> {
         }
         Stmt::Const { .. } => {}
         Stmt::Index { index, .. } => expr_tmps(index, &mut out),
+        Stmt::Random { seed, index, .. } => {
+            out.push(*seed);
+            expr_tmps(index, &mut out);
+        }
         Stmt::InRange { index, lo, hi, .. } => {
             for e in [index, lo, hi] {
                 expr_tmps(e, &mut out);
@@ -520,6 +531,7 @@ impl Stmt {
             Stmt::Load { dst, .. }
             | Stmt::Const { dst, .. }
             | Stmt::Index { dst, .. }
+            | Stmt::Random { dst, .. }
             | Stmt::InRange { dst, .. }
             | Stmt::Unary { dst, .. }
             | Stmt::Binary { dst, .. }
@@ -537,6 +549,7 @@ impl fmt::Display for Stmt {
             Stmt::Load { dst, buf, index, mask: Some(m) } => write!(f, "t{dst} = load buf{buf}[{index}] if t{m}"),
             Stmt::Const { dst, value } => write!(f, "t{dst} = {}", fmt_lit(*value)),
             Stmt::Index { dst, index } => write!(f, "t{dst} = index {index}"),
+            Stmt::Random { dst, dist, seed, index, stream } => write!(f, "t{dst} = rand {} seed=t{seed} stream={stream} at {index}", dist.name()),
             Stmt::InRange { dst, index, lo, hi } => write!(f, "t{dst} = {lo} <= {index} < {hi}"),
             Stmt::Unary { dst, op, a } => write!(f, "t{dst} = {} t{a}", op.name()),
             Stmt::Binary { dst, op, a, b } => write!(f, "t{dst} = {} t{a}, t{b}", op.name()),

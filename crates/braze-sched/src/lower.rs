@@ -333,6 +333,19 @@ impl Builder<'_, '_> {
                 let index = Expr::constant(*start).add(&idx[0].mul_c(*step));
                 self.emit(dt, |dst| Stmt::Index { dst, index })
             }
+            Op::Random { dist, shape, stream, .. } => {
+                // [Note: random values] The element's row-major position in the op's own
+                // shape is the counter: the value does not depend on the kernel, the loop
+                // order or the layout it is stored in, so a value recomputed in another
+                // kernel (inlined into two consumers) is the same value.
+                let seed = self.value(ins[0], &[])?;
+                let mut index = Expr::zero();
+                for (i, n) in idx.iter().zip(shape) {
+                    index = index.mul(n).add(i);
+                }
+                let (dist, stream) = (*dist, *stream);
+                self.emit(dt, |dst| Stmt::Random { dst, dist, seed, index, stream })
+            }
             Op::Unary(u) => {
                 let a = self.value(ins[0], idx)?;
                 let u = *u;

@@ -50,7 +50,7 @@ fn map_indices(k: &mut Kernel, f: &dyn Fn(&Expr) -> Expr) {
     let map = |e: &mut Expr| *e = f(e);
     for s in k.prelude.iter_mut().chain(k.passes.iter_mut().flat_map(|p| p.body.iter_mut().chain(p.after.iter_mut()))) {
         match s {
-            Stmt::Load { index, .. } | Stmt::Store { index, .. } | Stmt::Index { index, .. } | Stmt::Bounded { hi: index, .. } => map(index),
+            Stmt::Load { index, .. } | Stmt::Store { index, .. } | Stmt::Index { index, .. } | Stmt::Random { index, .. } | Stmt::Bounded { hi: index, .. } => map(index),
             Stmt::InRange { index, lo, hi, .. } => {
                 map(index);
                 map(lo);
@@ -77,7 +77,7 @@ fn mergeable(k: &Kernel, v: usize) -> bool {
     let free = |e: &Expr| !e.uses_var(a) && !e.uses_var(b);
     let mut stmts = k.prelude.iter().chain(k.passes.iter().flat_map(|p| p.body.iter().chain(&p.after)));
     let stmts_ok = stmts.all(|s| match s {
-        Stmt::Load { index, .. } | Stmt::Store { index, .. } => affine(index),
+        Stmt::Load { index, .. } | Stmt::Store { index, .. } | Stmt::Random { index, .. } => affine(index),
         Stmt::Index { index, .. } | Stmt::Bounded { hi: index, .. } => free(index),
         Stmt::InRange { index, lo, hi, .. } => free(index) && free(lo) && free(hi),
         Stmt::Const { .. } | Stmt::Unary { .. } | Stmt::Binary { .. } | Stmt::Where { .. } | Stmt::Cast { .. } => true,
