@@ -25,7 +25,8 @@ use std::fmt::Write;
 
 pub struct Cuda;
 
-const PRELUDE: &str = r#"typedef long long int64_t;
+const PRELUDE: &str = concat!(
+    r#"typedef long long int64_t;
 typedef int int32_t;
 typedef short int16_t;
 typedef signed char int8_t;
@@ -94,45 +95,14 @@ BZ int64_t bz_floordiv_i64(int64_t a, int64_t b) { if (b == 0) return 0; int64_t
 BZ int64_t bz_rem_i64(int64_t a, int64_t b) { if (b == 0) return 0; int64_t r = a % b; if (r != 0 && ((r < 0) != (b < 0))) r += b; return r; }
 BZ int64_t bz_pow_i64(int64_t a, int64_t b) { int64_t r = 1; if (b < 0) return a == 1 ? 1 : (a == -1 ? ((b & 1) ? -1 : 1) : 0); while (b) { if (b & 1) r *= a; a *= a; b >>= 1; } return r; }
 #define BZ_RNG __device__ __noinline__
-// Philox is one function per module, its rounds a loop: inlined and unrolled into every
-// element of a vectorized kernel, it made NVRTC's time for a GPT-2 forward half as long again.
+// The random helpers are functions of their own (Philox inlined into each, its rounds a
+// loop): inlined and unrolled into every element of a vectorized kernel, they made NVRTC's
+// time for a GPT-2 forward half as long again.
 #define BZ_RNG_PHILOX BZ
 #define BZ_RNG_ROUNDS _Pragma("unroll 1")
-/* [Note: random values] Philox4x32-10 (Salmon et al., "Parallel random numbers: as easy as
-   1, 2, 3", SC 2011): the counter is (element index, stream, word), the key the seed the
-   runtime draws per call from PyTorch's generator. Uniform values sit on the grid of their
-   dtype's precision (24 bits for f32, 11 for f16, 8 for bf16, 53 for f64), so that rounding
-   to the dtype never reaches 1. */
-BZ_RNG_PHILOX uint64_t bz_philox(uint64_t seed, uint64_t idx, uint32_t stream, uint32_t word) {
-  uint32_t c0 = (uint32_t)idx, c1 = (uint32_t)(idx >> 32), c2 = stream, c3 = word;
-  uint32_t k0 = (uint32_t)seed, k1 = (uint32_t)(seed >> 32);
-  BZ_RNG_ROUNDS
-  for (int r = 0; r < 10; r++) {
-    uint64_t p0 = (uint64_t)0xD2511F53u * c0, p1 = (uint64_t)0xCD9E8D57u * c2;
-    uint32_t n0 = (uint32_t)(p1 >> 32) ^ c1 ^ k0, n2 = (uint32_t)(p0 >> 32) ^ c3 ^ k1;
-    c1 = (uint32_t)p1; c3 = (uint32_t)p0; c0 = n0; c2 = n2;
-    k0 += 0x9E3779B9u; k1 += 0xBB67AE85u;
-  }
-  return (uint64_t)c0 | ((uint64_t)c1 << 32);
-}
-BZ_RNG float bz_uniform_bits(uint64_t seed, uint64_t idx, uint32_t stream, int bits) {
-  return (float)((uint32_t)bz_philox(seed, idx, stream, 0) >> (32 - bits)) * (1.0f / (float)(1u << bits));
-}
-BZ_RNG double bz_uniform_f64(uint64_t seed, uint64_t idx, uint32_t stream) {
-  return (double)(bz_philox(seed, idx, stream, 0) >> 11) * (1.0 / 9007199254740992.0);
-}
-BZ_RNG float bz_normal_f32(uint64_t seed, uint64_t idx, uint32_t stream) {
-  uint64_t r = bz_philox(seed, idx, stream, 0);
-  float u1 = (float)(((uint32_t)r >> 8) + 1u) * (1.0f / 16777216.0f);
-  float u2 = (float)((uint32_t)(r >> 32) >> 8) * (1.0f / 16777216.0f);
-  return sqrtf(-2.0f * logf(u1)) * cosf(6.2831853071795864f * u2);
-}
-BZ_RNG double bz_normal_f64(uint64_t seed, uint64_t idx, uint32_t stream) {
-  double u1 = (double)((bz_philox(seed, idx, stream, 0) >> 11) + 1u) * (1.0 / 9007199254740992.0);
-  double u2 = (double)(bz_philox(seed, idx, stream, 1) >> 11) * (1.0 / 9007199254740992.0);
-  return sqrt(-2.0 * log(u1)) * cos(6.283185307179586 * u2);
-}
-
+"#,
+    random_helpers!(),
+    r#"
 /* Warp shuffles for every accumulator type (narrow integers travel as int). */
 BZ float bz_shfl(float v, int o) { return __shfl_xor_sync(0xffffffffu, v, o); }
 BZ double bz_shfl(double v, int o) { return __shfl_xor_sync(0xffffffffu, v, o); }
@@ -318,7 +288,8 @@ template <int CX, int CY, int V, class T> __device__ void bz_colv_welford(T (&me
   #pragma unroll
   for (int l = 0; l < V; l++) { mean[l] = sh[0][0][x * V + l]; m2[l] = sh[1][0][x * V + l]; n[l] = sh[2][0][x * V + l]; }
 }
-"#;
+"#
+);
 
 impl Dialect for Cuda {
     fn prelude(&self) -> &'static str {

@@ -4,10 +4,12 @@
 //! differs by target. `openmp.rs` is the CPU target: C with OpenMP pragmas, compiled by the
 //! system C compiler.
 
+// First: its `random_helpers!` macro is used by the targets' preludes.
+#[macro_use]
+pub mod dialect;
 pub mod c_emit;
 pub mod cuda;
 pub mod dedup;
-pub mod dialect;
 pub mod openmp;
 pub mod tiles;
 

@@ -12,7 +12,8 @@ use std::fmt::Write;
 
 pub struct OpenMp;
 
-const PRELUDE: &str = r#"#include <math.h>
+const PRELUDE: &str = concat!(
+    r#"#include <math.h>
 #include <stdbool.h>
 #include <stdint.h>
 #include <string.h>
@@ -161,41 +162,9 @@ static inline int64_t bz_pow_i64(int64_t a, int64_t b) { int64_t r = 1; if (b < 
 #define BZ_RNG static inline
 #define BZ_RNG_PHILOX static inline
 #define BZ_RNG_ROUNDS
-/* [Note: random values] Philox4x32-10 (Salmon et al., "Parallel random numbers: as easy as
-   1, 2, 3", SC 2011): the counter is (element index, stream, word), the key the seed the
-   runtime draws per call from PyTorch's generator. Uniform values sit on the grid of their
-   dtype's precision (24 bits for f32, 11 for f16, 8 for bf16, 53 for f64), so that rounding
-   to the dtype never reaches 1. */
-BZ_RNG_PHILOX uint64_t bz_philox(uint64_t seed, uint64_t idx, uint32_t stream, uint32_t word) {
-  uint32_t c0 = (uint32_t)idx, c1 = (uint32_t)(idx >> 32), c2 = stream, c3 = word;
-  uint32_t k0 = (uint32_t)seed, k1 = (uint32_t)(seed >> 32);
-  BZ_RNG_ROUNDS
-  for (int r = 0; r < 10; r++) {
-    uint64_t p0 = (uint64_t)0xD2511F53u * c0, p1 = (uint64_t)0xCD9E8D57u * c2;
-    uint32_t n0 = (uint32_t)(p1 >> 32) ^ c1 ^ k0, n2 = (uint32_t)(p0 >> 32) ^ c3 ^ k1;
-    c1 = (uint32_t)p1; c3 = (uint32_t)p0; c0 = n0; c2 = n2;
-    k0 += 0x9E3779B9u; k1 += 0xBB67AE85u;
-  }
-  return (uint64_t)c0 | ((uint64_t)c1 << 32);
-}
-BZ_RNG float bz_uniform_bits(uint64_t seed, uint64_t idx, uint32_t stream, int bits) {
-  return (float)((uint32_t)bz_philox(seed, idx, stream, 0) >> (32 - bits)) * (1.0f / (float)(1u << bits));
-}
-BZ_RNG double bz_uniform_f64(uint64_t seed, uint64_t idx, uint32_t stream) {
-  return (double)(bz_philox(seed, idx, stream, 0) >> 11) * (1.0 / 9007199254740992.0);
-}
-BZ_RNG float bz_normal_f32(uint64_t seed, uint64_t idx, uint32_t stream) {
-  uint64_t r = bz_philox(seed, idx, stream, 0);
-  float u1 = (float)(((uint32_t)r >> 8) + 1u) * (1.0f / 16777216.0f);
-  float u2 = (float)((uint32_t)(r >> 32) >> 8) * (1.0f / 16777216.0f);
-  return sqrtf(-2.0f * logf(u1)) * cosf(6.2831853071795864f * u2);
-}
-BZ_RNG double bz_normal_f64(uint64_t seed, uint64_t idx, uint32_t stream) {
-  double u1 = (double)((bz_philox(seed, idx, stream, 0) >> 11) + 1u) * (1.0 / 9007199254740992.0);
-  double u2 = (double)(bz_philox(seed, idx, stream, 1) >> 11) * (1.0 / 9007199254740992.0);
-  return sqrt(-2.0 * log(u1)) * cos(6.283185307179586 * u2);
-}
-"#;
+"#,
+    random_helpers!()
+);
 
 impl Dialect for OpenMp {
     fn prelude(&self) -> &'static str {
