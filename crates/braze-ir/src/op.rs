@@ -174,7 +174,7 @@ pub enum Op {
     /// `start + step * i` for `i` in `0..len`, 1-dim. No operands.
     Iota { len: Expr, start: i64, step: i64, dtype: DType },
     /// Random values of `shape` and a float `dtype` drawn from `dist` ([Note: random
-    /// values] in braze-sched): the element at row-major position `i` is a function of
+    /// values] in lowering.py): the element at row-major position `i` is a function of
     /// (seed, `stream`, `i`) alone, so any kernel, layout or iteration order computes the
     /// same value. Operand: the seed, a 0-dim i64 the runtime draws from PyTorch's
     /// generator per call. `stream` tells apart the random ops of one graph.
