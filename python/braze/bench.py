@@ -18,6 +18,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import warnings
 
 import torch
 
@@ -280,6 +281,8 @@ def main(argv=None):
     # Cold caches for this process and the ones it starts (set here, not at import: tools
     # that import the benchmark's workloads keep the user's braze cache).
     os.environ.setdefault("TORCHINDUCTOR_FORCE_DISABLE_CACHES", "1")
+    # Dynamo warns on every compile that its profile-guided cache is off with the caches.
+    warnings.filterwarnings("ignore", message="dynamo_pgo force disabled")
     os.environ["BRAZE_CACHE_DIR"] = tempfile.mkdtemp(prefix="braze-bench-cache-")
     device = torch.device(args.device)
     _SIZES[0] = args.sizes
