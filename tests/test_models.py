@@ -690,6 +690,47 @@ def test_training_convolutions_run_channels_last(device, relayouts, compiled_gra
     assert len(saved) >= 4 and all(st[1] == 1 for st in saved), saved
 
 
+class _StridedShortcut(torch.nn.Module):
+    """MobileOne's stem (timm FastViT): a 3x3 and a 1x1 convolution, both with stride 2, over
+    an RGB image, each with BatchNorm, summed."""
+
+    def __init__(self, cin=3, c=48):
+        super().__init__()
+        self.kxk = torch.nn.Conv2d(cin, c, 3, 2, 1, bias=False)
+        self.scale = torch.nn.Conv2d(cin, c, 1, 2, bias=False)
+        self.b1, self.b2 = torch.nn.BatchNorm2d(c), torch.nn.BatchNorm2d(c)
+
+    def forward(self, x):
+        return torch.nn.functional.gelu(self.b1(self.kxk(x)) + self.b2(self.scale(x)))
+
+
+@pytest.mark.parametrize("layout", ["braze", "model"])
+@pytest.mark.parametrize("cin", [3, 16])
+def test_strided_1x1_weight_gradients(device, layout, cin):
+    """[Note: strided 1x1 weight gradients] (cpu_conv.py): the weight gradient of a 1x1
+    convolution with a stride, over a channels_last input, whether braze chose the layout
+    (`conv_layout="channels_last"`) or the model is channels_last. ATen's CPU kernel gets it
+    wrong for an input of 3 channels (relative errors near 1, sometimes a crash); braze's
+    gradients are those of eager's contiguous (NCHW) step."""
+    torch.manual_seed(0)
+    m = _StridedShortcut(cin).to(device)
+    ref = copy.deepcopy(m)
+    x = torch.randn(2, cin, 32, 32, device=device)
+    if layout == "model":
+        m = m.to(memory_format=torch.channels_last)
+    opts = {"on_unsupported": "error", "conv_layout": "channels_last" if layout == "braze" else "eager"}
+    c = compiled(m, options=opts)
+    xin = x.to(memory_format=torch.channels_last) if layout == "model" else x
+    with torch.backends.cudnn.flags(enabled=True, allow_tf32=False):
+        c(xin).square().mean().backward()
+        ref(x).square().mean().backward()
+    for (n, a), b in zip(m.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-4, atol=1e-5, msg=n)
+    calls = braze.stats.extern_ops
+    if device == "cpu":
+        assert calls.get("aten.convolution_backward[strided 1x1]") == 1, calls
+
+
 def test_channels_last_batch_of_one(device, relayouts):
     """A batch of one channels_last: braze's buffers get PyTorch's strides on their size-1
     dims (batch stride C*H*W), which ATen reads as channels_last. With batch stride 1 each

@@ -45,3 +45,34 @@ class CpuConv:
 
     def __repr__(self):
         return self.__name__
+
+
+def strided_pointwise(weight_shape, stride, padding, transposed) -> bool:
+    """Whether a 2-d convolution is a 1x1 one with a stride and no padding (a ResNet
+    shortcut's, MobileOne's scale branch): [Note: strided 1x1 weight gradients]."""
+    return (not transposed and len(weight_shape) == 4 and tuple(weight_shape[2:]) == (1, 1)
+            and any(int(s) != 1 for s in stride) and all(int(p) == 0 for p in padding))
+
+
+def _strided_pointwise_backward(grad_out, x, weight, bias_sizes, stride, padding, dilation, transposed, output_padding, groups, mask):
+    dx = db = dw = None
+    if mask[0] or mask[2]:
+        dx, _, db = aten.convolution_backward(grad_out, x, weight, bias_sizes, stride, padding, dilation, transposed,
+                                              output_padding, groups, [mask[0], False, mask[2]])
+    if mask[1]:
+        xs = x[:, :, :: int(stride[0]), :: int(stride[1])]
+        _, dw, _ = aten.convolution_backward(grad_out, xs, weight, bias_sizes, [1, 1], padding, dilation, transposed,
+                                             output_padding, groups, [False, True, False])
+    return dx, dw, db
+
+
+# [Note: strided 1x1 weight gradients] ATen's CPU `convolution_backward` (torch 2.15, oneDNN)
+# computes the weight gradient of a 1x1 convolution with a stride wrongly when the input is
+# channels_last and has few channels (3 or 4: MobileOne's stem; 16 was right), and at times
+# writes out of bounds (a crash later, at exit): relative errors of 0.5-1.0 against the NCHW
+# call. A channels_last CPU training graph (`conv_layout="auto"` with grouped convolutions,
+# or a channels_last model) calls it so. The weight gradient of such a convolution is that of
+# a stride-1 one over the input's strided subsample (`x[:, :, ::s, ::s]`, which ATen gets
+# right), so braze computes it that way, and the input's and bias's gradients as before.
+strided_pointwise_backward = _strided_pointwise_backward
+strided_pointwise_backward.__name__ = "aten.convolution_backward[strided 1x1]"

@@ -1,0 +1,202 @@
+"""Coverage sweep over real model families on the CPU: each model in its own process, random
+weights, dropout off, `on_unsupported="error"`, an inference call and a training step, both
+compared with eager (outputs, loss and every parameter gradient).
+
+    python benchmarks/model_sweep.py [--only NAME ...] [--timeout 300] [--list]
+
+Prints one line per model: what braze compiled (graphs, graphs run eagerly, lowering errors,
+ATen calls left), the largest output and gradient differences against eager (relative to the
+largest magnitude), and the first error where there is one. Small inputs (b2, 64² images or
+s32 tokens): this is about what compiles and what is right, not speed.
+"""
+import argparse
+import json
+import subprocess
+import sys
+
+TIMM = ["nfnet_l0", "dla34", "res2net50_14w_8s", "ese_vovnet19b_dw", "xcit_nano_12_p16_224", "pit_ti_224",
+        "twins_svt_small", "visformer_tiny", "gcvit_xxtiny", "edgenext_xx_small", "fastvit_t8", "repvgg_a0", "dpn68",
+        "inception_v3", "xception41", "hrnet_w18_small", "efficientformer_l1", "convnextv2_atto", "resmlp_12_224",
+        "gmlp_ti16_224", "cait_xxs24_224", "rexnet_100", "lcnet_050", "mobilenetv4_conv_small", "hgnetv2_b0",
+        "efficientvit_b0", "tnt_s_patch16_224", "crossvit_tiny_240", "volo_d1_224", "nest_tiny"]
+# Sizes timm's models need at least (patch grids, fixed position tables).
+IMAGE = {"xcit_nano_12_p16_224": 224, "pit_ti_224": 224, "twins_svt_small": 224, "gcvit_xxtiny": 224,
+         "efficientformer_l1": 224, "resmlp_12_224": 224, "gmlp_ti16_224": 224, "cait_xxs24_224": 224,
+         "tnt_s_patch16_224": 224, "crossvit_tiny_240": 240, "volo_d1_224": 224, "nest_tiny": 224,
+         "visformer_tiny": 224, "inception_v3": 96, "efficientvit_b0": 96, "fastvit_t8": 96}
+HF = {
+    "whisper": ("WhisperConfig", "WhisperForConditionalGeneration",
+                dict(d_model=64, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4, decoder_attention_heads=4,
+                     encoder_ffn_dim=128, decoder_ffn_dim=128, num_mel_bins=16, max_source_positions=32,
+                     max_target_positions=32, vocab_size=128, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                     decoder_start_token_id=1)),
+    "clip_vision": ("CLIPVisionConfig", "CLIPVisionModel",
+                    dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, image_size=32,
+                         patch_size=8)),
+    "wav2vec2": ("Wav2Vec2Config", "Wav2Vec2Model",
+                 dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+                      conv_dim=(32, 32, 32), conv_stride=(5, 2, 2), conv_kernel=(10, 3, 3), num_conv_pos_embeddings=16,
+                      num_conv_pos_embedding_groups=4, do_stable_layer_norm=False, feat_extract_norm="group")),
+    "xlnet": ("XLNetConfig", "XLNetLMHeadModel", dict(vocab_size=128, d_model=64, n_layer=2, n_head=4, d_inner=128)),
+    "funnel": ("FunnelConfig", "FunnelModel", dict(vocab_size=128, d_model=64, n_head=4, d_head=16, d_inner=128,
+                                                   block_sizes=[1, 1], num_decoder_layers=1)),
+    "pegasus": ("PegasusConfig", "PegasusForConditionalGeneration",
+                dict(vocab_size=128, d_model=64, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+                     decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128, max_position_embeddings=64,
+                     pad_token_id=0, decoder_start_token_id=0)),
+    "mt5": ("MT5Config", "MT5ForConditionalGeneration",
+            dict(vocab_size=128, d_model=64, d_kv=16, d_ff=128, num_layers=2, num_heads=4, decoder_start_token_id=0)),
+    "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM",
+                 dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+                      max_position_embeddings=64)),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM",
+              dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                   intermediate_size=128, head_dim=16, max_position_embeddings=64)),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM",
+               dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                    intermediate_size=128, head_dim=16, max_position_embeddings=64)),
+    "roformer": ("RoFormerConfig", "RoFormerForMaskedLM",
+                 dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+                      max_position_embeddings=64, embedding_size=64)),
+    "convbert": ("ConvBertConfig", "ConvBertForMaskedLM",
+                 dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+                      max_position_embeddings=64, embedding_size=64)),
+}
+
+
+def names():
+    return TIMM + list(HF)
+
+
+def build(name):
+    import torch
+    if name in HF:
+        import transformers
+        cfg_cls, model_cls, kw = HF[name]
+        cfg = getattr(transformers, cfg_cls)(**kw)
+        for k in ("hidden_dropout_prob", "attention_probs_dropout_prob", "dropout", "attention_dropout",
+                  "activation_dropout", "dropout_rate", "resid_pdrop", "embd_pdrop", "attn_pdrop", "hidden_dropout",
+                  "feat_proj_dropout", "layerdrop", "mask_time_prob"):
+            if hasattr(cfg, k):
+                setattr(cfg, k, 0.0)
+        model = getattr(transformers, model_cls)(cfg)
+        ids = torch.randint(3, 128, (2, 32))
+        if name == "whisper":
+            inputs = {"input_features": torch.randn(2, 16, 64), "decoder_input_ids": ids[:, :8]}
+        elif name == "clip_vision":
+            inputs = {"pixel_values": torch.randn(2, 3, 32, 32)}
+        elif name == "wav2vec2":
+            inputs = {"input_values": torch.randn(2, 800)}
+        elif name in ("pegasus", "mt5"):
+            inputs = {"input_ids": ids, "labels": ids[:, :16].contiguous()}
+        elif name == "funnel":
+            inputs = {"input_ids": ids}
+        else:
+            inputs = {"input_ids": ids, "labels": ids}
+        return model, inputs
+    import timm
+    model = timm.create_model(name, pretrained=False, num_classes=10, drop_rate=0.0)
+    size = IMAGE.get(name, 64)
+    return model, {"x": torch.randn(2, 3, size, size)}
+
+
+def _main_output(out):
+    import torch
+    if isinstance(out, torch.Tensor):
+        return out
+    for k in ("logits", "last_hidden_state"):
+        if getattr(out, k, None) is not None:
+            return getattr(out, k)
+    return out[0]
+
+
+def one(name):
+    """Runs in a child process: prints one JSON line."""
+    import copy
+
+    import torch
+
+    import braze
+
+    torch.manual_seed(0)
+    model, inputs = build(name)
+    model.eval()
+    res = {"name": name}
+
+    def call(m, inp):
+        return m(inp["x"]) if "x" in inp else m(**inp)
+
+    def loss_of(out):
+        if getattr(out, "loss", None) is not None:
+            return out.loss
+        return _main_output(out).float().pow(2).mean()
+
+    def rel(a, b):
+        a, b = a.detach().double(), b.detach().double()
+        return ((a - b).abs().max() / b.abs().max().clamp_min(1e-6)).item()
+
+    opts = {"on_unsupported": "error"}
+    with torch.no_grad():
+        ref = _main_output(call(model, inputs))
+        got = _main_output(call(torch.compile(copy.deepcopy(model), backend="braze", options=opts), inputs))
+    res["infer_diff"] = rel(got, ref)
+    torch._dynamo.reset()
+    model.train()
+    for mod in model.modules():
+        if isinstance(mod, torch.nn.Dropout):
+            mod.p = 0.0
+    twin = copy.deepcopy(model)
+    loss_ref = loss_of(call(model, inputs))
+    loss_ref.backward()
+    loss = loss_of(call(torch.compile(twin, backend="braze", options=opts), inputs))
+    loss.backward()
+    res["loss_diff"] = rel(loss, loss_ref)
+    worst = 0.0
+    for (n, p), (_, q) in zip(model.named_parameters(), twin.named_parameters()):
+        if p.grad is None or q.grad is None:
+            if (p.grad is None) != (q.grad is None):
+                res["grad_missing"] = f"{n} ({'braze' if q.grad is None else 'eager'} has none)"
+            continue
+        d = ((q.grad.double() - p.grad.double()).abs().max() / p.grad.double().abs().max().clamp_min(1e-3)).item()
+        if d > worst:
+            worst, res["worst_grad"] = d, n
+    res["grad_diff"] = worst
+    s = braze.stats
+    res.update(graphs=s.graphs_compiled, eager=s.graphs_eager, lowering_errors=len(s.lowering_errors),
+               externs=dict(s.extern_ops))
+    print("SWEEP " + json.dumps(res), flush=True)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--only", nargs="*")
+    ap.add_argument("--timeout", type=int, default=300)
+    ap.add_argument("--list", action="store_true")
+    ap.add_argument("--one", help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.one:
+        one(a.one)
+        return
+    if a.list:
+        print("\n".join(names()))
+        return
+    for name in a.only or names():
+        try:
+            p = subprocess.run([sys.executable, __file__, "--one", name], capture_output=True, text=True, timeout=a.timeout)
+        except subprocess.TimeoutExpired:
+            print(f"{name:26s} TIMEOUT after {a.timeout} s", flush=True)
+            continue
+        line = next((ln for ln in p.stdout.splitlines() if ln.startswith("SWEEP ")), None)
+        if line is None:
+            err = [ln for ln in p.stderr.splitlines() if ln.strip()]
+            print(f"{name:26s} FAILED: {err[-1][:200] if err else p.returncode}", flush=True)
+            continue
+        r = json.loads(line[6:])
+        left = {k: v for k, v in r["externs"].items() if not k.startswith(("aten.convolution", "mkl.", "aten._scaled_dot_product"))}
+        print(f"{name:26s} graphs {r['graphs']:2d} eager {r['eager']} errors {r['lowering_errors']}  "
+              f"infer {r['infer_diff']:.1e} loss {r['loss_diff']:.1e} grad {r['grad_diff']:.1e} ({r.get('worst_grad', '-')})"
+              + (f"  missing grad {r['grad_missing']}" if "grad_missing" in r else "") + (f"  aten {left}" if left else ""), flush=True)
+
+
+if __name__ == "__main__":
+    main()
