@@ -6,7 +6,11 @@ compared with eager (outputs, loss and every parameter gradient).
 
 Prints one line per model: what braze compiled (graphs, graphs run eagerly, lowering errors,
 ATen calls left), the largest output and gradient differences against eager (relative to the
-largest magnitude), and the first error where there is one. Small inputs (b2, 64² images or
+largest magnitude), each gradient's error against a float64 run of eager as a multiple of
+eager's own error (the largest; rounding stays near 1, a wrong gradient is thousands, as was
+FastViT's at 2e8 before [Note: strided 1x1 weight gradients]), and the first error where there
+is one. BatchNorm over a few points per channel (2x2 maps at batch 2) gives hundreds too: ATen's
+CPU BatchNorm backward sums in double, a decomposed one (braze's, Inductor's alike) in f32. Small inputs (b2, 64² images or
 s32 tokens): this is about what compiles and what is right, not speed.
 """
 import argparse
@@ -146,11 +150,29 @@ def one(name):
         if isinstance(mod, torch.nn.Dropout):
             mod.p = 0.0
     twin = copy.deepcopy(model)
+    m64 = copy.deepcopy(model).double()
     loss_ref = loss_of(call(model, inputs))
     loss_ref.backward()
     loss = loss_of(call(torch.compile(twin, backend="braze", options=opts), inputs))
     loss.backward()
     res["loss_diff"] = rel(loss, loss_ref)
+    # Each gradient's distance from float64's against eager's own (PyTorch's test of a
+    # compiled model's accuracy): rounding gives a ratio near 1, a wrong gradient thousands.
+    try:
+        loss_of(call(m64, {k: v.double() if v.is_floating_point() else v for k, v in inputs.items()})).backward()
+        ratio = 0.0
+        for (n, p), (_, q), (_, r) in zip(model.named_parameters(), twin.named_parameters(), m64.named_parameters()):
+            if p.grad is None or q.grad is None or r.grad is None:
+                continue
+            e_eager = (p.grad.double() - r.grad).norm().item()
+            e_braze = (q.grad.double() - r.grad).norm().item()
+            floor = 1e-6 * r.grad.norm().item() + 1e-12
+            if e_braze / max(e_eager, floor) > ratio:
+                ratio, res["fp64_worst"] = e_braze / max(e_eager, floor), n
+        res["fp64_ratio"] = ratio
+    except Exception as e:  # a model with no float64 path
+        res["fp64_ratio"] = None
+        res["fp64_error"] = str(e)[:100]
     worst = 0.0
     for (n, p), (_, q) in zip(model.named_parameters(), twin.named_parameters()):
         if p.grad is None or q.grad is None:
@@ -195,6 +217,7 @@ def main():
         left = {k: v for k, v in r["externs"].items() if not k.startswith(("aten.convolution", "mkl.", "aten._scaled_dot_product"))}
         print(f"{name:26s} graphs {r['graphs']:2d} eager {r['eager']} errors {r['lowering_errors']}  "
               f"infer {r['infer_diff']:.1e} loss {r['loss_diff']:.1e} grad {r['grad_diff']:.1e} ({r.get('worst_grad', '-')})"
+              + (f"  vs float64 {r['fp64_ratio']:.1f}x eager's error ({r.get('fp64_worst', '-')})" if r.get("fp64_ratio") is not None else "  float64 n/a")
               + (f"  missing grad {r['grad_missing']}" if "grad_missing" in r else "") + (f"  aten {left}" if left else ""), flush=True)
 
 
