@@ -54,7 +54,17 @@ def strided_pointwise(weight_shape, stride, padding, transposed) -> bool:
             and any(int(s) != 1 for s in stride) and all(int(p) == 0 for p in padding))
 
 
-def _strided_pointwise_backward(grad_out, x, weight, bias_sizes, stride, padding, dilation, transposed, output_padding, groups, mask):
+# [Note: strided 1x1 weight gradients] ATen's CPU `convolution_backward` (torch 2.15, oneDNN)
+# computes the weight gradient of a 1x1 convolution with a stride wrongly when the input is
+# channels_last and has few channels (3 or 4: MobileOne's stem; 16 was right), and at times
+# writes out of bounds (a crash later, at exit): relative errors of 0.5-1.0 against the NCHW
+# call. A channels_last CPU training graph (`conv_layout="auto"` with grouped convolutions,
+# or a channels_last model) calls it so. The weight gradient of such a convolution is that of
+# a stride-1 one over the input's strided subsample (`x[:, :, ::s, ::s]`, which ATen gets
+# right), so braze computes it that way, and the input's and bias's gradients as before.
+def strided_pointwise_backward(grad_out, x, weight, bias_sizes, stride, padding, dilation, transposed, output_padding, groups, mask):
+    """``aten.convolution_backward`` of a strided 1x1 convolution (`strided_pointwise`), its
+    weight gradient over the input's strided subsample."""
     dx = db = dw = None
     if mask[0] or mask[2]:
         dx, _, db = aten.convolution_backward(grad_out, x, weight, bias_sizes, stride, padding, dilation, transposed,
@@ -66,13 +76,4 @@ def _strided_pointwise_backward(grad_out, x, weight, bias_sizes, stride, padding
     return dx, dw, db
 
 
-# [Note: strided 1x1 weight gradients] ATen's CPU `convolution_backward` (torch 2.15, oneDNN)
-# computes the weight gradient of a 1x1 convolution with a stride wrongly when the input is
-# channels_last and has few channels (3 or 4: MobileOne's stem; 16 was right), and at times
-# writes out of bounds (a crash later, at exit): relative errors of 0.5-1.0 against the NCHW
-# call. A channels_last CPU training graph (`conv_layout="auto"` with grouped convolutions,
-# or a channels_last model) calls it so. The weight gradient of such a convolution is that of
-# a stride-1 one over the input's strided subsample (`x[:, :, ::s, ::s]`, which ATen gets
-# right), so braze computes it that way, and the input's and bias's gradients as before.
-strided_pointwise_backward = _strided_pointwise_backward
 strided_pointwise_backward.__name__ = "aten.convolution_backward[strided 1x1]"
