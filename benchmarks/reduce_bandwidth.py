@@ -17,8 +17,9 @@ Cases, each under eager, Inductor and braze (`on_unsupported="error"`):
   transpose                     a 2-d transpose made contiguous (rows = N * C, cols = H * W)
 
 GPU time per call is the time some kernel of the call ran in torch.profiler (the union of
-their intervals: launch gaps left out, overlapping kernels counted once), the median over rounds. Bytes are what the work must read and write at least. Copy bandwidth
-is `out.copy_(x)` of the activation, (read + written bytes) / time. The issue's targets: the
+their intervals: launch gaps left out, overlapping kernels counted once), the median over
+rounds. Bytes are what the work must read and write at least. Copy bandwidth is
+`out.copy_(x)` of the activation, (read + written bytes) / time. The issue's targets: the
 BatchNorm statistics >= 70% of copy bandwidth in either layout; an unavoidable copy (to_cl,
 transpose) >= 80%.
 """

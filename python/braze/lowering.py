@@ -2607,18 +2607,18 @@ def _convolution_backward(L, node, grad_out, x, weight, bias_sizes, stride, padd
     # A CPU 1x1 convolution with a stride: its weight gradient as ATen gets it right ([Note:
     # strided 1x1 weight gradients] in cpu_conv.py).
     fix = (L.device.type == "cpu" and mask[1] and is_tensor_meta(wv) and strided_pointwise(wv.shape, stride, padding, transposed))
-    target = strided_pointwise_backward if fix else None
+    call = {"target": strided_pointwise_backward, "island": False} if fix else {}
     if (not L.conv_cl or _conv_info(node, L.device) is None or not xv.dtype.is_floating_point or not gv.is_contiguous()
             or not isinstance(val, (list, tuple)) or (val[0] is not None and not val[0].is_contiguous())):
         if fix and _is_cl(xv):  # a channels_last model's, with eager's layouts
-            return L.extern(node, target=target, island=False)
+            return L.extern(node, **call)
         raise Unsupported("convolution_backward runs with eager's layouts")
     # On the GPU the weight as the forward laid it out, and its gradient (channels_last from
     # ATen) declared so: a braze kernel lays it into the parameter's strides.
     cl_weight = L.device.type == "cuda" and _cl_weight_differs(weight.meta.get("val"))
     args = (grad_out,) + ((x,) if xv.is_contiguous() else ()) + ((weight,) if cl_weight else ())
     results = [p for p, on in (((0,), True), ((1,), cl_weight)) if on and is_tensor_meta(val[p[0]])]
-    return _cl_extern(L, node, args, results, target=target, island=False) if fix else _cl_extern(L, node, args, results)
+    return _cl_extern(L, node, args, results, **call)
 
 
 def _padded_channels(xv, groups) -> int:
