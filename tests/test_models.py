@@ -1561,6 +1561,42 @@ def test_column_blocks_fill_sectors(device, dtype):
         assert f"bz_col_welford<{8 * lanes}, {512 // (8 * lanes)}>" in src, src
 
 
+@pytest.mark.parametrize("head_dim", [64, 20])
+def test_rotary_halves_read_wide(device, head_dim):
+    """[Note: lane-uniform masks] (braze-codegen): rotary embeddings' `rotate_half` is a
+    concatenation of a head's two halves; in a bf16 kernel its masks are the same for the 8
+    lanes of a vector step when the halves are whole vectors (64-wide heads), and the kernel
+    reads both halves with wide loads (4 lanes of 8 bytes here: the f32 frequencies are the
+    widest buffer). With 20-wide heads (halves of 10) they are not, and the kernel stays
+    scalar. Values are eager's either way."""
+    b, h, s = 2, 4, 40
+    q = torch.randn(b, h, s, head_dim, device=device, dtype=torch.bfloat16)
+    inv = 1.0 / (10000 ** (torch.arange(0, head_dim, 2, device=device).float() / head_dim))
+    pos = torch.arange(s, device=device).float()
+
+    def f(q, inv, pos):
+        freqs = torch.outer(pos, inv)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos, sin = emb.cos().to(q.dtype), emb.sin().to(q.dtype)
+        x1, x2 = q[..., : head_dim // 2], q[..., head_dim // 2:]
+        return q * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+    c = compiled(f, options={"on_unsupported": "error"})
+    for _ in range(2):
+        q.normal_()
+        torch.testing.assert_close(c(q, inv, pos), f(q, inv, pos), rtol=2e-2, atol=2e-2)
+    rec = braze.stats.records[-1]
+    assert not rec["externs"], rec["externs"]
+    src = rec["source"] if device == "cuda" else rec.get("cuda_source")
+    if src is None:
+        pytest.skip("NVRTC not found: the CUDA source was not generated")
+    wide_masked = re.findall(r"if \(j == 0 && t\d+\) \*\(uint2\*\)w\d+ = \*\(const uint2\*\)\(b", src)
+    if head_dim == 64:
+        assert len(wide_masked) >= 2, src  # both halves of q, 4 bf16 lanes at once
+    else:
+        assert not wide_masked, src
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_column_variance_in_chunks(device, dtype):
     """[Note: Welford in chunks] (braze-codegen): a vector column kernel's variance sums each

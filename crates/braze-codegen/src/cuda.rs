@@ -1372,10 +1372,9 @@ const HOIST_MAX_GRID_MULTIPLE: i64 = 16;
 /// Elements per thread for the vector path over the loads and stores of `body` that `keep`
 /// selects: 16 bytes of the widest such buffer, when the dim of loop variable `last` (`len`
 /// long, the innermost one the loop walks) is a multiple of that and each access either
-/// walks that dim from a multiple of it (unmasked, or masked by a value that does not move
-/// with it) or does not move with it. 1 when there is none.
+/// walks that dim from a multiple of it (unmasked, or masked by a value the same for the
+/// lanes of a step: [Note: lane-uniform masks]) or does not move with it. 1 when there is none.
 fn vector_width(k: &Kernel, body: &[Stmt], last: u32, len: i64, deps: &std::collections::HashMap<u32, u64>, keep: &dyn Fn(&Stmt) -> bool, cap: i64) -> i64 {
-    let lastbit = 1u64.checked_shl(last).unwrap_or(u64::MAX);
     let size = |b: u32| k.bufs.iter().find(|r| r.id == b).map_or(4, |r| r.dtype.size()) as i64;
     let widest = body
         .iter()
@@ -1390,6 +1389,7 @@ fn vector_width(k: &Kernel, body: &[Stmt], last: u32, len: i64, deps: &std::coll
     if v == 1 || len % v != 0 {
         return 1;
     }
+    let uniform = lane_uniform(body, last, v, deps);
     let mut moves = false;
     for s in body.iter().filter(|s| keep(s)) {
         let (idx, mask) = match s {
@@ -1397,7 +1397,7 @@ fn vector_width(k: &Kernel, body: &[Stmt], last: u32, len: i64, deps: &std::coll
             Stmt::Store { index, .. } => (index, None),
             _ => continue,
         };
-        let steady = mask.is_none_or(|m| deps.get(&m).is_some_and(|d| d & lastbit == 0));
+        let steady = mask.is_none_or(|m| uniform.contains(&m));
         match last_coef(idx, last) {
             Some(1) if steady && idx.sub(&Expr::var(last)).all_coefs_divisible(v) && !mentions_tmp(idx) => moves = true,
             Some(0) => {}
@@ -1405,6 +1405,39 @@ fn vector_width(k: &Kernel, body: &[Stmt], last: u32, len: i64, deps: &std::coll
         }
     }
     if moves { v } else { 1 }
+}
+
+/// [Note: lane-uniform masks] The temporaries of `body` whose value is the same for the `v`
+/// lanes of every vector step over loop variable `last` (steps start at multiples of `v`):
+/// those that do not depend on `last`; in-bounds masks of an index that walks `last` from a
+/// multiple of `v`, between bounds that are multiples of `v` and do not move with it; and
+/// values computed from such temporaries alone. A load under such a mask is read wide by lane
+/// 0 when the mask holds (`emit_lanes`): the halves of a concatenation along the last dim
+/// whose pieces are whole vectors (rotary embeddings' `rotate_half`: `cat(-x[..., 32:],
+/// x[..., :32])` of 64-wide heads), a pad by whole vectors. Before, such a mask made the
+/// kernel scalar, one 2-byte access per element for bf16.
+fn lane_uniform(body: &[Stmt], last: u32, v: i64, deps: &std::collections::HashMap<u32, u64>) -> std::collections::HashSet<u32> {
+    let lastbit = 1u64.checked_shl(last).unwrap_or(u64::MAX);
+    let still = |e: &Expr| crate::c_emit::expr_deps(e, deps) & lastbit == 0;
+    let mut uniform = std::collections::HashSet::new();
+    for s in body {
+        let Some(t) = s.dst() else { continue };
+        let yes = deps.get(&t).is_some_and(|d| d & lastbit == 0)
+            || match s {
+                Stmt::InRange { index, lo, hi, .. } => {
+                    last_coef(index, last) == Some(1)
+                        && !mentions_tmp(index)
+                        && index.sub(&Expr::var(last)).all_coefs_divisible(v)
+                        && [lo, hi].into_iter().all(|b| still(b) && !mentions_tmp(b) && b.all_coefs_divisible(v))
+                }
+                Stmt::Unary { .. } | Stmt::Binary { .. } | Stmt::Where { .. } | Stmt::Cast { .. } => stmt_reads(s).iter().all(|r| uniform.contains(r)),
+                _ => false,
+            };
+        if yes {
+            uniform.insert(t);
+        }
+    }
+    uniform
 }
 
 /// The vector path of a pointwise kernel, with its column-invariant values hoisted when that
