@@ -1,8 +1,14 @@
 """Issue 10's host-bound case: 12 tiny LayerNorm + MLP blocks (TinyBlock(64), input 2×64, fp32,
 inference) per call, µs per call over 2000 calls (synchronized at the end: the GPU work is a
-few µs, so this is the host's cost), for eager and each backend and mode.
+few µs, so this is mostly the host's cost), for eager and each backend and mode. Also the host
+time alone: 100 calls issued without waiting for the GPU (the launch queue holds them); when
+the wall time per call is above it, the GPU is the bound.
 
-    python benchmarks/tiny_blocks.py [--calls N]
+    python benchmarks/tiny_blocks.py [--calls N] [--profile]
+
+`--profile` (CUDA): per backend, the GPU side of 50 calls from torch.profiler: kernels per
+call, their summed duration, and the GPU's span per call (first kernel's start to the last
+one's end over the 50, divided by 50), then the costliest kernels.
 """
 import argparse
 import time
@@ -16,6 +22,7 @@ from braze.workloads import TinyBlock
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--calls", type=int, default=2000)
+    ap.add_argument("--profile", action="store_true")
     a = ap.parse_args()
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch.manual_seed(0)
@@ -45,8 +52,37 @@ def main():
             if dev.type == "cuda":
                 torch.cuda.synchronize()
             us = (time.perf_counter() - t) / a.calls * 1e6
+            host = []
+            for _ in range(5):
+                if dev.type == "cuda":
+                    torch.cuda.synchronize()
+                t = time.perf_counter()
+                for _ in range(100):
+                    fn(x)
+                host.append((time.perf_counter() - t) / 100 * 1e6)
             torch.testing.assert_close(fn(x), ref, rtol=1e-4, atol=1e-4)
-        print(f"  {name:9s} {mode or '':16s} {us:8.1f} us per call   first call {first:6.2f} s", flush=True)
+        print(f"  {name:9s} {mode or '':16s} {us:8.1f} us per call (host alone {min(host):6.1f})   first call {first:6.2f} s", flush=True)
+        if a.profile and dev.type == "cuda":
+            gpu_side(fn, x)
+
+
+def gpu_side(fn, x, calls=50):
+    from torch.profiler import ProfilerActivity, profile
+
+    with torch.no_grad(), profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn(x)
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA and e.device_time_total > 0]
+    if not kernels:
+        print("      (no kernels recorded)")
+        return
+    span = max(e.time_range.end for e in kernels) - min(e.time_range.start for e in kernels)
+    busy = sum(e.device_time_total for e in kernels)
+    print(f"      GPU: {len(kernels) / calls:.0f} kernels per call, {busy / calls:.1f} us of kernel time, span {span / calls:.1f} us per call")
+    for e in sorted(prof.key_averages(), key=lambda e: -e.device_time_total)[:6]:
+        if e.device_time_total > 0:
+            print(f"      {e.device_time_total / calls:7.2f} us {e.count // calls:3d}x  {e.key[:90]}")
 
 
 if __name__ == "__main__":
