@@ -4,16 +4,20 @@ few µs, so this is mostly the host's cost), for eager and each backend and mode
 time alone: 100 calls issued without waiting for the GPU (the launch queue holds them); when
 the wall time per call is above it, the GPU is the bound.
 
-    python benchmarks/tiny_blocks.py [--calls N] [--profile]
+    python benchmarks/tiny_blocks.py [--calls N] [--profile] [--floor]
 
 `--profile` (CUDA): per backend, the GPU side of 50 calls from torch.profiler: kernels per
 call, their summed duration, and the GPU's span per call (first kernel's start to the last
-one's end over the 50, divided by 50), then the costliest kernels.
+one's end over the 50, divided by 50), then the costliest kernels. `--floor` adds two rows
+that run no kernels: Dynamo with a backend whose compiled graph returns precomputed outputs,
+and the same under AOTAutograd: the part of a call no backend of `torch.compile` avoids.
 """
 import argparse
 import time
 
 import torch
+from functorch.compile import make_boxed_func
+from torch._dynamo.backends.common import aot_autograd
 
 import braze  # noqa: F401  (registers the backend)
 from braze.workloads import TinyBlock
@@ -23,6 +27,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--calls", type=int, default=2000)
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--floor", action="store_true")
     a = ap.parse_args()
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch.manual_seed(0)
@@ -33,9 +38,16 @@ def main():
     runs = [("eager", None, None), ("inductor", "default", "inductor"), ("inductor", "reduce-overhead", "inductor"),
             ("braze", "default", "braze"), ("braze", "reduce-overhead", "braze")]
     print(f"12 × TinyBlock(64), input 2×64 fp32, inference, {dev}; µs per call over {a.calls} calls")
+    if a.floor:
+        runs += [("dynamo", "constant outputs", _constant), ("dynamo+aot", "constant outputs", aot_autograd(fw_compiler=_constant_boxed))]
     for name, mode, backend in runs:
         torch._dynamo.reset()
-        fn = model if backend is None else torch.compile(model, backend=backend, mode=mode)
+        if backend is None:
+            fn = model
+        elif callable(backend):
+            fn = torch.compile(model, backend=backend)
+        else:
+            fn = torch.compile(model, backend=backend, mode=mode)
         with torch.no_grad():
             t0 = time.perf_counter()
             out = fn(x)
@@ -64,6 +76,22 @@ def main():
         print(f"  {name:9s} {mode or '':16s} {us:8.1f} us per call (host alone {min(host):6.1f})   first call {first:6.2f} s", flush=True)
         if a.profile and dev.type == "cuda":
             gpu_side(fn, x)
+
+
+def _constant(gm, example_inputs):
+    """A backend that runs nothing: the graph's outputs of its first call, for every call."""
+    first = []
+
+    def run(*args):
+        if not first:
+            first.append(gm(*args))
+        return first[0]
+    return run
+
+
+def _constant_boxed(gm, example_inputs):
+    run = _constant(gm, example_inputs)
+    return make_boxed_func(lambda *args: list(run(*args)))
 
 
 def gpu_side(fn, x, calls=50):
