@@ -9,7 +9,7 @@ the wall time per call is above it, the GPU is the bound.
 `--profile` (CUDA): per backend, the GPU side of 50 calls from torch.profiler: kernels per
 call, their summed duration, and the GPU's span per call (first kernel's start to the last
 one's end over the 50, divided by 50), then the costliest kernels. `--floor` adds two rows
-that run no kernels: Dynamo with a backend whose compiled graph returns precomputed outputs,
+that run no kernels: Dynamo with a backend whose compiled graph returns its first call's outputs,
 and the same under AOTAutograd: the part of a call no backend of `torch.compile` avoids.
 """
 import argparse
