@@ -404,6 +404,35 @@ def test_integer_division_in_masked_lanes(device):
     _no_eager()
 
 
+@pytest.mark.parametrize("dtype", [torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64])
+def test_narrow_integer_division(device, dtype):
+    """[Note: 32-bit integer division] (braze-codegen): integers of 32 bits or fewer divide
+    in 32 bits. Floor division, remainder and fmod by negative and positive divisors, by -1
+    (the type's minimum divided by -1 wraps, as in eager; on x86 it trapped the process in
+    64 bits) and of the type's extremes, against eager; the results and a reduction over them
+    stay in the operands' dtype."""
+    info = torch.iinfo(dtype)
+    lo = max(info.min, -1000) if dtype != torch.int64 else -1000
+    hi = min(info.max, 1000) if dtype != torch.int64 else 1000
+    a = torch.randint(lo, hi + 1, (64, 33), device=device, dtype=dtype)
+    a[0, :4] = torch.tensor([info.min, info.max, info.min + 1, 0], dtype=dtype)
+    b = torch.randint(1, min(hi, 13) + 1, (64, 33), device=device, dtype=dtype)
+    if info.min < 0:
+        b = b * (1 - 2 * torch.randint(0, 2, (64, 33), device=device, dtype=dtype))
+        b[0, :4] = -1
+    b[1, :4] = torch.tensor([1, 3, 7, 5], dtype=dtype)
+
+    def f(a, b):
+        q, r = a // b, a % b
+        return q, r, (q * 3 + r).sum(1, dtype=dtype), torch.remainder(a, 5), a // 4, torch.fmod(a, b)
+
+    got, want = compiled(f, options={"on_unsupported": "error"})(a, b), f(a, b)
+    for x, y in zip(got, want):
+        assert x.dtype == y.dtype
+        torch.testing.assert_close(x, y)
+    _no_eager()
+
+
 def test_dynamic_sizes_with_rounding(device):
     """Sizes like ceil((n - 3) / 2) + 1 and ceil(n / 3) under dynamic shapes."""
     def f(x):

@@ -2910,7 +2910,9 @@ def _max_pool2d_offsets(L, node, x, kernel_size, stride, padding, dilation, ceil
 @register(_prim("_low_memory_max_pool_offsets_to_indices"))
 def _max_pool2d_offsets_to_indices(L, node, offsets, kernel_size, input_size, stride, padding, dilation):
     """The flat input index (ATen's max-pool indices) of each output's window offset:
-    ``(o_h * s_h - p_h + off // k_w) * W + o_w * s_w - p_w + off % k_w``."""
+    ``(o_h * s_h - p_h + off // k_w) * W + o_w * s_w - p_w + off % k_w``, computed in 32 bits
+    where every term fits ([Note: 32-bit integer division] in braze-codegen) and widened to
+    ATen's int64 at the end."""
     k, p, d = pool_pair(kernel_size), pool_pair(padding), pool_pair(dilation)
     s = pool_pair(stride) if stride else k
     val = node.meta["val"]
@@ -2919,13 +2921,17 @@ def _max_pool2d_offsets_to_indices(L, node, offsets, kernel_size, input_size, st
     if len(k) != 2 or d != [1, 1] or any(not isinstance(n, int) for n in shape + list(input_size)):
         raise Unsupported("max_pool offsets to indices: 2-d, static, no dilation")
     i64 = torch.int64
-    o = L.cast(L.tensor(offsets), i64)
-    kw = L.scalar(k[1], i64)
+    # The largest magnitude of any term: an output coordinate times the stride plus the window.
+    bound = (max(shape[-2], shape[-1]) * max(s) + max(k) + max(p) + 1) * (input_size[-1] + 1)
+    it = torch.int32 if bound < 2**31 else i64
+    o = L.cast(L.tensor(offsets), it)
+    kw = L.scalar(k[1], it)
     dh = L.op("floordiv", o, kw)
     dw = L.op("sub", o, L.op("mul", dh, kw))
-    ih = L.op("add", L.op("add", L.op("mul", _dim_index(L, shape[-2], r - 2, r), L.scalar(s[0], i64)), L.scalar(-p[0], i64)), dh)
-    iw = L.op("add", L.op("add", L.op("mul", _dim_index(L, shape[-1], r - 1, r), L.scalar(s[1], i64)), L.scalar(-p[1], i64)), dw)
-    return L.eager_layout(L.op("add", L.op("mul", ih, L.scalar(input_size[-1], i64)), iw), val)
+    oh, ow = (L.cast(_dim_index(L, shape[j], r + j, r), it) for j in (-2, -1))
+    ih = L.op("add", L.op("add", L.op("mul", oh, L.scalar(s[0], it)), L.scalar(-p[0], it)), dh)
+    iw = L.op("add", L.op("add", L.op("mul", ow, L.scalar(s[1], it)), L.scalar(-p[1], it)), dw)
+    return L.eager_layout(L.cast(L.op("add", L.op("mul", ih, L.scalar(input_size[-1], it)), iw), i64), val)
 
 
 @register(A("constant_pad_nd"))
