@@ -224,13 +224,13 @@ impl Emitter<'_> {
             Mul => format!("({ct})({a} * {b})"),
             // [Note: 32-bit integer division] Integers of 32 bits or fewer divide in 32 bits:
             // a GPU's 64-bit division is a long instruction sequence (max-pool window offsets
-            // turned into ATen's indices spent most of their kernel there). In both widths
-            // division by -1 is a wrapping negation, as in eager: the type's minimum divided by
-            // -1 overflows, and x86 traps on it (SIGFPE) where C leaves it undefined.
+            // turned into ATen's indices spent most of their kernel there). The helpers, both
+            // widths from one definition, are `integer_division_helpers!` in dialect.rs.
             FloorDiv if narrow_int(dt) => format!("({ct})bz_floordiv_i32({a}, {b})"),
             Rem if narrow_int(dt) => format!("({ct})bz_rem_i32({a}, {b})"),
             FloorDiv if dt != DType::Bool => format!("({ct})bz_floordiv_i64({a}, {b})"),
             Rem if dt != DType::Bool => format!("({ct})bz_rem_i64({a}, {b})"),
+            // fmod by -1 is 0 without dividing: the type's minimum % -1 traps on x86.
             Fmod if dt != DType::Bool => format!("({ct})({b} == 0 || {b} == -1 ? 0 : {a} % {b})"),
             Pow if dt != DType::Bool => format!("({ct})bz_pow_i64({a}, {b})"),
             Max => sel(&format!("{a} > {b}"), &a, &b, dt),
@@ -480,13 +480,13 @@ impl Emitter<'_> {
     }
 }
 
-/// `c ? a : b` without a branch. GCC 12 does not if-convert loops that call (vector) math
-/// functions, so a `?:` there would stop vectorization of the whole loop.
 /// An integer type of 32 bits or fewer ([Note: 32-bit integer division]).
 fn narrow_int(dt: DType) -> bool {
     matches!(dt, DType::I32 | DType::I16 | DType::I8 | DType::U8)
 }
 
+/// `c ? a : b` without a branch. GCC 12 does not if-convert loops that call (vector) math
+/// functions, so a `?:` there would stop vectorization of the whole loop.
 pub fn sel(c: &str, a: &str, b: &str, dt: DType) -> String {
     match dt {
         DType::F64 => format!("bz_seld({c}, {a}, {b})"),

@@ -91,11 +91,10 @@ BZ float bz_rem_float(float a, float b) { float r = fmodf(a, b); if (r != 0 && (
 BZ double bz_rem_double(double a, double b) { double r = fmod(a, b); if (r != 0 && ((r < 0) != (b < 0))) r += b; return r; }
 // An index read from memory out of range traps, as eager's device-side assert does.
 BZ int64_t bz_bounded(int64_t i, int64_t n) { if ((uint64_t)i >= (uint64_t)n) __trap(); return i; }
-BZ int64_t bz_floordiv_i64(int64_t a, int64_t b) { if (b == 0) return 0; if (b == -1) return (int64_t)(0ull - (uint64_t)a); int64_t q = a / b; if ((a % b != 0) && ((a < 0) != (b < 0))) q -= 1; return q; }
-BZ int64_t bz_rem_i64(int64_t a, int64_t b) { if (b == 0 || b == -1) return 0; int64_t r = a % b; if (r != 0 && ((r < 0) != (b < 0))) r += b; return r; }
-BZ int32_t bz_floordiv_i32(int32_t a, int32_t b) { if (b == 0) return 0; if (b == -1) return (int32_t)(0u - (uint32_t)a); int32_t q = a / b; if ((a % b != 0) && ((a < 0) != (b < 0))) q -= 1; return q; }
-BZ int32_t bz_rem_i32(int32_t a, int32_t b) { if (b == 0 || b == -1) return 0; int32_t r = a % b; if (r != 0 && ((r < 0) != (b < 0))) r += b; return r; }
-BZ int64_t bz_pow_i64(int64_t a, int64_t b) { int64_t r = 1; if (b < 0) return a == 1 ? 1 : (a == -1 ? ((b & 1) ? -1 : 1) : 0); while (b) { if (b & 1) r *= a; a *= a; b >>= 1; } return r; }
+#define BZ_INT BZ
+"#,
+    integer_division_helpers!(),
+    r#"BZ int64_t bz_pow_i64(int64_t a, int64_t b) { int64_t r = 1; if (b < 0) return a == 1 ? 1 : (a == -1 ? ((b & 1) ? -1 : 1) : 0); while (b) { if (b & 1) r *= a; a *= a; b >>= 1; } return r; }
 #define BZ_RNG __device__ __noinline__
 // The random helpers are functions of their own (Philox inlined into each, its rounds a
 // loop): inlined and unrolled into every element of a vectorized kernel, they made NVRTC's

@@ -48,6 +48,22 @@ pub fn storage_type(dt: DType) -> &'static str {
     }
 }
 
+/// Integer floor division and remainder (Python's: the result takes the divisor's sign) in 64
+/// and in 32 bits ([Note: 32-bit integer division] in `c_emit.rs`), both preludes' text, as a
+/// literal for `concat!`: each prelude defines `BZ_INT` before it. Division by 0 gives 0 (a
+/// masked lane's); by -1 a wrapping negation, as eager's, since the type's minimum divided by
+/// -1 overflows and x86 traps on it.
+macro_rules! integer_division_helpers {
+    () => {
+        r#"#define BZ_INT_DIVISION(T, U, W) \
+BZ_INT T bz_floordiv_##W(T a, T b) { if (b == 0) return 0; if (b == -1) return (T)((U)0 - (U)a); T q = a / b; if ((a % b != 0) && ((a < 0) != (b < 0))) q -= 1; return q; } \
+BZ_INT T bz_rem_##W(T a, T b) { if (b == 0 || b == -1) return 0; T r = a % b; if (r != 0 && ((r < 0) != (b < 0))) r += b; return r; }
+BZ_INT_DIVISION(int64_t, uint64_t, i64)
+BZ_INT_DIVISION(int32_t, uint32_t, i32)
+"#
+    };
+}
+
 /// The random-value helpers ([Note: random values]) both preludes include, as a literal for
 /// `concat!`: each prelude defines `BZ_RNG`, `BZ_RNG_PHILOX` and `BZ_RNG_ROUNDS` before it.
 macro_rules! random_helpers {

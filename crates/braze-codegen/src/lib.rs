@@ -4,7 +4,8 @@
 //! differs by target. `openmp.rs` is the CPU target: C with OpenMP pragmas, compiled by the
 //! system C compiler.
 
-// First: its `random_helpers!` macro is used by the targets' preludes.
+// First: its `random_helpers!` and `integer_division_helpers!` macros are used by the
+// targets' preludes.
 #[macro_use]
 pub mod dialect;
 pub mod c_emit;

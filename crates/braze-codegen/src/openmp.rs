@@ -156,11 +156,10 @@ static inline double bz_rem_double(double a, double b) { double r = fmod(a, b); 
 int braze_oob = 0;
 static inline int64_t bz_bounded_at(int64_t i, int64_t n, int* bad) { int ok = (uint64_t)i < (uint64_t)n; *bad |= !ok; return bz_seli(ok, i, 0); }
 #define bz_bounded(i, n) bz_bounded_at((i), (n), &bz_bad)
-static inline int64_t bz_floordiv_i64(int64_t a, int64_t b) { if (b == 0) return 0; if (b == -1) return (int64_t)(0ull - (uint64_t)a); int64_t q = a / b; if ((a % b != 0) && ((a < 0) != (b < 0))) q -= 1; return q; }
-static inline int64_t bz_rem_i64(int64_t a, int64_t b) { if (b == 0 || b == -1) return 0; int64_t r = a % b; if (r != 0 && ((r < 0) != (b < 0))) r += b; return r; }
-static inline int32_t bz_floordiv_i32(int32_t a, int32_t b) { if (b == 0) return 0; if (b == -1) return (int32_t)(0u - (uint32_t)a); int32_t q = a / b; if ((a % b != 0) && ((a < 0) != (b < 0))) q -= 1; return q; }
-static inline int32_t bz_rem_i32(int32_t a, int32_t b) { if (b == 0 || b == -1) return 0; int32_t r = a % b; if (r != 0 && ((r < 0) != (b < 0))) r += b; return r; }
-static inline int64_t bz_pow_i64(int64_t a, int64_t b) { int64_t r = 1; if (b < 0) return a == 1 ? 1 : (a == -1 ? ((b & 1) ? -1 : 1) : 0); while (b) { if (b & 1) r *= a; a *= a; b >>= 1; } return r; }
+#define BZ_INT static inline
+"#,
+    integer_division_helpers!(),
+    r#"static inline int64_t bz_pow_i64(int64_t a, int64_t b) { int64_t r = 1; if (b < 0) return a == 1 ? 1 : (a == -1 ? ((b & 1) ? -1 : 1) : 0); while (b) { if (b & 1) r *= a; a *= a; b >>= 1; } return r; }
 #define BZ_RNG static inline
 #define BZ_RNG_PHILOX static inline
 #define BZ_RNG_ROUNDS
