@@ -242,6 +242,48 @@ def test_max_pool_saves_int8_window_offsets(device, layout):
     assert "aten.max_pool2d_with_indices.default" not in braze.stats.extern_ops, braze.stats.extern_ops
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_max_pool_backward_by_candidates(device, dtype, monkeypatch):
+    """The max-pool backward is braze's gather over each input's candidate windows ([Note:
+    max-pool backward by candidates]; on the CPU only where a test asks for it, ATen's kernel
+    being quicker there): eager's gradients for overlapping windows (ResNet's 3x3 stride 2),
+    windows that touch, gaps between windows (stride over kernel), rectangular windows,
+    `ceil_mode`, both layouts, ties, NaN and all -inf windows, and for a window too large for
+    int8 offsets (the int64 indices compared); no ATen pool backward runs."""
+    from braze import lowering
+
+    monkeypatch.setattr(lowering, "GATHER_POOL_BACKWARD_DEVICES", ("cuda", "cpu"))
+    torch.manual_seed(0)
+    tol = {} if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)  # eager's CPU sums in bf16
+    cases = [dict(kernel_size=3, stride=2, padding=1), dict(kernel_size=2, stride=2), dict(kernel_size=2, stride=3),
+             dict(kernel_size=(3, 2), stride=(2, 3), padding=(1, 0)), dict(kernel_size=3, stride=2, ceil_mode=True),
+             dict(kernel_size=12, stride=4, padding=2)]
+    for kw in cases:
+        for shape, layout in (((2, 4, 29, 23), "contiguous"), ((2, 4, 29, 23), "channels_last"), ((3, 17, 14), "contiguous")):
+            x = torch.randn(*shape, device=device).round().to(dtype)  # many ties
+            x[..., 0, :5, :5] = float("-inf")
+            x[..., 1, 3, 3] = float("nan")
+            if layout == "channels_last":
+                x = x.to(memory_format=torch.channels_last)
+
+            def f(x):
+                return torch.nn.functional.max_pool2d(torch.relu(x * 2) - x, **kw)
+
+            a, b = x.clone().requires_grad_(), x.clone().requires_grad_()
+            torch._dynamo.reset()
+            before = dict(braze.stats.extern_ops)
+            out = compiled(f, options={"on_unsupported": "error"})(a)
+            ref = f(b)
+            torch.testing.assert_close(out, ref, equal_nan=True)
+            g = torch.randn_like(ref)
+            out.backward(g)
+            ref.backward(g)
+            torch.testing.assert_close(a.grad, b.grad, equal_nan=True, **tol)
+            new = {k for k, n in braze.stats.extern_ops.items() if n != before.get(k, 0)}
+            assert "aten.max_pool2d_with_indices_backward.default" not in new, (kw, shape, new)
+            assert ("aten.max_pool2d_with_indices.default" in new) == (kw["kernel_size"] == 12), (kw, new)
+
+
 def test_loss_backward_through_bf16_casts_needs_no_row_sum(device):
     """A masked-LM loss whose log-probabilities go through bf16 and back (as under bf16
     autocast): log-softmax's backward sums the one-hot loss gradient over each row, rounded
