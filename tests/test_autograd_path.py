@@ -243,16 +243,13 @@ def test_max_pool_saves_int8_window_offsets(device, layout):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_max_pool_backward_by_candidates(device, dtype, monkeypatch):
+def test_max_pool_backward_by_candidates(device, dtype):
     """The max-pool backward is braze's gather over each input's candidate windows ([Note:
-    max-pool backward by candidates]; on the CPU only where a test asks for it, ATen's kernel
-    being quicker there): eager's gradients for overlapping windows (ResNet's 3x3 stride 2),
-    windows that touch, gaps between windows (stride over kernel), rectangular windows,
-    `ceil_mode`, both layouts, ties, NaN and all -inf windows, and for a window too large for
-    int8 offsets (the int64 indices compared); no ATen pool backward runs."""
-    from braze import lowering
-
-    monkeypatch.setattr(lowering, "GATHER_POOL_BACKWARD_DEVICES", ("cuda", "cpu"))
+    max-pool backward by candidates]): eager's gradients for overlapping windows (ResNet's
+    3x3 stride 2), windows that touch, gaps between windows (stride over kernel),
+    rectangular windows, `ceil_mode`, both layouts, ties, NaN and all -inf windows, and for a
+    window too large for int8 offsets (the int64 indices compared); no ATen pool backward
+    runs."""
     torch.manual_seed(0)
     tol = {} if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)  # eager's CPU sums in bf16
     cases = [dict(kernel_size=3, stride=2, padding=1), dict(kernel_size=2, stride=2), dict(kernel_size=2, stride=3),
