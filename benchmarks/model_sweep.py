@@ -68,8 +68,15 @@ HF = {
 }
 
 
+# torchvision classifiers, mostly for their max pools (googlenet's and squeezenet's under
+# ceil_mode): name -> (constructor keywords, image size).
+TV = {"googlenet": (dict(aux_logits=False, init_weights=False), 96), "densenet121": ({}, 64), "vgg11_bn": ({}, 64),
+      "squeezenet1_1": ({}, 96), "alexnet": ({}, 96), "shufflenet_v2_x0_5": ({}, 64), "mnasnet0_5": ({}, 64),
+      "regnet_y_400mf": ({}, 64), "resnext50_32x4d": ({}, 64)}
+
+
 def names():
-    return TIMM + list(HF)
+    return TIMM + list(HF) + ["tv_" + n for n in TV]
 
 
 def build(name):
@@ -98,6 +105,14 @@ def build(name):
         else:
             inputs = {"input_ids": ids, "labels": ids}
         return model, inputs
+    if name.startswith("tv_"):
+        import torchvision
+        kw, size = TV[name[3:]]
+        model = getattr(torchvision.models, name[3:])(num_classes=10, **kw)
+        for m in model.modules():
+            if isinstance(m, torch.nn.Dropout):
+                m.p = 0.0
+        return model, {"x": torch.randn(2, 3, size, size)}
     import timm
     model = timm.create_model(name, pretrained=False, num_classes=10, drop_rate=0.0)
     size = IMAGE.get(name, 64)

@@ -203,6 +203,22 @@ def test_backward_called_inside_a_compiled_function(device):
         torch.testing.assert_close(x2.grad, x.grad, rtol=1e-4, atol=1e-4)
 
 
+def _pool_grads_match(f, x, saved_hook=None, **tol):
+    """`f` compiled (no graph run eagerly) against eager on copies of `x`: outputs (NaN where
+    eager's are) and `x`'s gradients for one random output gradient; `saved_hook` sees the
+    compiled call's saved tensors. Returns eager's output."""
+    a, b = x.clone().requires_grad_(), x.clone().requires_grad_()
+    with torch.autograd.graph.saved_tensors_hooks(saved_hook or (lambda t: t), lambda t: t):
+        out = compiled(f, options={"on_unsupported": "error"})(a)
+    ref = f(b)
+    torch.testing.assert_close(out, ref, equal_nan=True)
+    g = torch.randn_like(ref)
+    out.backward(g)
+    ref.backward(g)
+    torch.testing.assert_close(a.grad, b.grad, equal_nan=True, **tol)
+    return ref
+
+
 @pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
 def test_max_pool_saves_int8_window_offsets(device, layout):
     """Training through a max pool saves each output's int8 offset in its window, not ATen's
@@ -227,16 +243,7 @@ def test_max_pool_saves_int8_window_offsets(device, layout):
         saved.append((t.dtype, tuple(t.shape)))
         return t
 
-    a, b = x.clone().requires_grad_(), x.clone().requires_grad_()
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = compiled(f, options={"on_unsupported": "error"})(a)
-    ref = f(b)
-    torch.testing.assert_close(out, ref, equal_nan=True)
-    g = torch.randn_like(ref)
-    out.backward(g)
-    ref.backward(g)
-    torch.testing.assert_close(a.grad, b.grad, equal_nan=True)
-    pooled = tuple(ref.shape)
+    pooled = tuple(_pool_grads_match(f, x, pack).shape)
     assert (torch.int8, pooled) in saved, saved
     assert (torch.int64, pooled) not in saved, saved
     assert "aten.max_pool2d_with_indices.default" not in braze.stats.extern_ops, braze.stats.extern_ops
@@ -266,16 +273,9 @@ def test_max_pool_backward_by_candidates(device, dtype):
             def f(x):
                 return torch.nn.functional.max_pool2d(torch.relu(x * 2) - x, **kw)
 
-            a, b = x.clone().requires_grad_(), x.clone().requires_grad_()
             torch._dynamo.reset()
             before = dict(braze.stats.extern_ops)
-            out = compiled(f, options={"on_unsupported": "error"})(a)
-            ref = f(b)
-            torch.testing.assert_close(out, ref, equal_nan=True)
-            g = torch.randn_like(ref)
-            out.backward(g)
-            ref.backward(g)
-            torch.testing.assert_close(a.grad, b.grad, equal_nan=True, **tol)
+            _pool_grads_match(f, x, **tol)
             new = {k for k, n in braze.stats.extern_ops.items() if n != before.get(k, 0)}
             assert "aten.max_pool2d_with_indices_backward.default" not in new, (kw, shape, new)
             assert ("aten.max_pool2d_with_indices.default" in new) == (kw["kernel_size"] == 12), (kw, new)
