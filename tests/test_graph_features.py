@@ -573,23 +573,53 @@ def test_average_pools_of_every_divisor_lowered(device, dtype):
              dict(kernel_size=3, stride=2, padding=1, ceil_mode=True),
              dict(kernel_size=(3, 2), stride=(2, 1), padding=(1, 0), ceil_mode=True, count_include_pad=False),
              dict(kernel_size=3, stride=2, padding=1, ceil_mode=True, divisor_override=5)]
-    tol = {torch.float32: 1e-5, torch.bfloat16: 1e-2}[dtype]
     for kw in cases:
         for shape in ((2, 3, 9, 8), (1, 4, 7, 11)):
-            f = lambda x: F.avg_pool2d(torch.relu(x) * 1.5, **kw)  # noqa: E731
-            x = torch.randn(*shape, device=device, dtype=dtype, requires_grad=True)
-            x2 = x.detach().clone().requires_grad_()
-            before = dict(braze.stats.extern_ops)
-            torch._dynamo.reset()
-            out = torch.compile(f, backend="braze", options={"on_unsupported": "error"})(x2)
-            ref = f(x)
-            torch.testing.assert_close(out, ref, rtol=tol, atol=tol)
-            g = torch.randn_like(ref)
-            out.backward(g)
-            ref.backward(g)
-            torch.testing.assert_close(x2.grad, x.grad, rtol=tol, atol=tol)
-            new = _externs_since(before)
+            new = _pool_matches(lambda x: F.avg_pool2d(torch.relu(x) * 1.5, **kw), torch.randn(*shape, device=device, dtype=dtype))
             assert not {k for k in new if "avg_pool" in k}, (kw, shape, new)
+
+
+def _pool_matches(f, x):
+    """`f` compiled (no graph run eagerly) against eager at `x`: values, strides and the
+    gradient for a random output gradient. In bf16 the gradient's error against float64 is
+    at most eager's (or 1e-2): eager's CPU kernels sum a pool's many overlapping windows in
+    bf16, braze in f32. Returns the ATen ops braze called."""
+    tol = {torch.float32: 1e-5, torch.bfloat16: 1e-2}[x.dtype]
+    x1, x2, x64 = x.clone().requires_grad_(), x.clone().requires_grad_(), x.double().requires_grad_()
+    before = dict(braze.stats.extern_ops)
+    torch._dynamo.reset()
+    out = torch.compile(f, backend="braze", options={"on_unsupported": "error"})(x2)
+    ref = f(x1)
+    torch.testing.assert_close(out, ref, rtol=tol, atol=tol)
+    assert out.stride() == ref.stride(), (out.stride(), ref.stride())
+    g = torch.randn_like(ref)
+    out.backward(g)
+    ref.backward(g)
+    if x.dtype == torch.float32:
+        torch.testing.assert_close(x2.grad, x1.grad, rtol=tol, atol=tol)
+    else:
+        f(x64).backward(g.double())
+        err, eager_err = ((t.grad.double() - x64.grad).abs().max().item() for t in (x2, x1))
+        assert err <= max(eager_err, tol * x64.grad.abs().max().item()), (err, eager_err)
+    return _externs_since(before)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_adaptive_average_pools_lowered(device, dtype):
+    """Adaptive average pooling to sizes other than 1x1 (VGG's and AlexNet's classifier pools
+    at small images, pooling up; pyramid pooling's levels; windows of one length and of
+    several; 3-d inputs; channels_last) is braze's kernel forward and backward: eager's
+    values, strides and gradients, no ATen pool."""
+    torch.manual_seed(0)
+    cases = [((2, 4, 8, 8), (3, 3)), ((2, 4, 9, 9), (3, 3)), ((2, 4, 7, 5), (3, 4)), ((2, 4, 2, 2), (7, 7)),
+             ((3, 5, 6), (4, 2)), ((2, 3, 13, 11), (1, 6)), ((2, 6, 12, 12), (6, 6))]
+    for shape, size in cases:
+        for layout in ("contiguous", "channels_last"):
+            x = torch.randn(*shape, device=device, dtype=dtype)
+            if layout == "channels_last" and x.dim() == 4:
+                x = x.to(memory_format=torch.channels_last)
+            new = _pool_matches(lambda x: F.adaptive_avg_pool2d(torch.relu(x) * 2, size), x)
+            assert not {k for k in new if "adaptive" in k}, (shape, size, layout, new)
 
 
 def test_stepped_slice_scatter_lowered(device):

@@ -2912,6 +2912,102 @@ def _shifted(L, t, dim, r, size, off, length, dtype):
     return pad(t, 0, length - take) if take < length else t
 
 
+def _affine_index(L, n, abc):
+    """The int32 `[n]` value `(iota * a + b) // c`, and its static values."""
+    a, b, c = abc
+    i32 = torch.int32
+    x = L.op("iota", len=n, start=0, step=1, dtype="i32")
+    return L.op("floordiv", L.op("add", L.op("mul", x, L.scalar(a, i32)), L.scalar(b, i32)), L.scalar(c, i32)), [(i * a + b) // c for i in range(n)]
+
+
+def _along(L, v, n, dim, r):
+    """A 1-d value of length `n` shaped to broadcast along `dim` of a rank-`r` tensor."""
+    shape = [1] * r
+    shape[dim] = n
+    return L.op("reshape", v, shape=shape)
+
+
+def _adaptive_windows(n_in, n_out):
+    """ATen's adaptive pooling along one dim, as `(a, b, c)` of `(index * a + b) // c`:
+    output `i` averages inputs `i * n_in // n_out` to `ceil((i + 1) * n_in / n_out) - 1`,
+    so input `h` is in the windows of outputs `h * n_out // n_in` to `ceil((h + 1) * n_out /
+    n_in) - 1`. Returns (first input, last input) per output and (first output, last
+    output) per input."""
+    return ((n_in, 0, n_out), (n_in, n_in - 1, n_out)), ((n_out, 0, n_in), (n_out, n_out - 1, n_in))
+
+
+def _windowed_sum(L, t, dim, r, n_src, n_dst, first, last):
+    """For each of `n_dst` destinations `d`, the sum of `t` along `dim` (length `n_src`)
+    from `first(d)` to `last(d)` (affine indices, `_affine_index`): at most the longest
+    range's reads through `index_select`, masked only where ranges differ in length."""
+    lo, lo_v = _affine_index(L, n_dst, first)
+    hi, hi_v = _affine_index(L, n_dst, last)
+    lengths = [e - b + 1 for b, e in zip(lo_v, hi_v)]
+    i32 = torch.int32
+    total = None
+    for j in range(max(lengths)):
+        at = L.op("add", lo, L.scalar(j, i32))
+        v = L.op("index_select", t, L.op("min", at, L.scalar(n_src - 1, i32)), dim=dim)
+        if len(set(lengths)) > 1:
+            v = L.op("where", _along(L, L.op("le", at, hi), n_dst, dim, r), v, L.scalar(0, L.dtype_of(t)))
+        total = v if total is None else L.op("add", total, v)
+    return total
+
+
+def _window_lengths(L, n_out, first, last, dim, r, ct):
+    """Each output's window length along `dim` in `ct`, broadcast there (a scalar when all
+    are equal)."""
+    lo, lo_v = _affine_index(L, n_out, first)
+    hi, hi_v = _affine_index(L, n_out, last)
+    lengths = {e - b + 1 for b, e in zip(lo_v, hi_v)}
+    if len(lengths) == 1:
+        return L.scalar(lengths.pop(), ct)
+    n = L.op("add", L.op("sub", hi, lo), L.scalar(1, torch.int32))
+    return _along(L, L.cast(n, ct), n_out, dim, r)
+
+
+def _adaptive_sizes(val, src):
+    """(rank, input's last two sizes, output's) of a static 2-d adaptive pool, or raises."""
+    if (not is_tensor_meta(val) or not is_tensor_meta(src) or val.dim() not in (3, 4) or not val.dtype.is_floating_point
+            or any(not isinstance(n, int) for n in (*val.shape, *src.shape))):
+        raise Unsupported("adaptive pooling of symbolic sizes or integers")
+    if max(src.shape[-2:]) * (max(val.shape[-2:]) + 1) >= 2**31:
+        raise Unsupported("adaptive pooling too large for 32-bit window arithmetic")
+    return val.dim(), list(src.shape[-2:]), list(val.shape[-2:])
+
+
+@register(A("_adaptive_avg_pool2d"))
+def _adaptive_avg_pool2d(L, node, x, output_size):
+    """Adaptive average pooling (VGG's and AlexNet's classifier pools at other than 224²
+    images, pyramid pooling's levels) with ATen's windows, one dim after the other: the sum
+    over each output's window (`_windowed_sum`) over its length. One pointwise kernel with
+    what precedes it."""
+    val = node.meta["val"]
+    r, n_in, n_out = _adaptive_sizes(val, x.meta["val"])
+    ct = _acc_dtype(val.dtype)
+    t = L.tensor(x, ct)
+    for k, dim in ((0, r - 2), (1, r - 1)):
+        (first, last), _ = _adaptive_windows(n_in[k], n_out[k])
+        t = L.op("div", _windowed_sum(L, t, dim, r, n_in[k], n_out[k], first, last), _window_lengths(L, n_out[k], first, last, dim, r, ct))
+    return L.eager_layout(L.cast(t, val.dtype), val)
+
+
+@register(A("_adaptive_avg_pool2d_backward"))
+def _adaptive_avg_pool2d_backward(L, node, grad_out, x):
+    """The input gradient of adaptive average pooling in gather form, one dim after the other:
+    the output gradient over its window's length, summed over the outputs whose windows hold
+    each input (`_adaptive_windows`). One pointwise kernel."""
+    val = node.meta["val"]
+    r, n_in, n_out = _adaptive_sizes(grad_out.meta["val"], val)
+    ct = _acc_dtype(val.dtype)
+    g = L.tensor(grad_out, ct)
+    for k, dim in ((0, r - 2), (1, r - 1)):
+        (first, last), (first_out, last_out) = _adaptive_windows(n_in[k], n_out[k])
+        g = L.op("div", g, _window_lengths(L, n_out[k], first, last, dim, r, ct))
+        g = _windowed_sum(L, g, dim, r, n_out[k], n_in[k], first_out, last_out)
+    return L.eager_layout(L.cast(g, val.dtype), val)
+
+
 @register(A("avg_pool2d_backward"))
 def _avg_pool2d_backward(L, node, grad_out, x, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override):
     """The input gradient of a 2-d average pool (DenseNet's transitions in training), in
