@@ -590,8 +590,8 @@ def _pool_matches(f, x):
     torch._dynamo.reset()
     out = torch.compile(f, backend="braze", options={"on_unsupported": "error"})(x2)
     ref = f(x1)
-    torch.testing.assert_close(out, ref, rtol=tol, atol=tol)
-    assert out.stride() == ref.stride(), (out.stride(), ref.stride())
+    torch.testing.assert_close(out, ref, rtol=tol, atol=tol, equal_nan=True)
+    assert [st for st, n in zip(out.stride(), out.shape) if n > 1] == [st for st, n in zip(ref.stride(), ref.shape) if n > 1], (out.stride(), ref.stride())
     g = torch.randn_like(ref)
     out.backward(g)
     ref.backward(g)
@@ -619,6 +619,35 @@ def test_adaptive_average_pools_lowered(device, dtype):
             if layout == "channels_last" and x.dim() == 4:
                 x = x.to(memory_format=torch.channels_last)
             new = _pool_matches(lambda x: F.adaptive_avg_pool2d(torch.relu(x) * 2, size), x)
+            assert not {k for k in new if "adaptive" in k}, (shape, size, layout, new)
+    # Windows of 32x32 elements (over lowering.ADAPTIVE_MAX_READS) stay ATen's, with eager's values.
+    new = _pool_matches(lambda x: F.adaptive_avg_pool2d(torch.relu(x) * 2, (2, 2)), torch.randn(2, 3, 64, 64, device=device, dtype=dtype))
+    assert "aten._adaptive_avg_pool2d.default" in new, new
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_adaptive_max_pools_lowered(device, dtype):
+    """Adaptive max pooling (CBAM's and timm's max and avg-max pools) is braze's kernel forward
+    and backward: eager's values, gradients and indices, which are ATen's choice among ties
+    (the first maximum in row-major order), NaN (the last) and windows all -inf (their first
+    element), over windows of one length and of several, pooling up, 3-d inputs and
+    channels_last; no ATen pool."""
+    torch.manual_seed(0)
+    cases = [((2, 4, 8, 8), (3, 3)), ((2, 4, 9, 9), (3, 3)), ((2, 4, 7, 5), (3, 4)), ((2, 4, 2, 2), (7, 7)),
+             ((3, 5, 6), (4, 2)), ((2, 4, 7, 7), (1, 1)), ((2, 3, 13, 11), (1, 6))]
+    for shape, size in cases:
+        for layout in ("contiguous", "channels_last"):
+            x = torch.randn(*shape, device=device).round().to(dtype)  # many ties
+            x[..., 0, :3, :3] = float("-inf")
+            x[..., 1, 1, 1] = float("nan")
+            if layout == "channels_last" and x.dim() == 4:
+                x = x.to(memory_format=torch.channels_last)
+            f = lambda x: F.adaptive_max_pool2d(torch.relu(x) - x * 0.5, size, return_indices=True)  # noqa: E731
+            new = _pool_matches(lambda x: f(x)[0], x)
+            with torch.no_grad():
+                (v, i), (v2, i2) = torch.compile(f, backend="braze", options={"on_unsupported": "error"})(x), f(x)
+            torch.testing.assert_close(v, v2, equal_nan=True)
+            assert torch.equal(i, i2), (shape, size, layout)
             assert not {k for k in new if "adaptive" in k}, (shape, size, layout, new)
 
 

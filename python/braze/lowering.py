@@ -2966,14 +2966,28 @@ def _window_lengths(L, n_out, first, last, dim, r, ct):
     return _along(L, L.cast(n, ct), n_out, dim, r)
 
 
+# The most reads an adaptive pool's output (or its gradient's input element) takes through
+# braze's kernel: its windows' longest extents multiplied. Larger windows (a global pool over a
+# big map) stay ATen's: each read is a line of the kernel.
+ADAPTIVE_MAX_READS = 64
+
+
 def _adaptive_sizes(val, src):
-    """(rank, input's last two sizes, output's) of a static 2-d adaptive pool, or raises."""
+    """(rank, input's last two sizes, output's) of a static 2-d adaptive pool whose windows
+    (and, pooling up, whose outputs per input) are small enough, or raises."""
     if (not is_tensor_meta(val) or not is_tensor_meta(src) or val.dim() not in (3, 4) or not val.dtype.is_floating_point
             or any(not isinstance(n, int) for n in (*val.shape, *src.shape))):
         raise Unsupported("adaptive pooling of symbolic sizes or integers")
-    if max(src.shape[-2:]) * (max(val.shape[-2:]) + 1) >= 2**31:
-        raise Unsupported("adaptive pooling too large for 32-bit window arithmetic")
-    return val.dim(), list(src.shape[-2:]), list(val.shape[-2:])
+    n_in, n_out = list(src.shape[-2:]), list(val.shape[-2:])
+    if min(n_in + n_out) < 1 or max(n_in) * (max(n_out) + 1) >= 2**31:
+        raise Unsupported("adaptive pooling of empty or very large sizes")
+    def most(n_in, n_out):
+        # The longest window, and the most windows holding one input (`_adaptive_windows`).
+        return max(max((i * n_in + n_in - 1) // n_out - i * n_in // n_out + 1 for i in range(n_out)),
+                   max((h * n_out + n_out - 1) // n_in - h * n_out // n_in + 1 for h in range(n_in)))
+    if most(n_in[0], n_out[0]) * most(n_in[1], n_out[1]) > ADAPTIVE_MAX_READS:
+        raise Unsupported(f"adaptive pooling windows over {ADAPTIVE_MAX_READS} elements")
+    return val.dim(), n_in, n_out
 
 
 @register(A("_adaptive_avg_pool2d"))
@@ -3006,6 +3020,82 @@ def _adaptive_avg_pool2d_backward(L, node, grad_out, x):
         g = L.op("div", g, _window_lengths(L, n_out[k], first, last, dim, r, ct))
         g = _windowed_sum(L, g, dim, r, n_out[k], n_in[k], first_out, last_out)
     return L.eager_layout(L.cast(g, val.dtype), val)
+
+
+@register(A("adaptive_max_pool2d"))
+def _adaptive_max_pool2d(L, node, x, output_size):
+    """Adaptive max pooling with ATen's windows (`_adaptive_windows`) and ATen's index: the
+    flat input position of the first maximum in row-major order, a later NaN winning. Taken
+    along the columns first, then the rows: each row's first maximum (its last NaN), then
+    the first row whose maximum is greater (the last with a NaN), which is row-major order's
+    choice. One pointwise kernel; the indices only where something reads them."""
+    val, idx_val = node.meta["val"]
+    r, n_in, n_out = _adaptive_sizes(val, x.meta["val"])
+    i64 = torch.int64
+    best, at = L.tensor(x), None
+    for k, dim in ((1, r - 1), (0, r - 2)):
+        (first, last), _ = _adaptive_windows(n_in[k], n_out[k])
+        lo, lo_v = _affine_index(L, n_out[k], first)
+        hi, hi_v = _affine_index(L, n_out[k], last)
+        uneven = len({e - b for b, e in zip(lo_v, hi_v)}) > 1
+        pos = _along(L, L.cast(lo, i64), n_out[k], dim, r)
+        b = a = None
+        for j in range(max(e - b_ + 1 for b_, e in zip(lo_v, hi_v))):
+            tap = L.op("add", lo, L.scalar(j, torch.int32))
+            read = L.op("min", tap, L.scalar(n_in[k] - 1, torch.int32))
+            v = L.op("index_select", best, read, dim=dim)
+            # The position so far along the other dim comes with the value.
+            w = L.op("index_select", at, read, dim=dim) if at is not None else None
+            here = L.op("add", pos, L.scalar(j, i64))
+            if b is None:
+                b, a, p_ = v, w, here
+                continue
+            wins = L.op("or", L.op("gt", v, b), L.op("isnan", v))
+            if uneven:
+                wins = L.op("and", wins, _along(L, L.op("le", tap, hi), n_out[k], dim, r))
+            b = L.op("where", wins, v, b)
+            p_ = L.op("where", wins, here, p_)
+            if w is not None:
+                a = L.op("where", wins, w, a)
+        best = b
+        # Flat index: the row's position times the width plus the column's.
+        at = p_ if at is None else L.op("add", L.op("mul", p_, L.scalar(n_in[1], i64)), a)
+    out = L.eager_layout(best, val)
+    wanted = any(u.target is operator.getitem and u.args[1] == 1 and u.users for u in node.users)
+    return (out, L.eager_layout(at, idx_val) if wanted else None)
+
+
+@register(A("adaptive_max_pool2d_backward"))
+def _adaptive_max_pool2d_backward(L, node, grad_out, x, indices):
+    """The input gradient of adaptive max pooling in gather form: for each input element, the
+    sum over the outputs whose windows hold it (`_adaptive_windows`, both dims) of the output
+    gradient where that output's index is this element's flat position. One pointwise
+    kernel."""
+    val = node.meta["val"]
+    r, n_in, n_out = _adaptive_sizes(grad_out.meta["val"], val)
+    ct, i32, i64 = _acc_dtype(val.dtype), torch.int32, torch.int64
+    g, idx = L.tensor(grad_out, ct), L.tensor(indices)
+    here = L.op("add", _along(L, L.op("iota", len=n_in[0], start=0, step=n_in[1], dtype="i64"), n_in[0], r - 2, r),
+                _along(L, L.op("iota", len=n_in[1], start=0, step=1, dtype="i64"), n_in[1], r - 1, r))
+    cands = []
+    for k, dim in ((0, r - 2), (1, r - 1)):
+        _, (first, last) = _adaptive_windows(n_in[k], n_out[k])
+        lo, lo_v = _affine_index(L, n_in[k], first)
+        hi, hi_v = _affine_index(L, n_in[k], last)
+        taps = []
+        for j in range(max(e - b + 1 for b, e in zip(lo_v, hi_v))):
+            o = L.op("add", lo, L.scalar(j, i32))
+            taps.append((L.op("min", o, L.scalar(n_out[k] - 1, i32)), _along(L, L.op("le", o, hi), n_in[k], dim, r)))
+        cands.append(taps)
+    zero, total = L.scalar(0, ct), None
+    for rows, rok in cands[0]:
+        for cols, cok in cands[1]:
+            def at(t):
+                return L.op("index_select", L.op("index_select", t, rows, dim=r - 2), cols, dim=r - 1)
+            hit = L.op("and", L.op("and", rok, cok), L.op("eq", at(idx), here))
+            v = L.op("where", hit, at(g), zero)
+            total = v if total is None else L.op("add", total, v)
+    return L.eager_layout(L.cast(total, val.dtype), val)
 
 
 @register(A("avg_pool2d_backward"))
