@@ -53,7 +53,7 @@ LOWERED = {
     "nn.functional.interpolate.nearest-exact", "nn.functional.interpolate.bicubic", "nn.functional.interpolate.trilinear",
     "nn.functional.upsample_bilinear", "nn.functional.upsample_nearest",
     "nn.functional.max_pool2d", "nn.functional.adaptive_avg_pool2d", "nn.functional.adaptive_max_pool2d",
-    "nn.functional.adaptive_avg_pool1d", "nn.functional.adaptive_max_pool1d",
+    "nn.functional.adaptive_avg_pool1d", "nn.functional.adaptive_max_pool1d", "nn.functional.unfold",
     # decomposed by PyTorch's decompositions into ops braze lowers (decomp.py's list)
     "diag_embed", "linspace", "linspace.tensor_overload", "logspace", "logspace.tensor_overload", "aminmax",
     "nn.functional.softmin", "nn.functional.softmin.with_dtype", "nn.functional.glu", "nn.functional.prelu",

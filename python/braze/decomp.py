@@ -55,6 +55,11 @@ _NAMES = [
     # Their backward ops, and the allocation and masked gather the pads' backward ops use.
     "huber_loss_backward", "smooth_l1_loss_backward", "soft_margin_loss_backward", "new_empty_strided",
     "_unsafe_masked_index",
+    # Weight normalization (Wav2Vec2's positional convolution) as a norm, a division and a
+    # product; unfold's im2col as gathers through computed indices (TNT's, VOLO's and
+    # ConvBERT's unfolds). (col2im's decomposition is an accumulating index_put, ATen's
+    # anyway.)
+    "_weight_norm_interface", "im2col",
 ]
 
 
