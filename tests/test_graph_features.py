@@ -630,11 +630,11 @@ def test_adaptive_max_pools_lowered(device, dtype):
     """Adaptive max pooling (CBAM's and timm's max and avg-max pools) is braze's kernel forward
     and backward: eager's values, gradients and indices, which are ATen's choice among ties
     (the first maximum in row-major order), NaN (the last) and windows all -inf (their first
-    element), over windows of one length and of several, pooling up, 3-d inputs and
-    channels_last; no ATen pool."""
+    element), over windows of one length and of several, pooling up, global pools (as
+    reductions, over maps of any size), 3-d inputs and channels_last; no ATen pool."""
     torch.manual_seed(0)
     cases = [((2, 4, 8, 8), (3, 3)), ((2, 4, 9, 9), (3, 3)), ((2, 4, 7, 5), (3, 4)), ((2, 4, 2, 2), (7, 7)),
-             ((3, 5, 6), (4, 2)), ((2, 4, 7, 7), (1, 1)), ((2, 3, 13, 11), (1, 6))]
+             ((3, 5, 6), (4, 2)), ((2, 4, 7, 7), (1, 1)), ((2, 3, 13, 11), (1, 6)), ((2, 5, 40, 36), (1, 1))]
     for shape, size in cases:
         for layout in ("contiguous", "channels_last"):
             x = torch.randn(*shape, device=device).round().to(dtype)  # many ties

@@ -2972,15 +2972,18 @@ def _window_lengths(L, n_out, first, last, dim, r, ct):
 ADAPTIVE_MAX_READS = 64
 
 
-def _adaptive_sizes(val, src):
+def _adaptive_sizes(val, src, global_ok=False):
     """(rank, input's last two sizes, output's) of a static 2-d adaptive pool whose windows
-    (and, pooling up, whose outputs per input) are small enough, or raises."""
+    (and, pooling up, whose outputs per input) are small enough, or raises; a global pool (a
+    1x1 output) of any size where `global_ok`."""
     if (not is_tensor_meta(val) or not is_tensor_meta(src) or val.dim() not in (3, 4) or not val.dtype.is_floating_point
             or any(not isinstance(n, int) for n in (*val.shape, *src.shape))):
         raise Unsupported("adaptive pooling of symbolic sizes or integers")
     n_in, n_out = list(src.shape[-2:]), list(val.shape[-2:])
     if min(n_in + n_out) < 1 or max(n_in) * (max(n_out) + 1) >= 2**31:
         raise Unsupported("adaptive pooling of empty or very large sizes")
+    if global_ok and n_out == [1, 1]:
+        return val.dim(), n_in, n_out
     def most(n_in, n_out):
         # The longest window, and the most windows holding one input (`_adaptive_windows`).
         return max(max((i * n_in + n_in - 1) // n_out - i * n_in // n_out + 1 for i in range(n_out)),
@@ -3030,8 +3033,22 @@ def _adaptive_max_pool2d(L, node, x, output_size):
     the first row whose maximum is greater (the last with a NaN), which is row-major order's
     choice. One pointwise kernel; the indices only where something reads them."""
     val, idx_val = node.meta["val"]
-    r, n_in, n_out = _adaptive_sizes(val, x.meta["val"])
+    r, n_in, n_out = _adaptive_sizes(val, x.meta["val"], global_ok=True)
     i64 = torch.int64
+    wanted = any(u.target is operator.getitem and u.args[1] == 1 and u.users for u in node.users)
+    if n_out == [1, 1]:
+        # A global pool (CBAM's, timm's max and avg-max pools): reductions over the map. The
+        # index is the first maximum (argmax over the flattened map), or where the map holds
+        # NaN the last NaN's position.
+        t, dims = L.tensor(x), [r - 2, r - 1]
+        best = L.op("amax", t, dims=dims, keepdim=True)
+        if not wanted:
+            return (L.eager_layout(best, val), None)
+        pos = _flat_position(L, n_in, r)
+        last_nan = L.op("amax", L.op("where", L.op("isnan", t), pos, L.scalar(-1, i64)), dims=dims, keepdim=True)
+        first = L.op("argmax", t, dims=dims, keepdim=True)
+        at = L.op("where", L.op("ge", last_nan, L.scalar(0, i64)), last_nan, first)
+        return (L.eager_layout(best, val), L.eager_layout(at, idx_val))
     best, at = L.tensor(x), None
     for k, dim in ((1, r - 1), (0, r - 2)):
         (first, last), _ = _adaptive_windows(n_in[k], n_out[k])
@@ -3061,8 +3078,15 @@ def _adaptive_max_pool2d(L, node, x, output_size):
         # Flat index: the row's position times the width plus the column's.
         at = p_ if at is None else L.op("add", L.op("mul", p_, L.scalar(n_in[1], i64)), a)
     out = L.eager_layout(best, val)
-    wanted = any(u.target is operator.getitem and u.args[1] == 1 and u.users for u in node.users)
     return (out, L.eager_layout(at, idx_val) if wanted else None)
+
+
+def _flat_position(L, size, r):
+    """Each element's flat position `h * w_size + w` in the last two dims (i64), broadcast
+    to rank `r`."""
+    h, w = size
+    return L.op("add", _along(L, L.op("iota", len=h, start=0, step=w, dtype="i64"), h, r - 2, r),
+                _along(L, L.op("iota", len=w, start=0, step=1, dtype="i64"), w, r - 1, r))
 
 
 @register(A("adaptive_max_pool2d_backward"))
@@ -3072,11 +3096,13 @@ def _adaptive_max_pool2d_backward(L, node, grad_out, x, indices):
     gradient where that output's index is this element's flat position. One pointwise
     kernel."""
     val = node.meta["val"]
-    r, n_in, n_out = _adaptive_sizes(grad_out.meta["val"], val)
-    ct, i32, i64 = _acc_dtype(val.dtype), torch.int32, torch.int64
+    r, n_in, n_out = _adaptive_sizes(grad_out.meta["val"], val, global_ok=True)
+    ct, i32 = _acc_dtype(val.dtype), torch.int32
     g, idx = L.tensor(grad_out, ct), L.tensor(indices)
-    here = L.op("add", _along(L, L.op("iota", len=n_in[0], start=0, step=n_in[1], dtype="i64"), n_in[0], r - 2, r),
-                _along(L, L.op("iota", len=n_in[1], start=0, step=1, dtype="i64"), n_in[1], r - 1, r))
+    here = _flat_position(L, n_in, r)
+    if n_out == [1, 1]:
+        # A global pool: the gradient where the element is the one index (both broadcast).
+        return L.eager_layout(L.cast(L.op("where", L.op("eq", here, idx), g, L.scalar(0, ct)), val.dtype), val)
     cands = []
     for k, dim in ((0, r - 2), (1, r - 1)):
         _, (first, last) = _adaptive_windows(n_in[k], n_out[k])
