@@ -65,6 +65,10 @@ impl Domain {
     pub fn has_reduction(&self) -> bool {
         self.reduced.iter().any(|r| *r)
     }
+    /// The number of points (outer times inner), where the sizes are constants.
+    pub fn work(&self) -> Option<i64> {
+        self.dims.iter().try_fold(1i64, |a, d| Some(a.saturating_mul(d.as_const()?)))
+    }
 
     /// The domain a root alone would have.
     pub fn of_root(g: &Graph, r: NodeId) -> Domain {
@@ -141,12 +145,8 @@ pub fn root_index(g: &Graph, dom: &Domain, r: NodeId) -> Option<(Vec<Expr>, Leve
     match &n.op {
         Op::Reduce { dims, keepdim, .. } => {
             // The dims alone: the loop order (a walk of the graph) does not decide the fit.
-            let (own_dims, own_reduced) = reduction_space(g, r);
-            if own_dims != dom.dims || own_reduced != dom.reduced {
-                return None;
-            }
             let t = g.ty(n.inputs[0]);
-            let in_idx = map_dims(&t.shape, dom, &all)?;
+            let in_idx = map_dims(&t.shape, dom, &reduction_dims_in(g, dom, r)?)?;
             let out_idx = (0..t.rank()).filter(|d| *keepdim || !dims.contains(d)).map(|d| if dims.contains(&d) { Expr::zero() } else { in_idx[d].clone() }).collect();
             Some((out_idx, Level::Outer))
         }
@@ -159,16 +159,94 @@ pub fn root_index(g: &Graph, dom: &Domain, r: NodeId) -> Option<(Vec<Expr>, Leve
                 if let Some(idx) = map_dims(s, dom, &outer) {
                     return Some((idx, Level::Outer));
                 }
+                // [Note: embedded reductions]: a value over the reduced dims and some of the
+                // kept ones (a LayerNorm's normalized row, stored for the backward), computed
+                // in a pass at every point and stored by each.
+                if dom.work().is_some_and(|w| w <= EMBED_MAX_WORK) {
+                    let real: Vec<Expr> = s.iter().filter(|d| !d.is_const(1)).cloned().collect();
+                    if let Some(ks) = embed_in(&real, dom, &outer) {
+                        return map_dims(s, dom, &ks).map(|idx| (idx, Level::Outer));
+                    }
+                    let covers = |ks: &Vec<usize>| (0..dom.dims.len()).filter(|&k| dom.reduced[k]).all(|k| ks.contains(&k));
+                    if let Some(ks) = embed_in(&real, dom, &all).filter(covers) {
+                        return map_dims(s, dom, &ks).map(|idx| (idx, Level::Row));
+                    }
+                }
             }
             None
         }
     }
 }
 
-/// The input index of a reduction root in its own domain.
+/// The domain dims a reduction root's (non-1) input dims are, or `None` where it does not fit
+/// `dom`: its own domain, or [Note: embedded reductions].
+fn reduction_dims_in(g: &Graph, dom: &Domain, r: NodeId) -> Option<Vec<usize>> {
+    let (own_dims, own_reduced) = reduction_space(g, r);
+    if own_dims == dom.dims && own_reduced == dom.reduced {
+        return Some((0..dom.dims.len()).collect());
+    }
+    if dom.work().is_none_or(|w| w > EMBED_MAX_WORK) {
+        return None;
+    }
+    embed(&own_dims, &own_reduced, dom)
+}
+
+/// [Note: embedded reductions] A reduction over the same reduced dims as a bigger group, whose
+/// kept dims are some of the group's (a LayerNorm's row statistics under a small matmul that
+/// normalizes the rows: `[rows] x [k]` in `[rows, n] x [k]`), can be computed in that group:
+/// each outer point of the group recomputes it in an earlier pass, and every point stores the
+/// same value. The fusion loop (`schedule::fuse`) takes this only for small groups, where the
+/// kernel it saves costs more than the work repeated ([`EMBED_MAX_WORK`]). The reduced dims
+/// must be all of the group's, in order; the kept dims map onto the group's kept dims in
+/// order, the first that fit.
+pub const EMBED_MAX_WORK: i64 = 1 << 18;
+
+/// The domain dims that dims `own` (reduced where `own_reduced`) embed into, in order.
+pub fn embed(own: &[Expr], own_reduced: &[bool], dom: &Domain) -> Option<Vec<usize>> {
+    let red: Vec<usize> = (0..dom.dims.len()).filter(|&k| dom.reduced[k]).collect();
+    let own_red: Vec<usize> = (0..own.len()).filter(|&d| own_reduced[d]).collect();
+    if red.len() != own_red.len() || red.iter().zip(&own_red).any(|(&k, &d)| dom.dims[k] != own[d]) {
+        return None;
+    }
+    let mut out = Vec::with_capacity(own.len());
+    let (mut next_red, mut k) = (red.iter(), 0);
+    for d in 0..own.len() {
+        if own_reduced[d] {
+            let &kk = next_red.next()?;
+            if kk < k {
+                return None;
+            }
+            out.push(kk);
+            k = kk + 1;
+            continue;
+        }
+        while k < dom.dims.len() && (dom.reduced[k] || dom.dims[k] != own[d]) {
+            k += 1;
+        }
+        if k == dom.dims.len() {
+            return None;
+        }
+        out.push(k);
+        k += 1;
+    }
+    Some(out)
+}
+
+/// The domain dims among `cands` (in order) that a value's dims `own` are: the first that
+/// fit, in order.
+fn embed_in(own: &[Expr], dom: &Domain, cands: &[usize]) -> Option<Vec<usize>> {
+    let mut out = Vec::with_capacity(own.len());
+    let mut it = cands.iter();
+    for d in own {
+        out.push(*it.find(|&&k| dom.dims[k] == *d)?);
+    }
+    Some(out)
+}
+
+/// The input index of a reduction root in its group's domain.
 fn reduction_input_index(g: &Graph, dom: &Domain, r: NodeId) -> Vec<Expr> {
     let t = g.ty(g.node(r).inputs[0]);
-    map_dims(&t.shape, dom, &(0..dom.dims.len()).collect::<Vec<_>>()).expect("checked by root_index")
+    map_dims(&t.shape, dom, &reduction_dims_in(g, dom, r).expect("checked by root_index")).expect("checked by root_index")
 }
 
 /// What lowering needs to know about the rest of the schedule.

@@ -588,9 +588,18 @@ fn fuse(g: &Graph, stored: &[bool], log: &mut Vec<String>) -> Result<Fused, Sche
                 log.push(format!("{id} not fused into group {k}: it needs a step that runs later"));
                 continue;
             }
+            // Whether the group runs in the root's own domain: a pointwise group of the root's
+            // dims; or ([Note: embedded reductions] in lower.rs) a small reduction group whose
+            // roots all fit the root's own domain, which takes the group in (its reductions
+            // recomputed per point, in an earlier pass).
+            let takes_own = || {
+                let o = own.get_or_init(|| Domain::of_root(g, id));
+                (!gr.dom.has_reduction() && o.dims == gr.dom.dims)
+                    || (gr.dom.has_reduction() && o.has_reduction() && gr.roots.iter().all(|&x| root_index(g, o, x).is_some()))
+            };
             let dom = if root_index(g, &gr.dom, id).is_some() {
                 gr.dom.clone()
-            } else if !gr.dom.has_reduction() && own.get_or_init(|| Domain::of_root(g, id)).dims == gr.dom.dims {
+            } else if takes_own() {
                 own.get().unwrap().clone()
             } else {
                 log.push(format!("{id} not fused into group {k}: iteration space differs"));
