@@ -245,8 +245,9 @@ def test_small_matmul_epilogues_on_the_cpu(device, monkeypatch):
         assert o.stride() == r.stride()
     rec = braze.stats.records[-1]
     assert rec["status"] == "compiled" and "matmul" not in rec["schedule"] and not rec["externs"], rec["schedule"]
-    # LayerNorm + MLP blocks, a training step: the statistics computed in the first linear's
-    # kernel ([Note: embedded reductions]) and saved for the backward from there.
+    # LayerNorm + MLP blocks, a training step: the statistics and normalized rows are saved for
+    # the backward (graph outputs), so they keep a kernel of their own ([Note: embedded
+    # reductions]); values and gradients are eager's.
     model = torch.nn.Sequential(*[TinyBlock(64) for _ in range(3)])
     ref = copy.deepcopy(model)
     x = torch.randn(2, 64)
@@ -254,7 +255,7 @@ def test_small_matmul_epilogues_on_the_cpu(device, monkeypatch):
     for fn in (compiled(model, dynamic=False, options={"on_unsupported": "error"}), ref):
         (fn(x) ** 2).sum().backward()
     fw = [r for r in braze.stats.records[n0:] if r["kind"] == "forward"][0]
-    assert len(fw["kernels"]) == 6 and not fw["externs"], fw["kernels"]
+    assert len(fw["kernels"]) == 9 and not fw["externs"], fw["kernels"]
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-4 * max(1.0, q.grad.abs().max().item()), msg=name)
     # Degenerate sizes: K = 1 (an outer product), M = N = 1 (a dot product), batched ones.

@@ -162,7 +162,7 @@ pub fn root_index(g: &Graph, dom: &Domain, r: NodeId) -> Option<(Vec<Expr>, Leve
                 // [Note: embedded reductions]: a value over the reduced dims and some of the
                 // kept ones (a LayerNorm's normalized row, stored for the backward), computed
                 // in a pass at every point and stored by each.
-                if dom.work().is_some_and(|w| w <= EMBED_MAX_WORK) {
+                if embeddable(g, dom, r) {
                     let real: Vec<Expr> = s.iter().filter(|d| !d.is_const(1)).cloned().collect();
                     if let Some(ks) = embed_in(&real, dom, &outer) {
                         return map_dims(s, dom, &ks).map(|idx| (idx, Level::Outer));
@@ -185,18 +185,35 @@ fn reduction_dims_in(g: &Graph, dom: &Domain, r: NodeId) -> Option<Vec<usize>> {
     if own_dims == dom.dims && own_reduced == dom.reduced {
         return Some((0..dom.dims.len()).collect());
     }
-    if dom.work().is_none_or(|w| w > EMBED_MAX_WORK) {
+    if !embeddable(g, dom, r) {
         return None;
     }
     embed(&own_dims, &own_reduced, dom)
+}
+
+/// Whether root `r` may be embedded in `dom` ([Note: embedded reductions]): the domain is
+/// small, and `r` is no graph output (nor viewed by one). An embedded root is stored by every
+/// point of the domain, the same value each time; an output may be an input's new value that
+/// the runtime has its kernel store in place ([Note: input mutations]: BatchNorm's running
+/// statistics and batch count), where a point that reads the input after another has stored
+/// the new value would compute from it again.
+fn embeddable(g: &Graph, dom: &Domain, r: NodeId) -> bool {
+    let base = |mut o: NodeId| {
+        while g.node(o).op.is_view() {
+            o = g.node(o).inputs[0];
+        }
+        o
+    };
+    dom.work().is_some_and(|w| w <= EMBED_MAX_WORK) && !g.outputs.iter().any(|&o| base(o) == r)
 }
 
 /// [Note: embedded reductions] A reduction over the same reduced dims as a bigger group, whose
 /// kept dims are some of the group's (a LayerNorm's row statistics under a small matmul that
 /// normalizes the rows: `[rows] x [k]` in `[rows, n] x [k]`), can be computed in that group:
 /// each outer point of the group recomputes it in an earlier pass, and every point stores the
-/// same value. The fusion loop (`schedule::fuse`) takes this only for small groups, where the
-/// kernel it saves costs more than the work repeated ([`EMBED_MAX_WORK`]). The reduced dims
+/// same value where another kernel reads it. The fusion loop (`schedule::fuse`) takes this only
+/// for small groups, where the kernel it saves costs more than the work repeated
+/// ([`EMBED_MAX_WORK`]), and never for graph outputs (`embeddable`). The reduced dims
 /// must be all of the group's, in order; the kept dims map onto the group's kept dims in
 /// order, the first that fit.
 pub const EMBED_MAX_WORK: i64 = 1 << 18;
