@@ -1021,6 +1021,25 @@ def test_float_arange(device):
     assert not any(r["externs"] for r in braze.stats.records), [r["extern_reasons"] for r in braze.stats.records]
 
 
+def test_integer_arange_of_float_bounds(device):
+    """`arange` into an integer type with float bounds or step (Funnel's `arange(0, n, 1.0,
+    dtype=torch.long)`) is an iota: ATen converts start and step to the integer type,
+    truncating their fractions, and takes the length from the float bounds. It ran as an ATen
+    call."""
+    cases = [(0, 7, 1.0, torch.int64), (-5.0, 5, 1.0, torch.int64), (0.5, 5, 1.5, torch.int64),
+             (2.7, 9.2, 2.0, torch.int32), (-3.5, 4, 2.5, torch.int64), (9, -3.5, -2.0, torch.int64)]
+    for start, end, step, dtype in cases:
+        def f(x):
+            return x + torch.arange(start, end, step, dtype=dtype, device=x.device)
+
+        x = torch.randint(-3, 3, (), device=device, dtype=dtype)
+        torch._dynamo.reset()
+        before = dict(braze.stats.extern_ops)
+        got = compiled(f, options={"on_unsupported": "error"})(x)
+        assert torch.equal(got, f(x)), (start, end, step, dtype, got)
+        assert _externs_since(before) == set(), (start, end, step, dtype)
+
+
 def test_host_scalars_simulated_on_cpu(monkeypatch):
     """The host-scalar path ([Note: host scalars]) on the CPU, where no graph has host values:
     0-dim tensors are made to count as on another device than the graph's. The float inputs

@@ -2076,13 +2076,19 @@ def _arange(L, node, *args, **kw):
     result's length: the end may be a size symbol (a graph input with dynamic shapes). Integer
     start and step count directly; a float one (`arange(0, d, 2.0)` of positional encodings)
     gives `start + i * step` computed in float64 and rounded once, as ATen's CPU kernel
-    computes it in double."""
+    computes it in double; into an integer type, float bounds count as ATen's kernel converts
+    them (truncated)."""
     v = node.meta["val"]
     start, step = (0, 1) if len(args) == 1 else (args[0], args[2] if len(args) > 2 else 1)
     end = args[0] if len(args) == 1 else args[1]
     if not (isinstance(end, (int, float)) or _is_sym_int(end)) or isinstance(end, bool):
         raise Unsupported("arange with a bound computed at run time")
-    if isinstance(start, int) and isinstance(step, int) and not isinstance(start, bool) and not isinstance(step, bool):
+    if not v.dtype.is_floating_point and v.dtype != torch.bool and all(isinstance(a, (int, float)) and not isinstance(a, bool) for a in (start, step)):
+        # An integer result: ATen converts start and step to the integer type (truncating a
+        # float's fraction) and takes the length from the float bounds (Funnel's
+        # `arange(0, n, 1.0, dtype=torch.long)`).
+        start, step = int(start), int(step)
+    if isinstance(start, int) and isinstance(step, int) and not isinstance(start, bool) and not isinstance(step, bool) and step != 0:
         return L.op("iota", len=sym_val(v.shape[0]), start=start, step=step, dtype=dt(v.dtype))
     if not (isinstance(start, (int, float)) and isinstance(step, (int, float))) or not v.dtype.is_floating_point:
         raise Unsupported("arange with non-integer bounds")
