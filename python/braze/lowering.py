@@ -2749,11 +2749,6 @@ def _max_pool2d_backward_gather(L, node, grad_out, kernel_size, stride, padding,
     if max(h, w) * (max(s) + max(k) + max(p) + 1) >= 2**31:
         return None
 
-    def shaped(t, n, dim):
-        shape = [1] * r
-        shape[dim] = n
-        return L.op("reshape", t, shape=shape)
-
     def candidates(n_in, n_out, kk, ss, pp, dim):
         # Per candidate j: (output position, clamped for reading; valid; window position), 1-d.
         pos = L.op("iota", len=n_in, start=pp, step=1, dtype="i32")
@@ -2764,29 +2759,39 @@ def _max_pool2d_backward_gather(L, node, grad_out, kernel_size, stride, padding,
             at = L.op("sub", pos, L.op("mul", o, L.scalar(ss, i32)))
             ok = L.op("and", L.op("and", L.op("ge", o, L.scalar(0, i32)), L.op("lt", o, L.scalar(n_out, i32))), L.op("lt", at, L.scalar(kk, i32)))
             read = L.op("min", L.op("max", o, L.scalar(0, i32)), L.scalar(n_out - 1, i32))
-            out.append((read, shaped(ok, n_in, dim), shaped(at, n_in, dim)))
+            out.append((read, _along(L, ok, n_in, dim, r), _along(L, at, n_in, dim, r)))
         return out
 
-    g = L.tensor(grad_out, ct)
-    found = L.tensor(src[0]) if src is not None else L.tensor(indices)
-    if src is None:
-        # The flat position h * w + w' of each input element, compared with the indices.
-        here = L.op("add", shaped(L.op("iota", len=h, start=0, step=w, dtype="i64"), h, r - 2),
-                    shaped(L.op("iota", len=w, start=0, step=1, dtype="i64"), w, r - 1))
-    zero = L.scalar(0, ct)
-    total = None
-    for ro, rok, rat in candidates(h, ho, k[0], s[0], p[0], r - 2):
-        for co, cok, cat in candidates(w, wo, k[1], s[1], p[1], r - 1):
-            def at_candidate(t):
-                return L.op("index_select", L.op("index_select", t, ro, dim=r - 2), co, dim=r - 1)
-            f = at_candidate(found)
-            if src is not None:
-                hit = L.op("eq", L.cast(f, i32), L.op("add", L.op("mul", rat, L.scalar(k[1], i32)), cat))
-            else:
-                hit = L.op("eq", f, here)
-            v = L.op("where", L.op("and", L.op("and", rok, cok), hit), at_candidate(g), zero)
-            total = v if total is None else L.op("add", total, v)
+    if src is not None:
+        def hit(f, rat, cat):
+            # The output's window offset is this element's position in its window.
+            return L.op("eq", L.cast(f, i32), L.op("add", L.op("mul", rat, L.scalar(k[1], i32)), cat))
+        found = L.tensor(src[0])
+    else:
+        here = _flat_position(L, (h, w), r)
+
+        def hit(f, rat, cat):
+            return L.op("eq", f, here)
+        found = L.tensor(indices)
+    rows, cols = candidates(h, ho, k[0], s[0], p[0], r - 2), candidates(w, wo, k[1], s[1], p[1], r - 1)
+    total = _sum_over_candidates(L, L.tensor(grad_out, ct), found, rows, cols, hit, r, ct)
     return L.eager_layout(L.cast(total, val.dtype), val)
+
+
+def _sum_over_candidates(L, g, found, rows, cols, hit, r, ct):
+    """A pool's input gradient in gather form: for each input element, the sum over its
+    candidate outputs (`rows` x `cols`, each `(index to read, valid, extra)`: 1-d indices
+    into the output's last two dims, masks and values broadcast against the input) of the
+    output gradient `g` where the candidate is valid and `hit(found at the candidate, the
+    row's extra, the column's)` says its maximum is this element."""
+    zero, total = L.scalar(0, ct), None
+    for ro, rok, rx in rows:
+        for co, cok, cx in cols:
+            def at(t):
+                return L.op("index_select", L.op("index_select", t, ro, dim=r - 2), co, dim=r - 1)
+            v = L.op("where", L.op("and", L.op("and", rok, cok), hit(at(found), rx, cx)), at(g), zero)
+            total = v if total is None else L.op("add", total, v)
+    return total
 
 
 def _pool_window(L, x, val, kernel_size, stride, padding, dilation, ceil_mode, pad_value=-math.inf):
@@ -3117,16 +3122,9 @@ def _adaptive_max_pool2d_backward(L, node, grad_out, x, indices):
         taps = []
         for j in range(max(e - b + 1 for b, e in zip(lo_v, hi_v))):
             o = L.op("add", lo, L.scalar(j, i32))
-            taps.append((L.op("min", o, L.scalar(n_out[k] - 1, i32)), _along(L, L.op("le", o, hi), n_in[k], dim, r)))
+            taps.append((L.op("min", o, L.scalar(n_out[k] - 1, i32)), _along(L, L.op("le", o, hi), n_in[k], dim, r), None))
         cands.append(taps)
-    zero, total = L.scalar(0, ct), None
-    for rows, rok in cands[0]:
-        for cols, cok in cands[1]:
-            def at(t):
-                return L.op("index_select", L.op("index_select", t, rows, dim=r - 2), cols, dim=r - 1)
-            hit = L.op("and", L.op("and", rok, cok), L.op("eq", at(idx), here))
-            v = L.op("where", hit, at(g), zero)
-            total = v if total is None else L.op("add", total, v)
+    total = _sum_over_candidates(L, g, idx, cands[0], cands[1], lambda f, _r, _c: L.op("eq", f, here), r, ct)
     return L.eager_layout(L.cast(total, val.dtype), val)
 
 

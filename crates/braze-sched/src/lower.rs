@@ -164,11 +164,11 @@ pub fn root_index(g: &Graph, dom: &Domain, r: NodeId) -> Option<(Vec<Expr>, Leve
                 // in a pass at every point and stored by each.
                 if embeddable(g, dom, r) {
                     let real: Vec<Expr> = s.iter().filter(|d| !d.is_const(1)).cloned().collect();
-                    if let Some(ks) = embed_in(&real, dom, &outer) {
+                    let same_size = |d: usize, k: usize| dom.dims[k] == real[d];
+                    if let Some(ks) = embed_in(real.len(), &outer, same_size) {
                         return map_dims(s, dom, &ks).map(|idx| (idx, Level::Outer));
                     }
-                    let covers = |ks: &Vec<usize>| (0..dom.dims.len()).filter(|&k| dom.reduced[k]).all(|k| ks.contains(&k));
-                    if let Some(ks) = embed_in(&real, dom, &all).filter(covers) {
+                    if let Some(ks) = embed_in(real.len(), &all, same_size).filter(|ks| covers_reduced(dom, ks)) {
                         return map_dims(s, dom, &ks).map(|idx| (idx, Level::Row));
                     }
                 }
@@ -188,7 +188,8 @@ fn reduction_dims_in(g: &Graph, dom: &Domain, r: NodeId) -> Option<Vec<usize>> {
     if !embeddable(g, dom, r) {
         return None;
     }
-    embed(&own_dims, &own_reduced, dom)
+    let all: Vec<usize> = (0..dom.dims.len()).collect();
+    embed_in(own_dims.len(), &all, |d, k| dom.dims[k] == own_dims[d] && dom.reduced[k] == own_reduced[d]).filter(|ks| covers_reduced(dom, ks))
 }
 
 /// Whether root `r` may be embedded in `dom` ([Note: embedded reductions]): the domain is
@@ -214,50 +215,21 @@ fn embeddable(g: &Graph, dom: &Domain, r: NodeId) -> bool {
 /// same value where another kernel reads it. The fusion loop (`schedule::fuse`) takes this only
 /// for small groups, where the kernel it saves costs more than the work repeated
 /// ([`EMBED_MAX_WORK`]), and never for graph outputs (`embeddable`). The reduced dims
-/// must be all of the group's, in order; the kept dims map onto the group's kept dims in
-/// order, the first that fit.
+/// must be all of the group's; each dim maps onto the first later group dim of its size and
+/// kind (`embed_in`).
 pub const EMBED_MAX_WORK: i64 = 1 << 18;
 
-/// The domain dims that dims `own` (reduced where `own_reduced`) embed into, in order.
-pub fn embed(own: &[Expr], own_reduced: &[bool], dom: &Domain) -> Option<Vec<usize>> {
-    let red: Vec<usize> = (0..dom.dims.len()).filter(|&k| dom.reduced[k]).collect();
-    let own_red: Vec<usize> = (0..own.len()).filter(|&d| own_reduced[d]).collect();
-    if red.len() != own_red.len() || red.iter().zip(&own_red).any(|(&k, &d)| dom.dims[k] != own[d]) {
-        return None;
-    }
-    let mut out = Vec::with_capacity(own.len());
-    let (mut next_red, mut k) = (red.iter(), 0);
-    for d in 0..own.len() {
-        if own_reduced[d] {
-            let &kk = next_red.next()?;
-            if kk < k {
-                return None;
-            }
-            out.push(kk);
-            k = kk + 1;
-            continue;
-        }
-        while k < dom.dims.len() && (dom.reduced[k] || dom.dims[k] != own[d]) {
-            k += 1;
-        }
-        if k == dom.dims.len() {
-            return None;
-        }
-        out.push(k);
-        k += 1;
-    }
-    Some(out)
+/// The domain dims among `cands` that `n` dims are, in order: for each dim `d`, the first
+/// later candidate `k` that `fits(d, k)`.
+fn embed_in(n: usize, cands: &[usize], fits: impl Fn(usize, usize) -> bool) -> Option<Vec<usize>> {
+    let mut it = cands.iter();
+    (0..n).map(|d| it.find(|&&k| fits(d, k)).copied()).collect()
 }
 
-/// The domain dims among `cands` (in order) that a value's dims `own` are: the first that
-/// fit, in order.
-fn embed_in(own: &[Expr], dom: &Domain, cands: &[usize]) -> Option<Vec<usize>> {
-    let mut out = Vec::with_capacity(own.len());
-    let mut it = cands.iter();
-    for d in own {
-        out.push(*it.find(|&&k| dom.dims[k] == *d)?);
-    }
-    Some(out)
+/// Whether domain dims `ks` include every reduced dim of `dom` (an embedded value or
+/// reduction runs over the whole inner loop).
+fn covers_reduced(dom: &Domain, ks: &[usize]) -> bool {
+    (0..dom.dims.len()).filter(|&k| dom.reduced[k]).all(|k| ks.contains(&k))
 }
 
 /// The input index of a reduction root in its group's domain.
