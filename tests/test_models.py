@@ -1046,7 +1046,10 @@ def test_cuda_graph_replay(device, compiled_graphs):
         pytest.skip("CUDA graphs: GPU only")
 
     def f(x, w):
-        return torch.relu(x @ w) * torch.sigmoid(x).sum(-1, keepdim=True)
+        # The row sums are an output, so they stay a kernel of their own ([Note: embedded
+        # reductions]): a run of two kernels, which is what replays.
+        s = torch.sigmoid(x).sum(-1, keepdim=True)
+        return torch.relu(x @ w) * s, s
 
     x, w = torch.randn(64, 32, device=device), torch.randn(32, 16, device=device)
     others = [torch.randn(64, 32, device=device) for _ in range(2)]
@@ -1057,6 +1060,7 @@ def test_cuda_graph_replay(device, compiled_graphs):
         # order than cuBLAS's.)
         torch.testing.assert_close(c(x, w), f(x, w), rtol=1e-5, atol=1e-4)
     (g,) = compiled_graphs
+    assert len(braze.stats.records[-1]["kernels"]) == 2
     assert g.c.replays >= 3
     for i in range(6):  # two buffer sets in turn, then a fresh one each call
         y = others[i % 2] if i < 4 else torch.randn(64, 32, device=device)
@@ -1641,7 +1645,7 @@ def test_column_variance_in_chunks(device, dtype):
     src = rec["source"] if device == "cuda" else rec.get("cuda_source")
     if src is None:
         pytest.skip("NVRTC not found: the CUDA source was not generated")
-    assert "long long r0 = cy + " in src and "_v[j] * m) + m * m * fw" in src, src
+    assert "long long r0 = cr + " in src and "_v[j] * m) + m * m * fw" in src, src
 
 
 def test_short_column_reductions_run_a_thread_per_point(device):
@@ -1770,6 +1774,53 @@ def test_vector_columns(device, compiled_graphs):
         src = braze.stats.records[-2].get("cuda_source") if device == "cpu" else None
         if src:
             assert "bz_colv_welford<" in src and "bz_colv_reduce<" in src, src
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cluster_columns(device, dtype):
+    """[Note: cluster columns] (braze-codegen): a BatchNorm + hardswish over few channels with
+    rows too short to split (MobileNet-v3-small's 576 × 7 × 7 at batch 32, channels_last) runs
+    its column kernels as clusters of blocks that share their channels and split the rows:
+    the forward's statistics (a vector column kernel) and the backward's two sums and gradient
+    store (one kernel of two passes). Running statistics, outputs and gradients are eager's."""
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.BatchNorm2d(576), torch.nn.Hardswish()).to(device)
+    ref = copy.deepcopy(m)
+    x = (torch.randn(32, 576, 7, 7, device=device) * 2 + 1).to(memory_format=torch.channels_last)
+    x[:, 3] += 50  # a channel far from 0: Welford's merge across the cluster is exercised
+    x = x.to(dtype).requires_grad_()
+    xr = x.detach().clone().requires_grad_()
+    c = compiled(m, options={"on_unsupported": "error"})
+    with torch.autocast(device, dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
+        y, yr = c(x), ref(xr)
+    g = torch.randn_like(yr)
+    y.backward(g)
+    yr.backward(g)
+    tol = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else dict(rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(y, yr, **tol)
+    torch.testing.assert_close(x.grad, xr.grad, **tol)
+    # Parameter gradients are sums of 1568 products: in bf16 compared with float64's, braze
+    # within twice eager's error.
+    exact = copy.deepcopy(ref).double()
+    for p in exact.parameters():
+        p.grad = None
+    exact(x.detach().double()).backward(g.double())
+    for p, q, e in zip(m.parameters(), ref.parameters(), exact.parameters()):
+        err, err_eager = ((t.grad.double() - e.grad).abs().max().item() for t in (p, q))
+        assert err <= 2 * err_eager + 1e-3, (err, err_eager)
+    torch.testing.assert_close(m[0].running_mean, ref[0].running_mean, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(m[0].running_var, ref[0].running_var, rtol=1e-4, atol=1e-4)
+    recs = [r for r in braze.stats.records if r.get("status") == "compiled"]
+    assert len(recs) == 2 and not any(r["externs"] for r in recs), [r["externs"] for r in recs]
+    srcs = [r["source"] if device == "cuda" else r.get("cuda_source") for r in recs]
+    if device == "cuda" and torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("thread-block clusters: Hopper and newer")
+    if srcs[0] is None:
+        pytest.skip("NVRTC not found: the CUDA source was not generated")
+    for src in srcs:
+        assert re.search(r"__cluster_dims__\([2-8], 1, 1\)", src), src
+    assert "bz_cluster_welford<" in srcs[0], srcs[0]
+    assert "bz_cluster_reduce<" in srcs[1], srcs[1]
 
 
 def test_extern_operands_live_in_arenas(device, compiled_graphs):

@@ -289,6 +289,51 @@ template <int CX, int CY, int V, class T> __device__ void bz_colv_welford(T (&me
   #pragma unroll
   for (int l = 0; l < V; l++) { mean[l] = sh[0][0][x * V + l]; m2[l] = sh[1][0][x * V + l]; n[l] = sh[2][0][x * V + l]; }
 }
+
+/* Cluster columns ([Note: cluster columns]): the C blocks of a cluster share their points and
+   split the rows; each block's result for point p (lane l of its V) is combined with the
+   others' through distributed shared memory, in rank order, so every block of the cluster
+   holds the same value. The second barrier keeps a block's shared memory alive until the
+   others have read it. Hopper and newer. */
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+BZ unsigned bz_cluster_rank() { unsigned r; asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r)); return r; }
+BZ void bz_cluster_sync() { asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory"); }
+template <class T> BZ const T* bz_cluster_ptr(const T* p, unsigned rank) {
+  unsigned long long r; asm volatile("mapa.u64 %0, %1, %2;" : "=l"(r) : "l"(p), "r"(rank)); return (const T*)r;
+}
+template <int C, int P, int V, class T, class F> __device__ void bz_cluster_reduce(T (&v)[V], F f, int p, bool writer) {
+  __shared__ T part[P * V];
+  if (writer) {
+    #pragma unroll
+    for (int l = 0; l < V; l++) part[p * V + l] = v[l];
+  }
+  bz_cluster_sync();
+  #pragma unroll
+  for (int l = 0; l < V; l++) v[l] = bz_cluster_ptr(part, 0)[p * V + l];
+  for (int r = 1; r < C; r++) {
+    const T* q = bz_cluster_ptr(part, r);
+    #pragma unroll
+    for (int l = 0; l < V; l++) v[l] = f(v[l], q[p * V + l]);
+  }
+  bz_cluster_sync();
+}
+template <int C, int P, int V, class T> __device__ void bz_cluster_welford(T (&mean)[V], T (&m2)[V], T (&n)[V], int p, bool writer) {
+  __shared__ T part[3][P * V];
+  if (writer) {
+    #pragma unroll
+    for (int l = 0; l < V; l++) { part[0][p * V + l] = mean[l]; part[1][p * V + l] = m2[l]; part[2][p * V + l] = n[l]; }
+  }
+  bz_cluster_sync();
+  #pragma unroll
+  for (int l = 0; l < V; l++) { mean[l] = bz_cluster_ptr(part[0], 0)[p * V + l]; m2[l] = bz_cluster_ptr(part[1], 0)[p * V + l]; n[l] = bz_cluster_ptr(part[2], 0)[p * V + l]; }
+  for (int r = 1; r < C; r++) {
+    const T *qm = bz_cluster_ptr(part[0], r), *qq = bz_cluster_ptr(part[1], r), *qn = bz_cluster_ptr(part[2], r);
+    #pragma unroll
+    for (int l = 0; l < V; l++) bz_welford_merge(mean[l], m2[l], n[l], qm[p * V + l], qq[p * V + l], qn[p * V + l]);
+  }
+  bz_cluster_sync();
+}
+#endif
 "#
 );
 
@@ -338,6 +383,61 @@ pub fn col_geometry(k: &Kernel) -> (u32, u32) {
     (x, COL_THREADS / x)
 }
 
+/// The device kernels are generated for: its multiprocessor count, and whether its blocks
+/// may form clusters (Hopper and newer, [Note: cluster columns]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Gpu {
+    pub sms: u32,
+    pub clusters: bool,
+}
+
+impl Gpu {
+    /// The device of architecture `arch` (`sm_90`, `compute_80`) with `sms` multiprocessors.
+    pub fn new(arch: &str, sms: u32) -> Gpu {
+        let digits: String = arch.chars().filter(char::is_ascii_digit).collect();
+        let cc: u32 = digits.parse().unwrap_or(0);
+        Gpu { sms, clusters: cc >= 90 }
+    }
+}
+
+/// Most blocks of a cluster (the portable limit).
+pub const MAX_CLUSTER: u32 = 8;
+/// Fewest rows per thread of a clustered column kernel.
+const CLUSTER_MIN_ROWS: i64 = 4;
+
+/// [Note: cluster columns] A column kernel gives each block `col_x` neighbouring points and
+/// all their rows. With few points that is few blocks: a BatchNorm+hardswish backward over 576
+/// channels × 1568 rows (MobileNet-v3-small, channels_last, both passes in one kernel) ran
+/// on 72 of the H100's 132 multiprocessors, one 512-thread block each, at 0.7 TB/s. On
+/// Hopper and newer the kernel instead runs `cluster` blocks per group of points, launched as
+/// one thread-block cluster (`__cluster_dims__`): each block takes every `cluster`-th run of
+/// rows, reduces them as before, and the blocks' partial results combine through distributed
+/// shared memory in rank order (`bz_cluster_reduce`, `bz_cluster_welford`), so every block
+/// holds the whole result and a later pass (the backward's gradient store) runs over its own
+/// rows, still one kernel and one read of the input per pass. Values of the points (the
+/// reductions' stores) are stored by the first block. Unlike a split reduction (two kernels,
+/// the partial results through memory: a loss for ResNet-18's 512-channel BatchNorm kernels,
+/// twenty-ninth session) nothing extra goes to memory. The heuristic doubles the cluster (up
+/// to [`MAX_CLUSTER`]) while the grid is under two blocks per multiprocessor and each thread
+/// keeps at least [`CLUSTER_MIN_ROWS`] rows; arg-reductions and symbolic sizes keep one block.
+pub fn cluster_size(k: &Kernel, gpu: Gpu, cfg: &Config) -> u32 {
+    let arg = k.passes.iter().flat_map(|p| &p.reductions).any(|r| matches!(r.kind, ReduceKind::ArgMax | ReduceKind::ArgMin));
+    if !gpu.clusters || arg || cfg.cluster == 1 {
+        return 1;
+    }
+    if cfg.cluster > 1 {
+        return cfg.cluster;
+    }
+    let (Some(outer), Some(inner)) = (product(&k.outer).as_const(), product(&k.inner).as_const()) else { return 1 };
+    let blocks = (outer + cfg.col.0 as i64 - 1) / cfg.col.0 as i64;
+    let (rows, sms) = (cfg.col.1 as i64, gpu.sms as i64);
+    let mut c: i64 = 1;
+    while c < MAX_CLUSTER as i64 && blocks * c < 2 * sms && inner >= 2 * c * rows * CLUSTER_MIN_ROWS {
+        c *= 2;
+    }
+    c as u32
+}
+
 /// [Note: kernel configurations] How a kernel spreads its work over the GPU, the part of
 /// its code that does not change what it computes: threads per block, the grid's cap, a warp
 /// or a block per short row, a column kernel's geometry, the widest vector access, the loads
@@ -365,17 +465,20 @@ pub struct Config {
     /// Reductions: iterations of the loop over reduced elements unrolled (loads in flight per
     /// thread); 0 for the heuristic's (8 for tiny rows, 4 otherwise).
     pub unroll: u32,
+    /// Column kernels: blocks per cluster sharing each block's points ([Note: cluster
+    /// columns]); 0 for the heuristic's ([`cluster_size`]), 1 for none.
+    pub cluster: u32,
 }
 
 impl Config {
     /// The static choice for kernel `k`.
     pub fn heuristic(k: &Kernel) -> Config {
-        Config { threads: BLOCK, blocks_per_sm: 0, warp_rows: true, col: col_geometry(k), max_vec: 8, unroll: 0 }
+        Config { threads: BLOCK, blocks_per_sm: 0, warp_rows: true, col: col_geometry(k), max_vec: 8, unroll: 0, cluster: 0 }
     }
 
     /// A short text that [`Config::from_text`] reads back (remembered choices).
     pub fn to_text(&self) -> String {
-        format!("t{} g{} w{} c{}x{} v{} u{}", self.threads, self.blocks_per_sm, self.warp_rows as u8, self.col.0, self.col.1, self.max_vec, self.unroll)
+        format!("t{} g{} w{} c{}x{} v{} u{} k{}", self.threads, self.blocks_per_sm, self.warp_rows as u8, self.col.0, self.col.1, self.max_vec, self.unroll, self.cluster)
     }
 
     pub fn from_text(s: &str) -> Option<Config> {
@@ -388,7 +491,8 @@ impl Config {
         let (x, y) = col.split_once('x')?;
         let max_vec = field("v")?.parse().ok()?;
         let unroll = field("u")?.parse().ok()?;
-        let c = Config { threads, blocks_per_sm, warp_rows, col: (x.parse().ok()?, y.parse().ok()?), max_vec, unroll };
+        let cluster = field("k")?.parse().ok()?;
+        let c = Config { threads, blocks_per_sm, warp_rows, col: (x.parse().ok()?, y.parse().ok()?), max_vec, unroll, cluster };
         c.valid().then_some(c)
     }
 
@@ -397,6 +501,7 @@ impl Config {
     fn valid(&self) -> bool {
         let p2 = |v: u32| v.is_power_of_two();
         p2(self.threads) && (32..=1024).contains(&self.threads) && p2(self.col.0) && p2(self.col.1) && self.col.1 >= 2 && self.col.0 * self.col.1 <= 1024 && p2(self.max_vec) && self.max_vec <= 16 && self.unroll <= 32
+            && (self.cluster == 0 || (p2(self.cluster) && self.cluster <= MAX_CLUSTER))
     }
 }
 
@@ -435,6 +540,10 @@ pub fn candidates(k: &Kernel) -> Vec<Config> {
         }
         // One point per thread ([Note: vector columns] off).
         add(Config { max_vec: 1, ..h });
+        // One block per group of points, or twice the heuristic's cluster ([Note: cluster
+        // columns]; a kernel that cannot cluster emits the same code for each).
+        add(Config { cluster: 1, ..h });
+        add(Config { cluster: 4, ..h });
         return out;
     }
     for threads in [128, 512, 1024] {
@@ -684,14 +793,14 @@ fn emit_stmt(e: &Emitter, s: &Stmt, guard: Option<&str>) -> Result<String, Codeg
 /// round (another graph's, a layer whose operands were created in another order) is then the
 /// same text up to names, so it is deduplicated and found in the per-kernel cache
 /// ([Note: kernel dedup], [Note: per-kernel CUDA cache] in braze-runtime).
-pub fn emit_kernel(k: &Kernel, sms: u32, out: &mut String) -> Result<Launch, CodegenError> {
-    emit_kernel_with(k, sms, &Config::heuristic(k), out)
+pub fn emit_kernel(k: &Kernel, gpu: Gpu, out: &mut String) -> Result<Launch, CodegenError> {
+    emit_kernel_with(k, gpu, &Config::heuristic(k), out)
 }
 
 /// [`emit_kernel`] in configuration `cfg` ([Note: kernel configurations]).
-pub fn emit_kernel_with(k: &Kernel, sms: u32, cfg: &Config, out: &mut String) -> Result<Launch, CodegenError> {
+pub fn emit_kernel_with(k: &Kernel, gpu: Gpu, cfg: &Config, out: &mut String) -> Result<Launch, CodegenError> {
     let mut text = String::new();
-    let mut launch = emit_kernel_by_id(k, sms, cfg, &mut text)?;
+    let mut launch = emit_kernel_by_id(k, gpu, cfg, &mut text)?;
     let body_at = text.find(") {\n").map_or(0, |i| i + 4);
     let order = crate::dedup::first_use_order(&text[body_at..], &launch.bufs);
     if order != launch.bufs {
@@ -732,7 +841,8 @@ fn reorder_params(source: &str, order: &[u32]) -> String {
     out
 }
 
-fn emit_kernel_by_id(k: &Kernel, sms: u32, cfg: &Config, out: &mut String) -> Result<Launch, CodegenError> {
+fn emit_kernel_by_id(k: &Kernel, gpu: Gpu, cfg: &Config, out: &mut String) -> Result<Launch, CodegenError> {
+    let sms = gpu.sms;
     let d = Cuda;
     let e = Emitter { k, d: &d };
     let mut bufs = k.bufs.clone();
@@ -763,10 +873,12 @@ fn emit_kernel_by_id(k: &Kernel, sms: u32, cfg: &Config, out: &mut String) -> Re
             || (k.column && inner_n.is_some_and(|n| n <= COL_SERIAL_MAX) && outer_total.as_const().is_some_and(|o| o >= COL_SERIAL_MIN_POINTS)));
     let col = k.column && !serial;
     let (col_x, col_y) = cfg.col;
+    let cluster = if col { cluster_size(k, gpu, cfg) } else { 1 };
     // [Note: tiled transposes]
     let tiled = if is_red { None } else { crate::tiles::tile_plan(k) };
     let threads = if col { col_x * col_y } else if tiled.is_some() { TILE as u32 * TILE_ROWS } else { block };
-    writeln!(out, "extern \"C\" __global__ void __launch_bounds__({threads}) {}({}) {{\n  bz_entry();", k.name, params.join(", ")).unwrap();
+    let dims = if cluster > 1 { format!("__cluster_dims__({cluster}, 1, 1) ") } else { String::new() };
+    writeln!(out, "extern \"C\" __global__ void {dims}__launch_bounds__({threads}) {}({}) {{\n  bz_entry();", k.name, params.join(", ")).unwrap();
     let launch = |work: Expr, per_block: u64, cap: u32| Launch {
         name: k.name.clone(),
         unit: 0,
@@ -793,7 +905,7 @@ fn emit_kernel_by_id(k: &Kernel, sms: u32, cfg: &Config, out: &mut String) -> Re
             let mut l = Launch { block: TILE as u32, block_y: TILE_ROWS, ..launch(work, 1, sms.max(1) * 32) };
             if !align.is_empty() {
                 // The one-element tiles for unaligned pointers.
-                l.fallback = Some(one_element_fallback(k, sms, cfg, align)?);
+                l.fallback = Some(one_element_fallback(k, gpu, cfg, align)?);
             }
             return Ok(l);
         }
@@ -824,14 +936,22 @@ fn emit_kernel_by_id(k: &Kernel, sms: u32, cfg: &Config, out: &mut String) -> Re
     // Column kernels: 8 to 32 outer points per block (x), 64 to 16 threads per point over the
     // reduced elements (y), so loads of neighbouring outer points coalesce ([Note: column
     // geometry]).
+    // A cluster's blocks share their points ([Note: cluster columns]): `cluster` blocks per
+    // `col_x` points, the grid a whole number of clusters.
+    let col_launch = || {
+        let l = launch(outer_total.mul(&Expr::constant(cluster as i64)), col_x as u64, 1 << 30);
+        Launch { grid_multiple: cluster, ..l }
+    };
     if col {
         if let Some(v) = column_vector_width(k, cfg) {
-            return emit_vector_column(&e, k, sms, cfg, v, launch(outer_total.clone(), col_x as u64, 1 << 30), out);
+            return emit_vector_column(&e, k, gpu, cfg, v, cluster, col_launch(), out);
         }
     }
     let warp = !col && !serial && cfg.warp_rows && product(&k.inner).as_const().is_some_and(|n| n <= WARP_ROW_MAX);
     let (lane, step, store_guard, body_guard) = if serial {
         ("0", "1".to_string(), None, None)
+    } else if col && cluster > 1 {
+        ("(bz_rank * blockDim.y + threadIdx.y)", format!("{}", col_y * cluster), Some("live && threadIdx.y == 0 && bz_rank == 0"), Some("live"))
     } else if col {
         ("threadIdx.y", format!("{col_y}"), Some("live && threadIdx.y == 0"), Some("live"))
     } else if warp {
@@ -845,7 +965,12 @@ fn emit_kernel_by_id(k: &Kernel, sms: u32, cfg: &Config, out: &mut String) -> Re
         writeln!(out, "  for (long long o = (long long)blockIdx.x * {w} + (threadIdx.x >> 5); o < {}; o += (long long)gridDim.x * {w}) {{", index(&outer_total), w = block / 32).unwrap();
     } else if col {
         writeln!(out, "  {{").unwrap();
-        writeln!(out, "    const long long ox = (long long)blockIdx.x * {col_x} + threadIdx.x;").unwrap();
+        if cluster > 1 {
+            writeln!(out, "    const unsigned bz_rank = bz_cluster_rank();").unwrap();
+            writeln!(out, "    const long long ox = (long long)(blockIdx.x / {cluster}) * {col_x} + threadIdx.x;").unwrap();
+        } else {
+            writeln!(out, "    const long long ox = (long long)blockIdx.x * {col_x} + threadIdx.x;").unwrap();
+        }
         writeln!(out, "    const bool live = ox < {};", index(&outer_total)).unwrap();
         writeln!(out, "    const long long o = live ? ox : 0;").unwrap();
     } else {
@@ -937,7 +1062,15 @@ fn emit_kernel_by_id(k: &Kernel, sms: u32, cfg: &Config, out: &mut String) -> Re
             let line = match r.kind {
                 ReduceKind::ArgMax => format!("{arg}(a{n}, ai{n}, true);"),
                 ReduceKind::ArgMin => format!("{arg}(a{n}, ai{n}, false);"),
+                ReduceKind::Var if cluster > 1 => format!(
+                    "{{ {st} fn = ({st})wn{n}; {welford}(wm{n}, wq{n}, fn); {st} cm[1] = {{wm{n}}}, cq[1] = {{wq{n}}}, cn[1] = {{fn}}; \
+                     bz_cluster_welford<{cluster}, {col_x}, 1>(cm, cq, cn, threadIdx.x, threadIdx.y == 0); wm{n} = cm[0]; wq{n} = cq[0]; wn{n} = (bz_count_t)cn[0]; }}"
+                ),
                 ReduceKind::Var => format!("{{ {st} fn = ({st})wn{n}; {welford}(wm{n}, wq{n}, fn); wn{n} = (bz_count_t)fn; }}"),
+                kind if cluster > 1 => {
+                    let f = combine_lambda(kind, &format!("decltype(a{n})"), st);
+                    format!("{{ decltype(a{n}) cv[1] = {{{reduce}(a{n}, {f})}}; bz_cluster_reduce<{cluster}, {col_x}, 1>(cv, {f}, threadIdx.x, threadIdx.y == 0); a{n} = cv[0]; }}")
+                }
                 kind => format!("a{n} = {reduce}(a{n}, {});", combine_lambda(kind, &format!("decltype(a{n})"), st)),
             };
             if !serial {
@@ -955,7 +1088,7 @@ fn emit_kernel_by_id(k: &Kernel, sms: u32, cfg: &Config, out: &mut String) -> Re
     }
     if col {
         writeln!(out, "  }}\n}}\n").unwrap();
-        return Ok(launch(outer_total, col_x as u64, 1 << 30));
+        return Ok(col_launch());
     }
     if warp {
         writeln!(out, "  }}\n}}\n").unwrap();
@@ -966,7 +1099,7 @@ fn emit_kernel_by_id(k: &Kernel, sms: u32, cfg: &Config, out: &mut String) -> Re
         return Ok(launch(outer_total, 1, 1 << 30));
     }
     // The element-by-element rows for calls whose pointers are not aligned for the wide loads.
-    Ok(Launch { fallback: Some(one_element_fallback(k, sms, cfg, row_align)?), ..launch(outer_total, 1, 1 << 30) })
+    Ok(Launch { fallback: Some(one_element_fallback(k, gpu, cfg, row_align)?), ..launch(outer_total, 1, 1 << 30) })
 }
 
 /// The lambda combining two partial results of a sum, product, max, min, any or all, whose
@@ -986,10 +1119,10 @@ fn combine_lambda(kind: ReduceKind, acc: &str, st: &str) -> String {
 /// Kernel `k` emitted with one element per access (`max_vec` 1), as the fallback of its wide
 /// version for calls whose pointers fail `align` ([Note: lazy scalar fallback]). Its block
 /// shape and grid are the wide version's.
-fn one_element_fallback(k: &Kernel, sms: u32, cfg: &Config, align: Vec<(u32, u64)>) -> Result<Fallback, CodegenError> {
+fn one_element_fallback(k: &Kernel, gpu: Gpu, cfg: &Config, align: Vec<(u32, u64)>) -> Result<Fallback, CodegenError> {
     let name = format!("{}_scalar", k.name);
     let mut scalar = String::new();
-    emit_kernel_by_id(&Kernel { name: name.clone(), ..k.clone() }, sms, &Config { max_vec: 1, ..*cfg }, &mut scalar)?;
+    emit_kernel_by_id(&Kernel { name: name.clone(), ..k.clone() }, gpu, &Config { max_vec: 1, ..*cfg }, &mut scalar)?;
     Ok(Fallback { source: format!("{}\n{scalar}", Cuda.prelude()), name, align })
 }
 
@@ -1034,7 +1167,8 @@ fn column_lanes(k: &Kernel, max_vec: i64) -> Option<i64> {
 
 /// The body of a vector column kernel ([Note: vector columns]); `launch` is the scalar
 /// kernel's.
-fn emit_vector_column(e: &Emitter, k: &Kernel, sms: u32, cfg: &Config, v: i64, launch: Launch, out: &mut String) -> Result<Launch, CodegenError> {
+#[allow(clippy::too_many_arguments)]
+fn emit_vector_column(e: &Emitter, k: &Kernel, gpu: Gpu, cfg: &Config, v: i64, cluster: u32, launch: Launch, out: &mut String) -> Result<Launch, CodegenError> {
     let (col_x, col_y) = cfg.col;
     let (xt, yt) = (col_x as i64 / v, col_y as i64 * v);
     let n_outer = k.outer.len();
@@ -1043,7 +1177,17 @@ fn emit_vector_column(e: &Emitter, k: &Kernel, sms: u32, cfg: &Config, v: i64, l
     let total = index(&product(&k.outer));
     writeln!(out, "  {{").unwrap();
     writeln!(out, "    const int t = threadIdx.y * {col_x} + threadIdx.x, cx = t % {xt}, cy = t / {xt};").unwrap();
-    writeln!(out, "    const long long ox = ((long long)blockIdx.x * {xt} + cx) * {v};").unwrap();
+    // [Note: cluster columns]: the cluster's blocks share the points and take every
+    // `cluster`-th run of `yt` rows each; `cr` is this thread's first row.
+    let group = if cluster > 1 { format!("(blockIdx.x / {cluster})") } else { "blockIdx.x".to_string() };
+    if cluster > 1 {
+        writeln!(out, "    const unsigned bz_rank = bz_cluster_rank();").unwrap();
+        writeln!(out, "    const long long cr = (long long)bz_rank * {yt} + cy;").unwrap();
+    } else {
+        writeln!(out, "    const long long cr = cy;").unwrap();
+    }
+    let yt = yt * cluster as i64;
+    writeln!(out, "    const long long ox = ((long long){group} * {xt} + cx) * {v};").unwrap();
     writeln!(out, "    const bool live = ox < {total};").unwrap();
     writeln!(out, "    const long long o = live ? ox : 0;").unwrap();
     decompose(out, "    ", "o", &k.outer, 0);
@@ -1092,7 +1236,7 @@ fn emit_vector_column(e: &Emitter, k: &Kernel, sms: u32, cfg: &Config, v: i64, l
         emit_welford_chunks(e, k, p, v, unroll, yt, &rows, Lanes { before, first: refs.clone(), each, ..Lanes::default() }, out)?;
     } else {
         writeln!(out, "    #pragma unroll {unroll}").unwrap();
-        writeln!(out, "    for (long long r = cy; r < {rows}; r += {yt}) {{").unwrap();
+        writeln!(out, "    for (long long r = cr; r < {rows}; r += {yt}) {{").unwrap();
         decompose(out, "      ", "r", &k.inner, n_outer);
         let lanes = Lanes { before, first: refs.clone(), each, ..Lanes::default() };
         emit_lanes(e, k, &p.body, last, v, &|_| false, &[], &lanes, "      ", out)?;
@@ -1104,12 +1248,18 @@ fn emit_vector_column(e: &Emitter, k: &Kernel, sms: u32, cfg: &Config, v: i64, l
         let n = r.dst;
         let st = compute_type(k.tmp_dtypes[r.src as usize]);
         let at = e.red_state(r)[0].0;
+        let ty = col_y as i64 * v;
         let line = match r.kind {
-            ReduceKind::Var => format!(
-                "{{ {st} fn_v[{v}]; for (int j = 0; j < {v}; j++) fn_v[j] = ({st})wn{n}; bz_colv_welford<{xt}, {yt}, {v}>(wm{n}_v, wq{n}_v, fn_v, cx, t); wn{n} = (bz_count_t)fn_v[0]; }}"
-            ),
+            ReduceKind::Var => {
+                let across = if cluster > 1 { format!(" bz_cluster_welford<{cluster}, {xt}, {v}>(wm{n}_v, wq{n}_v, fn_v, cx, cy == 0);") } else { String::new() };
+                format!("{{ {st} fn_v[{v}]; for (int j = 0; j < {v}; j++) fn_v[j] = ({st})wn{n}; bz_colv_welford<{xt}, {ty}, {v}>(wm{n}_v, wq{n}_v, fn_v, cx, t);{across} wn{n} = (bz_count_t)fn_v[0]; }}")
+            }
             ReduceKind::ArgMax | ReduceKind::ArgMin => unreachable!("column_vector_width excludes arg-reductions"),
-            kind => format!("bz_colv_reduce<{xt}, {yt}, {v}>(a{n}_v, {}, cx, t);", combine_lambda(kind, at, st)),
+            kind => {
+                let f = combine_lambda(kind, at, st);
+                let across = if cluster > 1 { format!(" bz_cluster_reduce<{cluster}, {xt}, {v}>(a{n}_v, {f}, cx, cy == 0);") } else { String::new() };
+                format!("bz_colv_reduce<{xt}, {ty}, {v}>(a{n}_v, {f}, cx, t);{across}")
+            }
         };
         writeln!(out, "    {line}").unwrap();
     }
@@ -1121,11 +1271,12 @@ fn emit_vector_column(e: &Emitter, k: &Kernel, sms: u32, cfg: &Config, v: i64, l
     for r in &p.reductions {
         writeln!(out, "      {}", e.red_final(r)).unwrap();
     }
+    let store_guard = if cluster > 1 { "live && cy == 0 && bz_rank == 0" } else { "live && cy == 0" };
     for s in &p.after {
-        writeln!(out, "      {}", emit_stmt(e, s, Some("live && cy == 0"))?).unwrap();
+        writeln!(out, "      {}", emit_stmt(e, s, Some(store_guard))?).unwrap();
     }
     writeln!(out, "    }}\n  }}\n}}\n").unwrap();
-    Ok(Launch { fallback: Some(one_element_fallback(k, sms, cfg, align)?), ..launch })
+    Ok(Launch { fallback: Some(one_element_fallback(k, gpu, cfg, align)?), ..launch })
 }
 
 /// [Note: Welford in chunks] A vector column kernel's f32 variances fold their rows into
@@ -1145,8 +1296,8 @@ fn emit_welford_chunks(e: &Emitter, k: &Kernel, p: &braze_sched::loop_ir::Pass, 
     let last = (n_outer - 1) as u32;
     let vars: Vec<u32> = p.reductions.iter().filter(|r| r.kind == ReduceKind::Var).map(|r| r.dst).collect();
     // The first row: Welford's per-element update (the count's reciprocal is 1).
-    writeln!(out, "    if (cy < {rows}) {{").unwrap();
-    writeln!(out, "      const long long r = cy;").unwrap();
+    writeln!(out, "    if (cr < {rows}) {{").unwrap();
+    writeln!(out, "      const long long r = cr;").unwrap();
     decompose(out, "      ", "r", &k.inner, n_outer);
     emit_lanes(e, k, &p.body, last, v, &|_| false, &[], &lanes, "      ", out)?;
     writeln!(out, "    }}").unwrap();
@@ -1166,7 +1317,7 @@ fn emit_welford_chunks(e: &Emitter, k: &Kernel, p: &braze_sched::loop_ir::Pass, 
         }
     }
     let step = yt * unroll as i64;
-    writeln!(out, "    long long r0 = cy + {yt};").unwrap();
+    writeln!(out, "    long long r0 = cr + {yt};").unwrap();
     writeln!(out, "    for (; r0 + {} < {rows}; r0 += {step}) {{", step - yt).unwrap();
     for n in &vars {
         writeln!(out, "      float cs{n}_v[{v}] = {{}}, cq{n}_v[{v}] = {{}};").unwrap();
@@ -1669,8 +1820,8 @@ fn emit_lanes(e: &Emitter, k: &Kernel, body: &[Stmt], last: u32, v: i64, hoisted
 /// The whole CUDA module of a graph's kernels, as one unit (what the logs show): the prelude
 /// and each distinct kernel ([`module_source`]), and the launches of all kernels, each
 /// naming its function in that one unit.
-pub fn emit_module(kernels: &[Kernel], sms: u32) -> Result<(String, Vec<Launch>), CodegenError> {
-    let (distinct, mut launches) = emit_kernels(kernels, sms)?;
+pub fn emit_module(kernels: &[Kernel], gpu: Gpu) -> Result<(String, Vec<Launch>), CodegenError> {
+    let (distinct, mut launches) = emit_kernels(kernels, gpu)?;
     for l in &mut launches {
         l.unit = 0;
     }
@@ -1705,20 +1856,20 @@ pub struct CudaKernel {
 /// order. A launch's `name` is its distinct kernel's function and its `unit` the index of
 /// that kernel in the distinct list, until the runtime places the kernels in cubins
 /// (`braze_runtime::cuda::compile_kernels`, [Note: per-kernel CUDA cache]).
-pub fn emit_kernels(kernels: &[Kernel], sms: u32) -> Result<(Vec<CudaKernel>, Vec<Launch>), CodegenError> {
-    emit_kernels_with(kernels, sms, &[])
+pub fn emit_kernels(kernels: &[Kernel], gpu: Gpu) -> Result<(Vec<CudaKernel>, Vec<Launch>), CodegenError> {
+    emit_kernels_with(kernels, gpu, &[])
 }
 
 /// [`emit_kernels`] with kernel `i` in configuration `configs[i]` where that is given (the
 /// heuristic's otherwise, and for every kernel past the slice's end).
-pub fn emit_kernels_with(kernels: &[Kernel], sms: u32, configs: &[Option<Config>]) -> Result<(Vec<CudaKernel>, Vec<Launch>), CodegenError> {
+pub fn emit_kernels_with(kernels: &[Kernel], gpu: Gpu, configs: &[Option<Config>]) -> Result<(Vec<CudaKernel>, Vec<Launch>), CodegenError> {
     let mut texts = Vec::with_capacity(kernels.len());
     let mut launches = Vec::with_capacity(kernels.len());
     let mut keys = Vec::with_capacity(kernels.len());
     for (i, k) in kernels.iter().enumerate() {
         let mut text = String::new();
         let cfg = configs.get(i).copied().flatten().unwrap_or_else(|| Config::heuristic(k));
-        let launch = emit_kernel_with(k, sms, &cfg, &mut text)?;
+        let launch = emit_kernel_with(k, gpu, &cfg, &mut text)?;
         keys.push(crate::dedup::canonical(&text, &k.name, &launch.bufs));
         texts.push(text);
         launches.push(launch);
@@ -1746,13 +1897,13 @@ pub struct Candidate {
 }
 
 /// Kernel `k` in each of its [`candidates`] that emits distinct code, the heuristic's first.
-pub fn emit_candidates(k: &Kernel, sms: u32) -> Result<Vec<Candidate>, CodegenError> {
+pub fn emit_candidates(k: &Kernel, gpu: Gpu) -> Result<Vec<Candidate>, CodegenError> {
     let mut out: Vec<Candidate> = Vec::new();
     let mut named = k.clone();
     for (i, config) in candidates(k).into_iter().enumerate() {
         named.name = format!("{}_c{i}", k.name);
         let mut text = String::new();
-        let launch = emit_kernel_with(&named, sms, &config, &mut text)?;
+        let launch = emit_kernel_with(&named, gpu, &config, &mut text)?;
         let key = crate::dedup::canonical(&text, &named.name, &launch.bufs);
         if out.iter().any(|c| c.kernel.key == key) {
             continue;

@@ -178,7 +178,7 @@ fn multi_pass_column_kernel_runs() {
 /// emit distinct code.
 #[test]
 fn kernel_configurations() {
-    use braze_codegen::cuda::{candidates, emit_candidates, emit_kernel, Config};
+    use braze_codegen::cuda::{candidates, emit_candidates, emit_kernel, Config, Gpu};
     let mut several = 0;
     for g in graphs() {
         let s = schedule(&g).unwrap();
@@ -188,9 +188,9 @@ fn kernel_configurations() {
             for c in &cs {
                 assert_eq!(Config::from_text(&c.to_text()), Some(*c), "{}", c.to_text());
             }
-            let emitted = emit_candidates(k, 132).unwrap();
+            let emitted = emit_candidates(k, Gpu::new("sm_90", 132)).unwrap();
             let mut plain = String::new();
-            let launch = emit_kernel(k, 132, &mut plain).unwrap();
+            let launch = emit_kernel(k, Gpu::new("sm_90", 132), &mut plain).unwrap();
             let first = &emitted[0];
             assert_eq!(first.kernel.text.replace(&format!("{}_c0", k.name), &k.name), plain);
             assert_eq!((first.launch.block, first.launch.block_y, first.launch.per_block, first.launch.cap), (launch.block, launch.block_y, launch.per_block, launch.cap));

@@ -21,7 +21,7 @@ fn main() {
         let _c = braze_codegen::openmp::emit_module(&s.kernels).expect("C");
         tc += t.elapsed().as_secs_f64();
         let t = Instant::now();
-        let _u = braze_codegen::cuda::emit_module(&s.kernels, 132).expect("CUDA");
+        let _u = braze_codegen::cuda::emit_module(&s.kernels, braze_codegen::cuda::Gpu::new("sm_90", 132)).expect("CUDA");
         tu += t.elapsed().as_secs_f64();
         kernels = s.kernels.len();
         if let Ok(path) = std::env::var("BRAZE_STAGES_DUMP") {

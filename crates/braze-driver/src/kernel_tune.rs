@@ -26,7 +26,7 @@ fn span_bytes(b: &Buffer) -> Option<usize> {
 /// than one distinct candidate. Kernels that bound-check indices read from memory are left
 /// alone: an index computed from the scratch buffers' values could be out of range, and the
 /// trap would end the CUDA context.
-pub fn tunables(sched: &Schedule, sms: u32) -> (Vec<Tunable>, Vec<Option<usize>>) {
+pub fn tunables(sched: &Schedule, gpu: braze_codegen::cuda::Gpu) -> (Vec<Tunable>, Vec<Option<usize>>) {
     let mut out: Vec<Tunable> = Vec::new();
     let mut by_key: HashMap<String, usize> = HashMap::new();
     let mut of = Vec::with_capacity(sched.kernels.len());
@@ -35,7 +35,7 @@ pub fn tunables(sched: &Schedule, sms: u32) -> (Vec<Tunable>, Vec<Option<usize>>
             of.push(None);
             continue;
         }
-        let Ok(candidates) = emit_candidates(k, sms) else {
+        let Ok(candidates) = emit_candidates(k, gpu) else {
             of.push(None);
             continue;
         };

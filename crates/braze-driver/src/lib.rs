@@ -462,7 +462,8 @@ fn compile_graph(g: &Graph, target: Target, check_cuda: bool, check_arch: &str, 
             }
             let (distinct, entries) = braze_codegen::openmp::emit_kernels(&sched.kernels).map_err(unsupported)?;
             if check_cuda && !names.is_empty() {
-                let (distinct, launches) = braze_codegen::cuda::emit_kernels(&sched.kernels, 132).map_err(unsupported)?;
+                let gpu = braze_codegen::cuda::Gpu::new(check_arch, 132);
+                let (distinct, launches) = braze_codegen::cuda::emit_kernels(&sched.kernels, gpu).map_err(unsupported)?;
                 // The scalar fallbacks too ([Note: lazy scalar fallback]): the GPU compiles one
                 // only when a call's pointers are unaligned, so check them here, those of
                 // distinct kernels (a deduplicated kernel's is its first copy's up to names).
@@ -474,7 +475,7 @@ fn compile_graph(g: &Graph, target: Target, check_cuda: bool, check_arch: &str, 
                     .collect();
                 braze_runtime::cuda::compile_kernels(&distinct, check_arch, version, 0).map_err(DriverError::from)?;
                 if opts.kernel_tune {
-                    let (tunables, _) = kernel_tune::tunables(&sched, 132);
+                    let (tunables, _) = kernel_tune::tunables(&sched, gpu);
                     let all: Vec<_> = tunables.into_iter().flat_map(|t| t.candidates).map(|c| c.kernel).collect();
                     braze_runtime::cuda::compile_kernels(&all, check_arch, version, 0).map_err(DriverError::from)?;
                 }
@@ -492,15 +493,16 @@ fn compile_graph(g: &Graph, target: Target, check_cuda: bool, check_arch: &str, 
         }
         Target::Cuda(ordinal) => {
             let (arch, sms) = cuda_device(ordinal, opts)?;
+            let gpu = braze_codegen::cuda::Gpu::new(&arch, sms as u32);
             let configs = if opts.kernel_tune && !opts.plan_only {
-                let (tunables, of) = kernel_tune::tunables(&sched, sms as u32);
+                let (tunables, of) = kernel_tune::tunables(&sched, gpu);
                 let chosen = braze_runtime::cuda::kernel_tune::choose(&tunables, &arch, version, ordinal).map_err(DriverError::from)?;
                 lap("kernel tuning", &mut times);
                 kernel_tune::per_kernel(&of, &chosen)
             } else {
                 Vec::new()
             };
-            let (distinct, mut launches) = braze_codegen::cuda::emit_kernels_with(&sched.kernels, sms as u32, &configs).map_err(unsupported)?;
+            let (distinct, mut launches) = braze_codegen::cuda::emit_kernels_with(&sched.kernels, gpu, &configs).map_err(unsupported)?;
             lap("codegen", &mut times);
             let needs_module = !opts.plan_only && sched.steps.iter().any(|st| !matches!(st, Step::Extern { .. }));
             // [Note: NVRTC beside the libraries] The kernels compile on their own threads while
