@@ -1780,9 +1780,10 @@ def test_vector_columns(device, compiled_graphs):
 def test_cluster_columns(device, dtype):
     """[Note: cluster columns] (braze-codegen): a BatchNorm + hardswish over few channels with
     rows too short to split (MobileNet-v3-small's 576 × 7 × 7 at batch 32, channels_last) runs
-    its column kernels as clusters of blocks that share their channels and split the rows:
-    the forward's statistics (a vector column kernel) and the backward's two sums and gradient
-    store (one kernel of two passes). Running statistics, outputs and gradients are eager's."""
+    its backward (two sums, then the gradient store: one kernel of two passes) as clusters of
+    blocks that share their channels and split the rows; the forward's statistics (a variance)
+    keep a block per group of channels, as option column_clusters=False keeps all. Running
+    statistics, outputs and gradients are eager's."""
     torch.manual_seed(0)
     m = torch.nn.Sequential(torch.nn.BatchNorm2d(576), torch.nn.Hardswish()).to(device)
     ref = copy.deepcopy(m)
@@ -1817,10 +1818,15 @@ def test_cluster_columns(device, dtype):
         pytest.skip("thread-block clusters: Hopper and newer")
     if srcs[0] is None:
         pytest.skip("NVRTC not found: the CUDA source was not generated")
-    for src in srcs:
-        assert re.search(r"__cluster_dims__\([2-8], 1, 1\)", src), src
-    assert "bz_cluster_welford<" in srcs[0], srcs[0]
-    assert "bz_cluster_reduce<" in srcs[1], srcs[1]
+    assert "__cluster_dims__" not in srcs[0], srcs[0]
+    assert re.search(r"__cluster_dims__\([2-8], 1, 1\)", srcs[1]) and "bz_cluster_reduce<" in srcs[1], srcs[1]
+    # Option column_clusters=False: one block per group of channels, the same values.
+    torch._dynamo.reset()
+    off = compiled(copy.deepcopy(ref), options={"on_unsupported": "error", "column_clusters": False})
+    with torch.autocast(device, dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
+        torch.testing.assert_close(off(x), y, **tol)
+    rec = braze.stats.records[-1]
+    assert "__cluster_dims__" not in (rec["source"] if device == "cuda" else rec["cuda_source"])
 
 
 def test_extern_operands_live_in_arenas(device, compiled_graphs):

@@ -222,9 +222,9 @@ def _build(lowered, cfg: Config, plan_only=False):
         # of their own.
         return lowered.builder.compile(device=target, cuda_graphs=cfg.cuda_graphs and not cfg.whole_graph_replay, matmul_tune=cfg.matmul_tune, kernel_tune=cfg.kernel_tune, arena_externs=arena_externs,
                                         elide_layouts=lowered.conv_channels_last or lowered.library_convs > 0, plan_only=plan_only, bias_grads=cfg.bias_grad_epilogues,
-                                        programmatic_launch=cfg.programmatic_launch)
+                                        programmatic_launch=cfg.programmatic_launch, column_clusters=cfg.column_clusters)
     check = os.environ.get("BRAZE_CHECK_CUDA") == "1" and cuda.nvrtc_available()
-    return lowered.builder.compile(device="cpu", check_cuda=check, kernel_tune=cfg.kernel_tune, arena_externs=arena_externs)
+    return lowered.builder.compile(device="cpu", check_cuda=check, kernel_tune=cfg.kernel_tune, arena_externs=arena_externs, column_clusters=cfg.column_clusters)
 
 
 def _compile_subgraph(gm, name, *, cfg):

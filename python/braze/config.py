@@ -60,6 +60,9 @@ OPTIONS = {
     "programmatic_launch": "bool: on Hopper and newer GPUs, launch braze's kernels with programmatic dependent launch: "
                            "a kernel's launch overlaps the kernel before it, and its first instruction waits for that "
                            "one to finish (default True)",
+    "column_clusters": "bool: on Hopper and newer GPUs, column reductions over few points (channels_last "
+                       "BatchNorm statistics and backward) run as thread-block clusters that split the rows and "
+                       "combine through distributed shared memory (default True)",
     "eager_random": "bool: random ops (dropout, bernoulli, rand, randn, uniform) call PyTorch's own kernels, so a "
                     "compiled model draws eager's values from PyTorch's generator (for comparing runs bit for bit); "
                     "default False: braze computes them in its kernels from one seed per call drawn from that "
@@ -89,6 +92,7 @@ class Config:
     cudnn_convs: bool = True
     bias_grad_epilogues: bool = False
     programmatic_launch: bool = True
+    column_clusters: bool = True
     eager_random: bool = False
 
     @staticmethod
@@ -124,7 +128,7 @@ class Config:
             raise BrazeConfigError("braze: option 'conv_layout' must be 'auto', 'channels_last' or 'eager'")
         flags = {}
         for name, default in (("cuda_graphs", mode != "max-autotune-no-cudagraphs"), ("matmul_tune", mode.startswith("max-autotune")),
-                              ("kernel_tune", mode.startswith("max-autotune")), ("cudnn_convs", True), ("bias_grad_epilogues", False), ("programmatic_launch", True), ("eager_random", False),
+                              ("kernel_tune", mode.startswith("max-autotune")), ("cudnn_convs", True), ("bias_grad_epilogues", False), ("programmatic_launch", True), ("column_clusters", True), ("eager_random", False),
                               ("whole_graph_replay", mode in ("reduce-overhead", "max-autotune"))):
             flags[name] = options.get(name, default)
             if not isinstance(flags[name], bool):

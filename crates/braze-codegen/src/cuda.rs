@@ -419,14 +419,24 @@ const CLUSTER_MIN_ROWS: i64 = 4;
 /// the partial results through memory: a loss for ResNet-18's 512-channel BatchNorm kernels,
 /// twenty-ninth session) nothing extra goes to memory. The heuristic doubles the cluster (up
 /// to [`MAX_CLUSTER`]) while the grid is under two blocks per multiprocessor and each thread
-/// keeps at least [`CLUSTER_MIN_ROWS`] rows; arg-reductions and symbolic sizes keep one block.
-pub fn cluster_size(k: &Kernel, gpu: Gpu, cfg: &Config) -> u32 {
-    let arg = k.passes.iter().flat_map(|p| &p.reductions).any(|r| matches!(r.kind, ReduceKind::ArgMax | ReduceKind::ArgMin));
-    if !gpu.clusters || arg || cfg.cluster == 1 {
+/// keeps at least [`CLUSTER_MIN_ROWS`] rows. Measured per kernel on the H100 (MobileNet-v3-small
+/// and ResNet-18 fp32 training, thirty-eighth session), clusters won for the backward's sums
+/// (576 channels × 1568 rows: 72 → 38 µs; ResNet-18's 512-channel ReLU + BatchNorm backward
+/// 47 → 35) and lost a few µs for kernels with a variance (the forward's statistics) and
+/// for vector column kernels ([Note: vector columns], mostly stage 1 of split reductions:
+/// the stem's 16-channel statistics 18 → 70 µs), so the heuristic clusters only scalar column
+/// kernels without a variance; max-autotune may choose a cluster for any column kernel.
+/// Arg-reductions and symbolic sizes keep one block.
+pub fn cluster_size(k: &Kernel, gpu: Gpu, cfg: &Config, vector: bool) -> u32 {
+    let kinds = || k.passes.iter().flat_map(|p| &p.reductions).map(|r| r.kind);
+    if !gpu.clusters || kinds().any(|r| matches!(r, ReduceKind::ArgMax | ReduceKind::ArgMin)) || cfg.cluster == 1 {
         return 1;
     }
     if cfg.cluster > 1 {
         return cfg.cluster;
+    }
+    if vector || kinds().any(|r| r == ReduceKind::Var) {
+        return 1;
     }
     let (Some(outer), Some(inner)) = (product(&k.outer).as_const(), product(&k.inner).as_const()) else { return 1 };
     let blocks = (outer + cfg.col.0 as i64 - 1) / cfg.col.0 as i64;
@@ -873,7 +883,7 @@ fn emit_kernel_by_id(k: &Kernel, gpu: Gpu, cfg: &Config, out: &mut String) -> Re
             || (k.column && inner_n.is_some_and(|n| n <= COL_SERIAL_MAX) && outer_total.as_const().is_some_and(|o| o >= COL_SERIAL_MIN_POINTS)));
     let col = k.column && !serial;
     let (col_x, col_y) = cfg.col;
-    let cluster = if col { cluster_size(k, gpu, cfg) } else { 1 };
+    let cluster = if col { cluster_size(k, gpu, cfg, column_vector_width(k, cfg).is_some()) } else { 1 };
     // [Note: tiled transposes]
     let tiled = if is_red { None } else { crate::tiles::tile_plan(k) };
     let threads = if col { col_x * col_y } else if tiled.is_some() { TILE as u32 * TILE_ROWS } else { block };
@@ -1276,7 +1286,8 @@ fn emit_vector_column(e: &Emitter, k: &Kernel, gpu: Gpu, cfg: &Config, v: i64, c
         writeln!(out, "      {}", emit_stmt(e, s, Some(store_guard))?).unwrap();
     }
     writeln!(out, "    }}\n  }}\n}}\n").unwrap();
-    Ok(Launch { fallback: Some(one_element_fallback(k, gpu, cfg, align)?), ..launch })
+    // The fallback's grid is this kernel's: the same cluster.
+    Ok(Launch { fallback: Some(one_element_fallback(k, gpu, &Config { cluster, ..*cfg }, align)?), ..launch })
 }
 
 /// [Note: Welford in chunks] A vector column kernel's f32 variances fold their rows into

@@ -353,11 +353,14 @@ pub struct Options {
     /// CUDA, Hopper and newer: kernels launch with programmatic dependent launch
     /// (braze-runtime's [Note: programmatic launch]).
     pub programmatic_launch: bool,
+    /// CUDA, Hopper and newer: column kernels over few points run as thread-block clusters
+    /// (braze-codegen's [Note: cluster columns]).
+    pub column_clusters: bool,
 }
 
 impl Default for Options {
     fn default() -> Self {
-        Options { cuda_graphs: true, matmul_tune: true, kernel_tune: false, arena_externs: HashSet::new(), elide_layouts: false, plan_only: false, bias_grads: true, programmatic_launch: true }
+        Options { cuda_graphs: true, matmul_tune: true, kernel_tune: false, arena_externs: HashSet::new(), elide_layouts: false, plan_only: false, bias_grads: true, programmatic_launch: true, column_clusters: true }
     }
 }
 
@@ -462,7 +465,8 @@ fn compile_graph(g: &Graph, target: Target, check_cuda: bool, check_arch: &str, 
             }
             let (distinct, entries) = braze_codegen::openmp::emit_kernels(&sched.kernels).map_err(unsupported)?;
             if check_cuda && !names.is_empty() {
-                let gpu = braze_codegen::cuda::Gpu::new(check_arch, 132);
+                let mut gpu = braze_codegen::cuda::Gpu::new(check_arch, 132);
+                gpu.clusters &= opts.column_clusters;
                 let (distinct, launches) = braze_codegen::cuda::emit_kernels(&sched.kernels, gpu).map_err(unsupported)?;
                 // The scalar fallbacks too ([Note: lazy scalar fallback]): the GPU compiles one
                 // only when a call's pointers are unaligned, so check them here, those of
@@ -493,7 +497,8 @@ fn compile_graph(g: &Graph, target: Target, check_cuda: bool, check_arch: &str, 
         }
         Target::Cuda(ordinal) => {
             let (arch, sms) = cuda_device(ordinal, opts)?;
-            let gpu = braze_codegen::cuda::Gpu::new(&arch, sms as u32);
+            let mut gpu = braze_codegen::cuda::Gpu::new(&arch, sms as u32);
+            gpu.clusters &= opts.column_clusters;
             let configs = if opts.kernel_tune && !opts.plan_only {
                 let (tunables, of) = kernel_tune::tunables(&sched, gpu);
                 let chosen = braze_runtime::cuda::kernel_tune::choose(&tunables, &arch, version, ordinal).map_err(DriverError::from)?;

@@ -178,13 +178,14 @@ impl GraphBuilder {
     /// `bias_grads` (CUDA): linears' bias gradients as epilogues of their weight gradients'
     /// matmuls ([Note: bias-gradient epilogues]); off only to compare.
     /// `programmatic_launch` (CUDA, Hopper and newer): braze-runtime's [Note: programmatic launch].
-    #[pyo3(signature = (device="cpu", check_cuda=false, arch="sm_90", cuda_graphs=true, matmul_tune=true, kernel_tune=false, arena_externs=Vec::new(), elide_layouts=false, plan_only=false, bias_grads=true, programmatic_launch=true))]
+    /// `column_clusters` (CUDA, Hopper and newer): braze-codegen's [Note: cluster columns].
+    #[pyo3(signature = (device="cpu", check_cuda=false, arch="sm_90", cuda_graphs=true, matmul_tune=true, kernel_tune=false, arena_externs=Vec::new(), elide_layouts=false, plan_only=false, bias_grads=true, programmatic_launch=true, column_clusters=true))]
     #[allow(clippy::too_many_arguments)]
-    fn compile(&self, py: Python<'_>, device: &str, check_cuda: bool, arch: &str, cuda_graphs: bool, matmul_tune: bool, kernel_tune: bool, arena_externs: Vec<String>, elide_layouts: bool, plan_only: bool, bias_grads: bool, programmatic_launch: bool) -> PyResult<Compiled> {
+    fn compile(&self, py: Python<'_>, device: &str, check_cuda: bool, arch: &str, cuda_graphs: bool, matmul_tune: bool, kernel_tune: bool, arena_externs: Vec<String>, elide_layouts: bool, plan_only: bool, bias_grads: bool, programmatic_launch: bool, column_clusters: bool) -> PyResult<Compiled> {
         let g = self.g.clone();
         let target = Target::parse(device).map_err(driver_err)?;
         let arch = arch.to_string();
-        let opts = braze_driver::Options { cuda_graphs, matmul_tune, kernel_tune, arena_externs: arena_externs.into_iter().collect(), elide_layouts, plan_only, bias_grads, programmatic_launch };
+        let opts = braze_driver::Options { cuda_graphs, matmul_tune, kernel_tune, arena_externs: arena_externs.into_iter().collect(), elide_layouts, plan_only, bias_grads, programmatic_launch, column_clusters };
         let res = py.detach(move || catch_unwind(AssertUnwindSafe(|| braze_driver::compile_with(g, target, check_cuda, &arch, opts))));
         match res {
             Ok(r) => r.map(|(plan, module)| Compiled { plan, module }).map_err(driver_err),
