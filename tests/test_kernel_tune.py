@@ -18,7 +18,7 @@ from braze import _core
 from braze.config import Config
 
 #: More than any kernel's candidate count: forcing index i runs candidate i % count of each.
-MAX_CANDIDATES = 9
+MAX_CANDIDATES = 11  # a column kernel's: 6 geometries, 2 unrollings, scalar, 2 clusters
 
 
 class Block(torch.nn.Module):

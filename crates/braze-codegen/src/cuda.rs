@@ -422,7 +422,7 @@ const CLUSTER_MIN_ROWS: i64 = 4;
 /// keeps at least [`CLUSTER_MIN_ROWS`] rows. Measured per kernel on the H100 (MobileNet-v3-small
 /// and ResNet-18 fp32 training, thirty-eighth session), clusters won for the backward's sums
 /// (576 channels × 1568 rows: 72 → 38 µs; ResNet-18's 512-channel ReLU + BatchNorm backward
-/// 47 → 35) and lost a few µs for kernels with a variance (the forward's statistics) and
+/// 47 → 35) and lost for kernels with a variance (the forward's statistics, 20 → 27 µs) and
 /// for vector column kernels ([Note: vector columns], mostly stage 1 of split reductions:
 /// the stem's 16-channel statistics 18 → 70 µs), so the heuristic clusters only scalar column
 /// kernels without a variance; max-autotune may choose a cluster for any column kernel.
@@ -550,8 +550,8 @@ pub fn candidates(k: &Kernel) -> Vec<Config> {
         }
         // One point per thread ([Note: vector columns] off).
         add(Config { max_vec: 1, ..h });
-        // One block per group of points, or twice the heuristic's cluster ([Note: cluster
-        // columns]; a kernel that cannot cluster emits the same code for each).
+        // One block per group of points, or clusters of 4 ([Note: cluster columns]; the same
+        // code as another candidate where the kernel cannot cluster or the heuristic chose so).
         add(Config { cluster: 1, ..h });
         add(Config { cluster: 4, ..h });
         return out;
