@@ -4,13 +4,17 @@ few µs, so this is mostly the host's cost), for eager and each backend and mode
 time alone: 100 calls issued without waiting for the GPU (the launch queue holds them); when
 the wall time per call is above it, the GPU is the bound.
 
-    python benchmarks/tiny_blocks.py [--calls N] [--profile] [--floor]
+    python benchmarks/tiny_blocks.py [--calls N] [--profile] [--floor] [--replay-parts]
 
 `--profile` (CUDA): per backend, the GPU side of 50 calls from torch.profiler: kernels per
 call, their summed duration, and the GPU's span per call (first kernel's start to the last
 one's end over the 50, divided by 50), then the costliest kernels. `--floor` adds two rows
 that run no kernels: Dynamo with a backend whose compiled graph returns its first call's outputs,
 and the same under AOTAutograd: the part of a call no backend of `torch.compile` avoids.
+`--replay-parts` (CUDA) times the pieces of braze's reduce-overhead replay alone, best of 7 ×
+100 calls each: the CUDA graph's launch, the copy of the inputs into the graph's buffers, the
+check that parameters are where they were at capture, and the liveness check of the pool's
+outputs ([Note: whole-graph replay] in braze/cudagraphs.py).
 """
 import argparse
 import time
@@ -28,6 +32,7 @@ def main():
     ap.add_argument("--calls", type=int, default=2000)
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--floor", action="store_true")
+    ap.add_argument("--replay-parts", action="store_true")
     a = ap.parse_args()
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch.manual_seed(0)
@@ -76,6 +81,8 @@ def main():
         print(f"  {name:9s} {mode or '':16s} {us:8.1f} us per call (host alone {min(host):6.1f})   first call {first:6.2f} s", flush=True)
         if a.profile and dev.type == "cuda":
             gpu_side(fn, x)
+        if a.replay_parts and dev.type == "cuda" and name == "braze" and mode == "reduce-overhead":
+            replay_parts(x)
 
 
 def _constant(gm, example_inputs):
@@ -92,6 +99,42 @@ def _constant(gm, example_inputs):
 def _constant_boxed(gm, example_inputs):
     run = _constant(gm, example_inputs)
     return make_boxed_func(lambda *args: list(run(*args)))
+
+
+def _best_us(fn, calls=100, rounds=7):
+    best = float("inf")
+    for _ in range(rounds):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        best = min(best, (time.perf_counter() - t) / calls * 1e6)
+    torch.cuda.synchronize()
+    return best
+
+
+def replay_parts(x):
+    """The pieces of the latest captured whole graph's replay, each timed alone."""
+    from braze import cudagraphs
+
+    graphs = [ref() for pool in cudagraphs._POOLS.values() for _, ref in pool.graphs.values()]
+    graphs = [g for g in graphs if g is not None and g.graph is not None]
+    if not graphs:
+        print("      (no captured whole graph)")
+        return
+    g = graphs[-1]
+    srcs = [d.clone() for d in g.copy_dst]
+    # The call's arguments as the check reads them: the parameters (by their pointers), the
+    # input elsewhere.
+    args = [g.pool.static.get(p, x) if p is not None else x for p in g.check_ptrs]
+    parts = {
+        "CUDAGraph.replay()": lambda: g.graph.replay(),
+        f"input copy ({len(srcs)} tensors, _foreach_copy_)": lambda: torch._foreach_copy_(g.copy_dst, srcs),
+        f"parameter check ({len(g.check_idx)} pointers)": lambda: torch._C._tensors_data_ptrs_at_indices_equal(args, g.check_ptrs, g.check_idx),
+        "pool.alive (outputs in use)": lambda: g.pool.alive(g.order),
+    }
+    for what, fn in parts.items():
+        print(f"      {_best_us(fn):6.1f} us  {what}")
 
 
 def gpu_side(fn, x, calls=50):

@@ -420,7 +420,8 @@ const CLUSTER_MIN_ROWS: i64 = 4;
 /// twenty-ninth session) nothing extra goes to memory. The heuristic doubles the cluster (up
 /// to [`MAX_CLUSTER`]) while the grid is under two blocks per multiprocessor and each thread
 /// keeps at least [`CLUSTER_MIN_ROWS`] rows. Measured per kernel on the H100 (MobileNet-v3-small
-/// and ResNet-18 fp32 training, thirty-eighth session), clusters won for the backward's sums
+/// and ResNet-18 fp32 training, thirty-eighth session, programmatic launch on, so durations
+/// include waits for the kernel before), clusters won for the backward's sums
 /// (576 channels × 1568 rows: 72 → 38 µs; ResNet-18's 512-channel ReLU + BatchNorm backward
 /// 47 → 35) and lost for kernels with a variance (the forward's statistics, 20 → 27 µs) and
 /// for vector column kernels ([Note: vector columns], mostly stage 1 of split reductions:
