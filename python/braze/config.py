@@ -60,9 +60,9 @@ OPTIONS = {
     "programmatic_launch": "bool: on Hopper and newer GPUs, launch braze's kernels with programmatic dependent launch: "
                            "a kernel's launch overlaps the kernel before it, and its first instruction waits for that "
                            "one to finish (default True)",
-    "column_clusters": "bool: on Hopper and newer GPUs, column reductions over few points (channels_last "
-                       "BatchNorm statistics and backward) run as thread-block clusters that split the rows and "
-                       "combine through distributed shared memory (default True)",
+    "column_clusters": "bool: on Hopper and newer GPUs, column reductions over few points (the channels_last "
+                       "BatchNorm backward's sums) run as thread-block clusters that split the rows and combine "
+                       "through distributed shared memory (default True)",
     "eager_random": "bool: random ops (dropout, bernoulli, rand, randn, uniform) call PyTorch's own kernels, so a "
                     "compiled model draws eager's values from PyTorch's generator (for comparing runs bit for bit); "
                     "default False: braze computes them in its kernels from one seed per call drawn from that "
