@@ -69,16 +69,9 @@ def main():
             if dev.type == "cuda":
                 torch.cuda.synchronize()
             us = (time.perf_counter() - t) / a.calls * 1e6
-            host = []
-            for _ in range(5):
-                if dev.type == "cuda":
-                    torch.cuda.synchronize()
-                t = time.perf_counter()
-                for _ in range(100):
-                    fn(x)
-                host.append((time.perf_counter() - t) / 100 * 1e6)
+            host = _best_us(lambda: fn(x), calls=100, rounds=5)
             torch.testing.assert_close(fn(x), ref, rtol=1e-4, atol=1e-4)
-        print(f"  {name:9s} {mode or '':16s} {us:8.1f} us per call (host alone {min(host):6.1f})   first call {first:6.2f} s", flush=True)
+        print(f"  {name:9s} {mode or '':16s} {us:8.1f} us per call (host alone {host:6.1f})   first call {first:6.2f} s", flush=True)
         if a.profile and dev.type == "cuda":
             gpu_side(fn, x)
         if a.replay_parts and dev.type == "cuda" and name == "braze" and mode == "reduce-overhead":
@@ -102,14 +95,17 @@ def _constant_boxed(gm, example_inputs):
 
 
 def _best_us(fn, calls=100, rounds=7):
+    """Host µs per call of `fn`: the best of `rounds` runs of `calls` calls issued without
+    waiting (the device idle at each run's start)."""
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     best = float("inf")
     for _ in range(rounds):
-        torch.cuda.synchronize()
+        sync()
         t = time.perf_counter()
         for _ in range(calls):
             fn()
         best = min(best, (time.perf_counter() - t) / calls * 1e6)
-    torch.cuda.synchronize()
+    sync()
     return best
 
 

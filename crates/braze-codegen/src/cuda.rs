@@ -884,7 +884,8 @@ fn emit_kernel_by_id(k: &Kernel, gpu: Gpu, cfg: &Config, out: &mut String) -> Re
             || (k.column && inner_n.is_some_and(|n| n <= COL_SERIAL_MAX) && outer_total.as_const().is_some_and(|o| o >= COL_SERIAL_MIN_POINTS)));
     let col = k.column && !serial;
     let (col_x, col_y) = cfg.col;
-    let cluster = if col { cluster_size(k, gpu, cfg, column_vector_width(k, cfg).is_some()) } else { 1 };
+    let vector_col = if col { column_vector_width(k, cfg) } else { None };
+    let cluster = if col { cluster_size(k, gpu, cfg, vector_col.is_some()) } else { 1 };
     // [Note: tiled transposes]
     let tiled = if is_red { None } else { crate::tiles::tile_plan(k) };
     let threads = if col { col_x * col_y } else if tiled.is_some() { TILE as u32 * TILE_ROWS } else { block };
@@ -953,10 +954,8 @@ fn emit_kernel_by_id(k: &Kernel, gpu: Gpu, cfg: &Config, out: &mut String) -> Re
         let l = launch(outer_total.mul(&Expr::constant(cluster as i64)), col_x as u64, 1 << 30);
         Launch { grid_multiple: cluster, ..l }
     };
-    if col {
-        if let Some(v) = column_vector_width(k, cfg) {
-            return emit_vector_column(&e, k, gpu, cfg, v, cluster, col_launch(), out);
-        }
+    if let Some(v) = vector_col {
+        return emit_vector_column(&e, k, gpu, cfg, v, cluster, col_launch(), out);
     }
     let warp = !col && !serial && cfg.warp_rows && product(&k.inner).as_const().is_some_and(|n| n <= WARP_ROW_MAX);
     let (lane, step, store_guard, body_guard) = if serial {
@@ -1073,16 +1072,24 @@ fn emit_kernel_by_id(k: &Kernel, gpu: Gpu, cfg: &Config, out: &mut String) -> Re
             let line = match r.kind {
                 ReduceKind::ArgMax => format!("{arg}(a{n}, ai{n}, true);"),
                 ReduceKind::ArgMin => format!("{arg}(a{n}, ai{n}, false);"),
-                ReduceKind::Var if cluster > 1 => format!(
-                    "{{ {st} fn = ({st})wn{n}; {welford}(wm{n}, wq{n}, fn); {st} cm[1] = {{wm{n}}}, cq[1] = {{wq{n}}}, cn[1] = {{fn}}; \
-                     bz_cluster_welford<{cluster}, {col_x}, 1>(cm, cq, cn, threadIdx.x, threadIdx.y == 0); wm{n} = cm[0]; wq{n} = cq[0]; wn{n} = (bz_count_t)cn[0]; }}"
-                ),
-                ReduceKind::Var => format!("{{ {st} fn = ({st})wn{n}; {welford}(wm{n}, wq{n}, fn); wn{n} = (bz_count_t)fn; }}"),
-                kind if cluster > 1 => {
-                    let f = combine_lambda(kind, &format!("decltype(a{n})"), st);
-                    format!("{{ decltype(a{n}) cv[1] = {{{reduce}(a{n}, {f})}}; bz_cluster_reduce<{cluster}, {col_x}, 1>(cv, {f}, threadIdx.x, threadIdx.y == 0); a{n} = cv[0]; }}")
+                ReduceKind::Var => {
+                    // [Note: cluster columns]: then across the cluster's blocks.
+                    let across = if cluster > 1 {
+                        format!(" {st} cm[1] = {{wm{n}}}, cq[1] = {{wq{n}}}, cn[1] = {{fn}}; bz_cluster_welford<{cluster}, {col_x}, 1>(cm, cq, cn, threadIdx.x, threadIdx.y == 0); wm{n} = cm[0]; wq{n} = cq[0]; fn = cn[0];")
+                    } else {
+                        String::new()
+                    };
+                    format!("{{ {st} fn = ({st})wn{n}; {welford}(wm{n}, wq{n}, fn);{across} wn{n} = (bz_count_t)fn; }}")
                 }
-                kind => format!("a{n} = {reduce}(a{n}, {});", combine_lambda(kind, &format!("decltype(a{n})"), st)),
+                kind => {
+                    let f = combine_lambda(kind, &format!("decltype(a{n})"), st);
+                    let across = if cluster > 1 {
+                        format!(" {{ decltype(a{n}) cv[1] = {{a{n}}}; bz_cluster_reduce<{cluster}, {col_x}, 1>(cv, {f}, threadIdx.x, threadIdx.y == 0); a{n} = cv[0]; }}")
+                    } else {
+                        String::new()
+                    };
+                    format!("a{n} = {reduce}(a{n}, {f});{across}")
+                }
             };
             if !serial {
                 writeln!(out, "    {line}").unwrap();
@@ -1197,7 +1204,8 @@ fn emit_vector_column(e: &Emitter, k: &Kernel, gpu: Gpu, cfg: &Config, v: i64, c
     } else {
         writeln!(out, "    const long long cr = cy;").unwrap();
     }
-    let yt = yt * cluster as i64;
+    // Rows a thread steps over: the cluster's blocks' runs of `yt` rows in turn.
+    let row_step = yt * cluster as i64;
     writeln!(out, "    const long long ox = ((long long){group} * {xt} + cx) * {v};").unwrap();
     writeln!(out, "    const bool live = ox < {total};").unwrap();
     writeln!(out, "    const long long o = live ? ox : 0;").unwrap();
@@ -1244,10 +1252,10 @@ fn emit_vector_column(e: &Emitter, k: &Kernel, gpu: Gpu, cfg: &Config, v: i64, c
     let chunked = has_var && p.reductions.iter().all(|r| r.kind != ReduceKind::Var || compute_type(k.tmp_dtypes[r.src as usize]) == "float");
     // Rows past the outer points are read at point 0 (`o`), as the scalar kernel does.
     if chunked {
-        emit_welford_chunks(e, k, p, v, unroll, yt, &rows, Lanes { before, first: refs.clone(), each, ..Lanes::default() }, out)?;
+        emit_welford_chunks(e, k, p, v, unroll, row_step, &rows, Lanes { before, first: refs.clone(), each, ..Lanes::default() }, out)?;
     } else {
         writeln!(out, "    #pragma unroll {unroll}").unwrap();
-        writeln!(out, "    for (long long r = cr; r < {rows}; r += {yt}) {{").unwrap();
+        writeln!(out, "    for (long long r = cr; r < {rows}; r += {row_step}) {{").unwrap();
         decompose(out, "      ", "r", &k.inner, n_outer);
         let lanes = Lanes { before, first: refs.clone(), each, ..Lanes::default() };
         emit_lanes(e, k, &p.body, last, v, &|_| false, &[], &lanes, "      ", out)?;
@@ -1259,17 +1267,16 @@ fn emit_vector_column(e: &Emitter, k: &Kernel, gpu: Gpu, cfg: &Config, v: i64, c
         let n = r.dst;
         let st = compute_type(k.tmp_dtypes[r.src as usize]);
         let at = e.red_state(r)[0].0;
-        let ty = col_y as i64 * v;
         let line = match r.kind {
             ReduceKind::Var => {
                 let across = if cluster > 1 { format!(" bz_cluster_welford<{cluster}, {xt}, {v}>(wm{n}_v, wq{n}_v, fn_v, cx, cy == 0);") } else { String::new() };
-                format!("{{ {st} fn_v[{v}]; for (int j = 0; j < {v}; j++) fn_v[j] = ({st})wn{n}; bz_colv_welford<{xt}, {ty}, {v}>(wm{n}_v, wq{n}_v, fn_v, cx, t);{across} wn{n} = (bz_count_t)fn_v[0]; }}")
+                format!("{{ {st} fn_v[{v}]; for (int j = 0; j < {v}; j++) fn_v[j] = ({st})wn{n}; bz_colv_welford<{xt}, {yt}, {v}>(wm{n}_v, wq{n}_v, fn_v, cx, t);{across} wn{n} = (bz_count_t)fn_v[0]; }}")
             }
             ReduceKind::ArgMax | ReduceKind::ArgMin => unreachable!("column_vector_width excludes arg-reductions"),
             kind => {
                 let f = combine_lambda(kind, at, st);
                 let across = if cluster > 1 { format!(" bz_cluster_reduce<{cluster}, {xt}, {v}>(a{n}_v, {f}, cx, cy == 0);") } else { String::new() };
-                format!("bz_colv_reduce<{xt}, {ty}, {v}>(a{n}_v, {f}, cx, t);{across}")
+                format!("bz_colv_reduce<{xt}, {yt}, {v}>(a{n}_v, {f}, cx, t);{across}")
             }
         };
         writeln!(out, "    {line}").unwrap();
