@@ -183,6 +183,10 @@ class WholeGraph:
         self.broadcast = [(i, buf.stride()) for i, buf in self.copied.items() if 0 in buf.stride()]
         self.copy_dst = [_distinct(buf) for buf in self.copied.values()]
         self.copy_idx = list(self.copied)
+        # The replay's input copy in its cheapest form: one tensor by `copy_`, several by one
+        # `_foreach_copy_`; only a broadcast input narrows its source per call.
+        self.copy_broadcast = bool(self.broadcast)
+        self.copy_one = len(self.copy_idx) == 1 and not self.copy_broadcast
         graph = torch.cuda.CUDAGraph()
         torch.cuda.synchronize(dev)
         try:
@@ -295,7 +299,14 @@ class WholeGraph:
     def _launch(self, args, check):
         pool = self.pool
         me = id(self)
-        if check:
+        if check and pool.captured == self.order + 1:
+            # No graph was captured after this one: only its own outputs can be in the way.
+            live = self.live_storages()
+            if live:
+                if self.kind == "backward":
+                    return self._plain(args, "its own earlier outputs (gradients kept across backward calls?) are alive in memory this graph writes")
+                self._invalidate(live)
+        elif check:
             stale = []
             for key in pool.alive(self.order):
                 if key[0] == me and self.kind != "backward":
@@ -305,8 +316,12 @@ class WholeGraph:
                 return self._plain(args, f"{what} are alive in memory this graph writes")
             if stale:
                 self._invalidate(stale)
-        if self.copy_idx:
+        if self.copy_one:
+            self.copy_dst[0].copy_(args[self.copy_idx[0]])
+        elif self.copy_broadcast:
             torch._foreach_copy_(self.copy_dst, [_distinct(args[i]) for i in self.copy_idx])
+        elif self.copy_idx:
+            torch._foreach_copy_(self.copy_dst, [args[i] for i in self.copy_idx])
         self.graph.replay()
         stats.replays += 1
         for i in self.mutated:
