@@ -372,16 +372,31 @@ pub const COL_THREADS: u32 = COL_X * COL_Y;
 /// elements used 16 bytes of each 32-byte sector it fetched, the other half left to the next
 /// block: BatchNorm statistics of a bf16 channels_last activation (64×256×56×56) ran at about
 /// a third of the H100's copy bandwidth. 16 points of 2 bytes (32 of 1 byte) fill the sector.
+///
+/// Few rows take fewer threads per point and more points per block, so that a thread walks
+/// about [`COL_ROWS_PER_THREAD`] rows: a squeeze-and-excitation mean over 7×7 positions
+/// (MobileNet-v3-small, 32×576 points of 49 rows) gave 64 threads to each point's 49 rows and
+/// spent its time in the combination across them (9.5 µs on the H100 against Inductor's 4.5).
 pub fn col_geometry(k: &Kernel) -> (u32, u32) {
+    // Threads along the rows: COL_Y, or fewer (at least `min`) for short rows.
+    let along = |min: u32| match product(&k.inner).as_const() {
+        Some(n) if n > 0 => (((n as u64).div_ceil(COL_ROWS_PER_THREAD)).next_power_of_two().min(COL_Y as u64) as u32).clamp(min, COL_Y),
+        _ => COL_Y,
+    };
     if let Some(v) = column_lanes(k, 8) {
-        // [Note: vector columns]: 8 threads across points, `v` points each.
-        let x = (COL_VEC_THREADS * v) as u32;
-        return (x, COL_THREADS / x);
+        // [Note: vector columns]: `xt` threads across points (a warp's width at most), `v`
+        // points each, `yt` along the rows.
+        let yt = along(COL_THREADS / 32);
+        let xt = COL_THREADS / yt;
+        return (xt * v as u32, yt / v as u32);
     }
     let narrowest = k.bufs.iter().filter(|b| !b.written).map(|b| b.dtype.size()).min().unwrap_or(4).clamp(1, 4) as u32;
-    let x = COL_X * 4 / narrowest;
-    (x, COL_THREADS / x)
+    let y = along(COL_THREADS / 64).min(COL_THREADS / (COL_X * 4 / narrowest));
+    (COL_THREADS / y, y)
 }
+
+/// Rows a column kernel's thread aims to walk ([Note: column geometry]).
+const COL_ROWS_PER_THREAD: u64 = 8;
 
 /// The device kernels are generated for: its multiprocessor count, and whether its blocks
 /// may form clusters (Hopper and newer, [Note: cluster columns]).
@@ -1162,8 +1177,6 @@ fn column_vector_width(k: &Kernel, cfg: &Config) -> Option<i64> {
     ((cfg.col.0 as i64) % v == 0 && xt <= 32 && cfg.col.0 * cfg.col.1 >= 32).then_some(v)
 }
 
-/// Threads across points of a vector column kernel's block (the heuristic's).
-const COL_VEC_THREADS: i64 = 8;
 /// Bytes a vector column kernel's thread loads at once from its narrowest buffer: 8 threads
 /// of 8 bytes read 64 neighbouring bytes of a row, 4 rows per warp. With 16 bytes a thread
 /// and 2 threads per row, a warp's load touched 16 rows.
