@@ -1471,21 +1471,23 @@ def test_cuda_graphs_option_and_mode(how, device, compiled_graphs):
     assert g.c.replays == 0
 
 
-@pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
+@pytest.mark.parametrize("layout,channels", [("contiguous", 64), ("channels_last", 64), ("channels_last", 16)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_batchnorm_training_statistics(device, layout, dtype, monkeypatch):
+def test_batchnorm_training_statistics(device, layout, channels, dtype, monkeypatch):
     """BatchNorm2d in training mode, forward and backward, at a size where its statistics
     (and their gradients) reduce 65 536 elements per channel: on the GPU each reduction runs
     in two stages (per-image partials, then their combination; the variance by the law of
     total variance), and a channels_last input is reduced in memory order (C innermost, a
     column kernel) on either device. Outputs, running statistics and gradients match eager.
     On the CPU the GPU's split runs too (BRAZE_SPLIT_REDUCTIONS_CPU, an H100's 132 SMs), so
-    its numerics are checked on every machine."""
+    its numerics are checked on every machine. With 16 channels (MobileNet-v3-small's stem)
+    no dim alone gives enough parts: the batch and a divisor of H do together."""
     F = torch.nn.functional
     monkeypatch.setenv("BRAZE_SPLIT_REDUCTIONS_CPU", "264")
     mf = torch.channels_last if layout == "channels_last" else torch.contiguous_format
-    x0 = (torch.randn(16, 64, 64, 64, device=device) * 3 + 1.5).to(dtype).contiguous(memory_format=mf)
-    w0, b0 = torch.randn(64, device=device), torch.randn(64, device=device)
+    C = channels
+    x0 = (torch.randn(16, C, 64, 64, device=device) * 3 + 1.5).to(dtype).contiguous(memory_format=mf)
+    w0, b0 = torch.randn(C, device=device), torch.randn(C, device=device)
 
     def f(x, w, b, rm, rv):
         return F.batch_norm(x, rm, rv, w, b, training=True, momentum=0.1).relu()
@@ -1493,7 +1495,7 @@ def test_batchnorm_training_statistics(device, layout, dtype, monkeypatch):
     outs, grads, stats = [], [], []
     for fn in (compiled(f), f):
         x, w, b = (t.clone().requires_grad_() for t in (x0, w0, b0))
-        rm, rv = torch.zeros(64, device=device), torch.ones(64, device=device)
+        rm, rv = torch.zeros(C, device=device), torch.ones(C, device=device)
         y = fn(x, w, b, rm, rv)
         y.float().square().mean().backward()
         outs.append(y)
@@ -1511,8 +1513,10 @@ def test_batchnorm_training_statistics(device, layout, dtype, monkeypatch):
     # Stage 1 keeps one more dim than C, as few parts as give the GPU enough blocks: the
     # batch (16 parts; N, C merged into one loop dim and H, W into another) when contiguous;
     # channels_last is a column kernel (8 points per block) and wants 8x the points, more than
-    # the batch gives, so H is kept (64 parts) and N, W are reduced.
-    stage1 = "outer=[1024] inner=[4096]" if layout == "contiguous" else "outer=[64, 64] inner=[16, 64] column"
+    # the batch gives, so H is kept (64 parts) and N, W are reduced. 16 channels want 264
+    # parts: the batch's 16 times 32 parts of H (rows of 2 × 64).
+    stage1 = {64: "outer=[1024] inner=[4096]" if layout == "contiguous" else "outer=[64, 64] inner=[16, 64] column",
+              16: "outer=[16, 32, 16] inner=[128] column"}[C]
     assert stage1 in fwd["schedule"], fwd["schedule"]
 
 
@@ -1553,11 +1557,15 @@ def test_batchnorm_per_channel_math_hoisted(device, channels):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_column_blocks_fill_sectors(device, dtype):
+def test_column_blocks_fill_sectors(device, dtype, monkeypatch):
     """[Note: column geometry] (braze-codegen): BatchNorm statistics and sums over N, H, W of
     a channels_last activation are column reductions. They run as vector columns ([Note:
-    vector columns]: 8 threads across points, 8 bytes of points each, 512 threads). Values
+    vector columns]: 8 bytes of points per thread, 512 threads); long columns take 8 threads
+    across points by 64 along the rows. Split for the GPU (BRAZE_SPLIT_REDUCTIONS_CPU on the
+    CPU: 96 channels want 44 parts, the batch's 16 times 4 parts of H), stage 1's columns are
+    100 rows long, and its blocks take 32 threads across points by 16 along the rows. Values
     are eager's (the combinations over the y threads), the argmax over N's too."""
+    monkeypatch.setenv("BRAZE_SPLIT_REDUCTIONS_CPU", "264")
     x = torch.randn(16, 96, 20, 20, device=device, dtype=dtype).to(memory_format=torch.channels_last)
     x[:, 5] += 100  # a channel whose mean is far from 0: Welford's combination is exercised
 
@@ -1574,9 +1582,9 @@ def test_column_blocks_fill_sectors(device, dtype):
     if src is None:
         pytest.skip("NVRTC not found: the CUDA source was not generated")
     lanes = 8 // dtype.itemsize
-    assert f"bz_colv_welford<8, 64, {lanes}>" in src and f"bz_colv_reduce<8, 64, {lanes}>" in src, src
+    assert f"bz_colv_welford<32, 16, {lanes}>" in src and f"bz_colv_reduce<32, 16, {lanes}>" in src, src
     if device == "cpu":  # the NVRTC check holds the scalar fallback too: its blocks take as many points
-        assert f"bz_col_welford<{8 * lanes}, {512 // (8 * lanes)}>" in src, src
+        assert f"bz_col_welford<{32 * lanes}, {16 // lanes}>" in src, src
 
 
 @pytest.mark.parametrize("head_dim", [64, 20])

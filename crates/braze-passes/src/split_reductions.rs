@@ -65,6 +65,9 @@ struct Plan {
     at: usize,
     /// `Some(p)`: dim `at` is reshaped into (p, size / p); `None`: its elements are the parts.
     reshape: Option<i64>,
+    /// Another reduced dim whose elements are parts too (the parts are its elements times
+    /// those of `at`): the batch dim when neither it nor any other dim alone gives enough.
+    with: Option<usize>,
 }
 
 fn plan(g: &Graph, id: NodeId, min_blocks: i64) -> Option<Plan> {
@@ -85,7 +88,7 @@ fn plan(g: &Graph, id: NodeId, min_blocks: i64) -> Option<Plan> {
         return None;
     }
     let red_order: Vec<usize> = order.iter().copied().filter(|d| dims.contains(d)).collect();
-    let base = Plan { kind: *kind, dims: dims.clone(), keepdim: *keepdim, correction: *correction, shape: shape.clone(), at: 0, reshape: None };
+    let base = Plan { kind: *kind, dims: dims.clone(), keepdim: *keepdim, correction: *correction, shape: shape.clone(), at: 0, reshape: None, with: None };
     // Enough parts for two blocks per wanted block, and no more: stage 1 rows stay long
     // (BatchNorm over 64×1024×14×14 splits the batch into 8 parts of 8 images, not 64 parts
     // of 196 elements, whose combination would cost more than their loads).
@@ -98,9 +101,25 @@ fn plan(g: &Graph, id: NodeId, min_blocks: i64) -> Option<Plan> {
             return Some(Plan { at, reshape: (p != s).then_some(p), ..base });
         }
     }
-    // Otherwise as many parts as the largest reduced dim gives (the outermost of equals).
-    let at = red_order.iter().copied().filter(|&d| size(d).is_some_and(|s| s >= MIN_PARTS && reduced / s >= MIN_PIECE)).min_by_key(|&d| std::cmp::Reverse(size(d)))?;
-    Some(Plan { at, ..base })
+    // Otherwise as many parts as the largest reduced dim gives (the outermost of equals),
+    // when that is at least half the parts wanted; else the outermost reduced dim's elements
+    // times a divisor of the next one's: a 16-channel BatchNorm over 32×112×112
+    // (MobileNet-v3-small's stem, channels_last) wants 264 parts, and gets 32 × 14 (rows of
+    // 8 × 112) instead of the 112 of one dim.
+    let largest = red_order.iter().copied().filter(|&d| size(d).is_some_and(|s| s >= MIN_PARTS && reduced / s >= MIN_PIECE)).min_by_key(|&d| std::cmp::Reverse(size(d)));
+    if largest.and_then(size).is_some_and(|s| 2 * s >= need) {
+        return Some(Plan { at: largest?, ..base });
+    }
+    if let [first, next, ..] = red_order[..] {
+        let (s0, s1) = (size(first)?, size(next)?);
+        let want = (need + s0 - 1) / s0.max(1);
+        if s0 > 1 {
+            if let Some(p) = (want.max(2)..=s1.min(want * 16)).find(|p| s1 % p == 0 && reduced / (s0 * p) >= MIN_PIECE) {
+                return Some(Plan { at: next, reshape: (p != s1).then_some(p), with: Some(first), ..base });
+            }
+        }
+    }
+    Some(Plan { at: largest?, ..base })
 }
 
 fn emit(out: &mut Graph, n: &Node, x: NodeId, p: &Plan) -> Result<NodeId, braze_ir::Error> {
@@ -121,14 +140,19 @@ fn emit(out: &mut Graph, n: &Node, x: NodeId, p: &Plan) -> Result<NodeId, braze_
         }
         None => (x, p.dims.iter().copied().filter(|&d| d != p.at).collect(), p.at),
     };
+    // The second part dim (`with`), at its place in stage 1's input.
+    let with = p.with.map(|w| if w > p.at && p.reshape.is_some() { w + 1 } else { w });
+    let red1: Vec<usize> = red1.into_iter().filter(|&d| Some(d) != with).collect();
     let rank1 = out.ty(x1).rank();
-    // The part dim's position among stage 1's kept dims.
-    let pos = (0..part).filter(|d| !red1.contains(d)).count();
+    // The part dims' positions among stage 1's kept dims.
+    let kept_pos = |dim: usize| (0..dim).filter(|d| !red1.contains(d)).count();
+    let mut pos: Vec<usize> = std::iter::once(part).chain(with).map(kept_pos).collect();
+    pos.sort_unstable();
     debug_assert!(part < rank1);
     let red = |kind: ReduceKind, dims: Vec<usize>, keepdim: bool| Op::Reduce { kind, dims, keepdim, correction: 0 };
     let mut r = if p.kind == ReduceKind::Var {
         let total = p.shape.iter().enumerate().filter(|(d, _)| p.dims.contains(d)).map(|(_, s)| s.as_const().expect("static")).product::<i64>();
-        let parts = out.ty(x1).shape[part].as_const().expect("static");
+        let parts: i64 = std::iter::once(part).chain(with).map(|d| out.ty(x1).shape[d].as_const().expect("static")).product();
         let piece = total / parts;
         let scalar = |out: &mut Graph, v: f64| out.add(Op::Scalar { value: Lit::F(v), dtype: cdt }, vec![]);
         let v1 = out.add(red(ReduceKind::Var, red1.clone(), false), vec![x1])?;
@@ -136,12 +160,12 @@ fn emit(out: &mut Graph, n: &Node, x: NodeId, p: &Plan) -> Result<NodeId, braze_
         let k_piece = scalar(out, piece as f64)?;
         let m1 = out.add(Op::Binary(BinaryOp::Div), vec![s1, k_piece])?;
         let k_parts = scalar(out, parts as f64)?;
-        let sm = out.add(red(ReduceKind::Sum, vec![pos], true), vec![m1])?;
+        let sm = out.add(red(ReduceKind::Sum, pos.clone(), true), vec![m1])?;
         let m = out.add(Op::Binary(BinaryOp::Div), vec![sm, k_parts])?;
         let dev = out.add(Op::Binary(BinaryOp::Sub), vec![m1, m])?;
         let dev2 = out.add(Op::Binary(BinaryOp::Mul), vec![dev, dev])?;
-        let within = out.add(red(ReduceKind::Sum, vec![pos], false), vec![v1])?;
-        let between = out.add(red(ReduceKind::Sum, vec![pos], false), vec![dev2])?;
+        let within = out.add(red(ReduceKind::Sum, pos.clone(), false), vec![v1])?;
+        let between = out.add(red(ReduceKind::Sum, pos, false), vec![dev2])?;
         let both = out.add(Op::Binary(BinaryOp::Add), vec![within, between])?;
         // (within + between) / parts, then n / (n - correction) for the correction.
         let denom = (total - p.correction).max(0) as f64;
@@ -150,7 +174,7 @@ fn emit(out: &mut Graph, n: &Node, x: NodeId, p: &Plan) -> Result<NodeId, braze_
         out.add(Op::Binary(BinaryOp::Mul), vec![both, k])?
     } else {
         let a = out.add(red(p.kind, red1, false), vec![x1])?;
-        out.add(red(p.kind, vec![pos], false), vec![a])?
+        out.add(red(p.kind, pos, false), vec![a])?
     };
     if p.keepdim {
         let shape: Vec<Expr> = p.shape.iter().enumerate().map(|(d, s)| if p.dims.contains(&d) { Expr::one() } else { s.clone() }).collect();
@@ -194,6 +218,26 @@ mod tests {
         let wide = cl.replace("[802816, 1, 14336, 256] : f32[64, 256, 56, 56]", "[802816, 1, 7168, 64] : f32[64, 64, 112, 112]").replace("f32[1, 256, 1, 1]", "f32[1, 64, 1, 1]");
         let p = plan_of(&wide, 264).unwrap();
         assert_eq!((p.at, p.reshape), (2, None));
+    }
+
+    #[test]
+    fn few_channels_split_the_batch_and_a_spatial_dim() {
+        // MobileNet-v3-small's stem: 16 channels want 264 parts; no dim alone has a divisor
+        // that many, so the batch's 32 times H (112) reshaped into 14 × 8.
+        let stem = "graph g {\n  %0 = input index=0 strides=[200704, 1, 1792, 16] : f32[32, 16, 112, 112]\n  %1 = var dims=[0, 2, 3] keepdim=true correction=1 %0 : f32[1, 16, 1, 1]\n  %2 = sum dims=[0, 2, 3] keepdim=false %0 : f32[16]\n  return %1, %2\n}\n";
+        let p = plan_of(stem, 264).unwrap();
+        assert_eq!((p.at, p.reshape, p.with), (2, Some(14), Some(0)));
+        let g = parse_graph(stem).unwrap();
+        let s = split_reductions(&g, 264);
+        assert!(braze_ir::verify::verify(&s).is_empty(), "{s}");
+        for (a, b) in s.outputs.iter().zip(&g.outputs) {
+            assert_eq!(s.ty(*a), g.ty(*b));
+        }
+        // Stage 1 keeps the batch, the channels and the 14 parts of H (rows of 8 × 112); stage
+        // 2 sums over the batch and the parts.
+        let text = s.to_string();
+        assert!(text.contains("var dims=[3, 4] keepdim=false"), "{text}");
+        assert!(text.contains("sum dims=[0, 2] keepdim=false %3"), "{text}");
     }
 
     #[test]
