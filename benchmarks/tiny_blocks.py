@@ -123,9 +123,14 @@ def replay_parts(x):
     # The call's arguments as the check reads them: the parameters (by their pointers), the
     # input elsewhere.
     args = [g.pool.static.get(p, x) if p is not None else x for p in g.check_ptrs]
+    # The input copy in the form the replay uses: `copy_` for one input, else `_foreach_copy_`.
+    if getattr(g, "copy_one", False):
+        copy = ("input copy (1 tensor, copy_)", lambda: g.copy_dst[0].copy_(srcs[0]))
+    else:
+        copy = (f"input copy ({len(srcs)} tensors, _foreach_copy_)", lambda: torch._foreach_copy_(g.copy_dst, srcs))
     parts = {
         "CUDAGraph.replay()": lambda: g.graph.replay(),
-        f"input copy ({len(srcs)} tensors, _foreach_copy_)": lambda: torch._foreach_copy_(g.copy_dst, srcs),
+        copy[0]: copy[1],
         f"parameter check ({len(g.check_idx)} pointers)": lambda: torch._C._tensors_data_ptrs_at_indices_equal(args, g.check_ptrs, g.check_idx),
         "pool.alive (outputs in use)": lambda: g.pool.alive(g.order),
     }
