@@ -1520,6 +1520,33 @@ def test_batchnorm_training_statistics(device, layout, channels, dtype, monkeypa
     assert stage1 in fwd["schedule"], fwd["schedule"]
 
 
+def test_split_stage_stores_its_input(device, monkeypatch):
+    """[Note: split dims] (braze-sched): the backward of BatchNorm + hardswish over 16
+    channels, channels_last, split for the GPU (BRAZE_SPLIT_REDUCTIONS_CPU on the CPU) into
+    the batch's 16 times 32 parts of H. Stage 1 reads the gradient through hardswish with H
+    split in two dims; that gradient is also read by the input-gradient kernel, so it is
+    stored, by stage 1's kernel itself (one kernel walking its elements, not a pointwise kernel
+    and then stage 1 reading it back). Values are eager's."""
+    monkeypatch.setenv("BRAZE_SPLIT_REDUCTIONS_CPU", "264")
+    torch.manual_seed(0)
+    m0 = torch.nn.Sequential(torch.nn.BatchNorm2d(16), torch.nn.Hardswish()).to(device)
+    x0 = torch.randn(16, 16, 64, 64, device=device).to(memory_format=torch.channels_last)
+    outs = []
+    for compile_it in (True, False):
+        m = copy.deepcopy(m0)
+        x = x0.clone().requires_grad_()
+        fn = compiled(m, options={"on_unsupported": "error"}) if compile_it else m
+        y = fn(x)
+        y.square().sum().backward()
+        outs.append((y, x.grad, m[0].weight.grad, m[0].bias.grad, m[0].running_mean, m[0].running_var))
+    for a, b in zip(*outs):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    bwd = next(r for r in reversed(braze.stats.records) if r["kind"] == "backward")
+    names = [k for k, _ in bwd["kernels"]]
+    # Stage 1 (storing the gradient), stage 2, the input gradient.
+    assert len(names) == 3 and names[0].startswith("braze_red_"), bwd["schedule"]
+
+
 @pytest.mark.parametrize("channels", [64, 96])
 def test_batchnorm_per_channel_math_hoisted(device, channels):
     """[Note: column-invariant hoisting]: an inference BatchNorm + ReLU + max pool over a

@@ -101,11 +101,13 @@ fn plan(g: &Graph, id: NodeId, min_blocks: i64) -> Option<Plan> {
             return Some(Plan { at, reshape: (p != s).then_some(p), ..base });
         }
     }
-    // Otherwise as many parts as the largest reduced dim gives (the outermost of equals),
-    // when that is at least half the parts wanted; else the outermost reduced dim's elements
-    // times a divisor of the next one's: a 16-channel BatchNorm over 32×112×112
-    // (MobileNet-v3-small's stem, channels_last) wants 264 parts, and gets 32 × 14 (rows of
-    // 8 × 112) instead of the 112 of one dim.
+    // [Note: split pairs] Otherwise as many parts as the largest reduced dim gives (the
+    // outermost of equals), when that is at least half the parts wanted; else the outermost
+    // reduced dim's elements times a divisor of the next one's: a 16-channel BatchNorm over
+    // 32×112×112 (MobileNet-v3-small's stem, channels_last) wants 264 parts, and gets 32 × 14
+    // (rows of 8 × 112) instead of the 112 of one dim. Its stage 1 reads the input with H
+    // split in two dims; a pointwise value it reduces is stored by stage 1's kernel ([Note:
+    // split dims] in braze-sched).
     let largest = red_order.iter().copied().filter(|&d| size(d).is_some_and(|s| s >= MIN_PARTS && reduced / s >= MIN_PIECE)).min_by_key(|&d| std::cmp::Reverse(size(d)));
     if largest.and_then(size).is_some_and(|s| 2 * s >= need) {
         return Some(Plan { at: largest?, ..base });

@@ -137,6 +137,55 @@ fn map_dims(shape: &[Expr], dom: &Domain, ds: &[usize]) -> Option<Vec<Expr>> {
     Some(idx)
 }
 
+/// [Note: split dims] The index of a value of `shape` in domain dims `ds` where each of its
+/// (non-1) dims is one or more consecutive domain dims, outermost first: its dim of 112 in
+/// the dims (14, 8) is `8·v + w`. A split reduction's stage 1 reads its input reshaped that
+/// way ([Note: split pairs] in braze-passes), and the pointwise value it reduces (a BatchNorm
+/// backward's gradient through hardswish, also read by the input-gradient kernel) is stored
+/// by that kernel, walking the same elements. `None` where the dims do not line up so.
+fn map_split_dims(shape: &[Expr], dom: &Domain, ds: &[usize]) -> Option<Vec<Expr>> {
+    let mut idx = vec![Expr::zero(); shape.len()];
+    let mut k = 0;
+    for (d, size) in shape.iter().enumerate() {
+        if size.is_const(1) {
+            continue;
+        }
+        let want = size.as_const()?;
+        let (mut got, mut e) = (1i64, Expr::zero());
+        while got < want {
+            let &kd = ds.get(k)?;
+            let n = dom.dims[kd].as_const()?;
+            (got, e) = (got * n, e.mul_c(n).add(&dom.var(kd)));
+            k += 1;
+        }
+        if got != want {
+            return None;
+        }
+        idx[d] = e;
+    }
+    (k == ds.len()).then_some(idx)
+}
+
+/// Whether dims `fine` are dims `coarse` with some of them split into consecutive dims
+/// ([Note: split dims]): constant sizes, the same elements in the same order.
+pub fn refines(fine: &[Expr], coarse: &[Expr]) -> bool {
+    if fine.len() <= coarse.len() {
+        return false;
+    }
+    let mut it = fine.iter();
+    coarse.iter().all(|c| {
+        let Some(want) = c.as_const() else { return false };
+        let mut got = 1i64;
+        while got < want {
+            match it.next().and_then(Expr::as_const) {
+                Some(n) => got *= n,
+                None => return false,
+            }
+        }
+        got == want
+    }) && it.next().is_none()
+}
+
 /// The index at which root `r` is stored, and its level; `None` if `r` does not fit `dom`.
 pub fn root_index(g: &Graph, dom: &Domain, r: NodeId) -> Option<(Vec<Expr>, Level)> {
     let n = g.node(r);
@@ -153,6 +202,9 @@ pub fn root_index(g: &Graph, dom: &Domain, r: NodeId) -> Option<(Vec<Expr>, Leve
         _ => {
             let s = &g.ty(r).shape;
             if let Some(idx) = map_dims(s, dom, &all) {
+                return Some((idx, Level::Row));
+            }
+            if let Some(idx) = map_split_dims(s, dom, &all) {
                 return Some((idx, Level::Row));
             }
             if dom.has_reduction() {

@@ -594,7 +594,7 @@ fn fuse(g: &Graph, stored: &[bool], log: &mut Vec<String>) -> Result<Fused, Sche
             // recomputed per point, in an earlier pass).
             let takes_own = || {
                 let o = own.get_or_init(|| Domain::of_root(g, id));
-                (!gr.dom.has_reduction() && o.dims == gr.dom.dims)
+                (!gr.dom.has_reduction() && (o.dims == gr.dom.dims || crate::lower::refines(&o.dims, &gr.dom.dims)))
                     || (gr.dom.has_reduction() && o.has_reduction() && gr.roots.iter().all(|&x| root_index(g, o, x).is_some()))
             };
             let dom = if root_index(g, &gr.dom, id).is_some() {
