@@ -1590,8 +1590,10 @@ def test_column_blocks_fill_sectors(device, dtype, monkeypatch):
     vector columns]: 8 bytes of points per thread, 512 threads); long columns take 8 threads
     across points by 64 along the rows. Split for the GPU (BRAZE_SPLIT_REDUCTIONS_CPU on the
     CPU: 96 channels want 44 parts, the batch's 16 times 4 parts of H), stage 1's columns are
-    100 rows long, and its blocks take 32 threads across points by 16 along the rows. Values
-    are eager's (the combinations over the y threads), the argmax over N's too."""
+    100 rows long, so its blocks take fewer threads along the rows as long as its grid keeps
+    128 blocks of its 6144 points: f32 (2 points a thread) 16 threads across by 32 along, bf16
+    (4 points a thread) stays at 8 by 64. Values are eager's (the combinations over the y
+    threads), the argmax over N's too."""
     monkeypatch.setenv("BRAZE_SPLIT_REDUCTIONS_CPU", "264")
     x = torch.randn(16, 96, 20, 20, device=device, dtype=dtype).to(memory_format=torch.channels_last)
     x[:, 5] += 100  # a channel whose mean is far from 0: Welford's combination is exercised
@@ -1609,9 +1611,10 @@ def test_column_blocks_fill_sectors(device, dtype, monkeypatch):
     if src is None:
         pytest.skip("NVRTC not found: the CUDA source was not generated")
     lanes = 8 // dtype.itemsize
-    assert f"bz_colv_welford<32, 16, {lanes}>" in src and f"bz_colv_reduce<32, 16, {lanes}>" in src, src
+    xt, yt = (16, 32) if lanes == 2 else (8, 64)
+    assert f"bz_colv_welford<{xt}, {yt}, {lanes}>" in src and f"bz_colv_reduce<{xt}, {yt}, {lanes}>" in src, src
     if device == "cpu":  # the NVRTC check holds the scalar fallback too: its blocks take as many points
-        assert f"bz_col_welford<{32 * lanes}, {16 // lanes}>" in src, src
+        assert f"bz_col_welford<{xt * lanes}, {yt // lanes}>" in src, src
 
 
 @pytest.mark.parametrize("head_dim", [64, 20])

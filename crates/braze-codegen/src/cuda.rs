@@ -378,25 +378,37 @@ pub const COL_THREADS: u32 = COL_X * COL_Y;
 /// (MobileNet-v3-small, 32×576 points of 49 rows) gave 64 threads to each point's 49 rows and
 /// spent its time in the combination across them (9.5 µs on the H100 against Inductor's 4.5).
 pub fn col_geometry(k: &Kernel) -> (u32, u32) {
-    // Threads along the rows: COL_Y, or fewer (at least `min`) for short rows.
-    let along = |min: u32| match product(&k.inner).as_const() {
-        Some(n) if n > 0 => (((n as u64).div_ceil(COL_ROWS_PER_THREAD)).next_power_of_two().min(COL_Y as u64) as u32).clamp(min, COL_Y),
-        _ => COL_Y,
+    // Threads along the rows: COL_Y, or fewer (at least `min`) for short rows, as long as the
+    // grid keeps MIN_COL_BLOCKS blocks (a split reduction's stage 1 over few points).
+    let points = product(&k.outer).as_const().unwrap_or(i64::MAX).max(1) as u64;
+    let along = |min: u32, points_per_thread: u32| {
+        let mut y = match product(&k.inner).as_const() {
+            Some(n) if n > 0 => (((n as u64).div_ceil(COL_ROWS_PER_THREAD)).next_power_of_two().min(COL_Y as u64) as u32).clamp(min, COL_Y),
+            _ => COL_Y,
+        };
+        while y < COL_Y && points.div_ceil((COL_THREADS / y * points_per_thread) as u64) < MIN_COL_BLOCKS {
+            y *= 2;
+        }
+        y
     };
     if let Some(v) = column_lanes(k, 8) {
         // [Note: vector columns]: `xt` threads across points (a warp's width at most), `v`
         // points each, `yt` along the rows.
-        let yt = along(COL_THREADS / 32);
+        let yt = along(COL_THREADS / 32, v as u32);
         let xt = COL_THREADS / yt;
         return (xt * v as u32, yt / v as u32);
     }
     let narrowest = k.bufs.iter().filter(|b| !b.written).map(|b| b.dtype.size()).min().unwrap_or(4).clamp(1, 4) as u32;
-    let y = along(COL_THREADS / 64).min(COL_THREADS / (COL_X * 4 / narrowest));
+    let y = along(COL_THREADS / 64, 1).min(COL_THREADS / (COL_X * 4 / narrowest));
     (COL_THREADS / y, y)
 }
 
 /// Rows a column kernel's thread aims to walk ([Note: column geometry]).
 const COL_ROWS_PER_THREAD: u64 = 8;
+/// Fewest blocks a column kernel's grid keeps when short rows widen its blocks: the
+/// MobileNet means over 14×14 (240 blocks of 32 points) measured faster than the 64-thread
+/// geometry on the H100's 132 multiprocessors.
+const MIN_COL_BLOCKS: u64 = 128;
 
 /// The device kernels are generated for: its multiprocessor count, and whether its blocks
 /// may form clusters (Hopper and newer, [Note: cluster columns]).
