@@ -185,8 +185,7 @@ class WholeGraph:
         self.copy_idx = list(self.copied)
         # The replay's input copy in its cheapest form: one tensor by `copy_`, several by one
         # `_foreach_copy_`; only a broadcast input narrows its source per call.
-        self.copy_broadcast = bool(self.broadcast)
-        self.copy_one = len(self.copy_idx) == 1 and not self.copy_broadcast
+        self.copy_one = len(self.copy_idx) == 1 and not self.broadcast
         graph = torch.cuda.CUDAGraph()
         torch.cuda.synchronize(dev)
         try:
@@ -299,16 +298,11 @@ class WholeGraph:
     def _launch(self, args, check):
         pool = self.pool
         me = id(self)
-        if check and pool.captured == self.order + 1:
-            # No graph was captured after this one: only its own outputs can be in the way.
-            live = self.live_storages()
-            if live:
-                if self.kind == "backward":
-                    return self._plain(args, "its own earlier outputs (gradients kept across backward calls?) are alive in memory this graph writes")
-                self._invalidate(live)
-        elif check:
+        if check:
+            # With no graph captured after this one, only its own outputs can be in the way.
+            alive = [(me, k) for k in self.live_storages()] if pool.captured == self.order + 1 else pool.alive(self.order)
             stale = []
-            for key in pool.alive(self.order):
+            for key in alive:
                 if key[0] == me and self.kind != "backward":
                     stale.append(key[1])
                     continue
@@ -318,7 +312,7 @@ class WholeGraph:
                 self._invalidate(stale)
         if self.copy_one:
             self.copy_dst[0].copy_(args[self.copy_idx[0]])
-        elif self.copy_broadcast:
+        elif self.broadcast:
             torch._foreach_copy_(self.copy_dst, [_distinct(args[i]) for i in self.copy_idx])
         elif self.copy_idx:
             torch._foreach_copy_(self.copy_dst, [args[i] for i in self.copy_idx])

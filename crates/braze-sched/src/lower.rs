@@ -144,46 +144,41 @@ fn map_dims(shape: &[Expr], dom: &Domain, ds: &[usize]) -> Option<Vec<Expr>> {
 /// backward's gradient through hardswish, also read by the input-gradient kernel) is stored
 /// by that kernel, walking the same elements. `None` where the dims do not line up so.
 fn map_split_dims(shape: &[Expr], dom: &Domain, ds: &[usize]) -> Option<Vec<Expr>> {
-    let mut idx = vec![Expr::zero(); shape.len()];
-    let mut k = 0;
-    for (d, size) in shape.iter().enumerate() {
-        if size.is_const(1) {
-            continue;
-        }
-        let want = size.as_const()?;
-        let (mut got, mut e) = (1i64, Expr::zero());
-        while got < want {
-            let &kd = ds.get(k)?;
-            let n = dom.dims[kd].as_const()?;
-            (got, e) = (got * n, e.mul_c(n).add(&dom.var(kd)));
-            k += 1;
-        }
-        if got != want {
-            return None;
-        }
-        idx[d] = e;
-    }
-    (k == ds.len()).then_some(idx)
+    let fine: Vec<Expr> = ds.iter().map(|&k| dom.dims[k].clone()).collect();
+    let groups = split_groups(&fine, shape)?;
+    Some(
+        shape
+            .iter()
+            .zip(groups)
+            .map(|(size, g)| if size.is_const(1) { Expr::zero() } else { ds[g].iter().fold(Expr::zero(), |e, &k| e.mul_c(dom.dims[k].as_const().expect("grouped by constant sizes")).add(&dom.var(k))) })
+            .collect(),
+    )
 }
 
 /// Whether dims `fine` are dims `coarse` with some of them split into consecutive dims
 /// ([Note: split dims]): constant sizes, the same elements in the same order.
 pub fn refines(fine: &[Expr], coarse: &[Expr]) -> bool {
-    if fine.len() <= coarse.len() {
-        return false;
-    }
-    let mut it = fine.iter();
-    coarse.iter().all(|c| {
-        let Some(want) = c.as_const() else { return false };
+    fine.len() > coarse.len() && split_groups(fine, coarse).is_some()
+}
+
+/// For each dim of `coarse` (a 1 takes none), the consecutive dims of `fine` whose product it
+/// is, all of `fine` used; `None` where the constant sizes do not group so.
+fn split_groups(fine: &[Expr], coarse: &[Expr]) -> Option<Vec<std::ops::Range<usize>>> {
+    let mut k = 0;
+    let mut groups = Vec::with_capacity(coarse.len());
+    for c in coarse {
+        let (want, start) = (c.as_const()?, k);
         let mut got = 1i64;
         while got < want {
-            match it.next().and_then(Expr::as_const) {
-                Some(n) => got *= n,
-                None => return false,
-            }
+            got *= fine.get(k)?.as_const()?;
+            k += 1;
         }
-        got == want
-    }) && it.next().is_none()
+        if got != want {
+            return None;
+        }
+        groups.push(start..k);
+    }
+    (k == fine.len()).then_some(groups)
 }
 
 /// The index at which root `r` is stored, and its level; `None` if `r` does not fit `dom`.
