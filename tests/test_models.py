@@ -1526,7 +1526,10 @@ def test_split_stage_stores_its_input(device, monkeypatch):
     the batch's 16 times 32 parts of H. Stage 1 reads the gradient through hardswish with H
     split in two dims; that gradient is also read by the input-gradient kernel, so it is
     stored, by stage 1's kernel itself (one kernel walking its elements, not a pointwise kernel
-    and then stage 1 reading it back). Values are eager's."""
+    and then stage 1 reading it back). That gradient is the only value stage 1 stores besides
+    its two partial sums: the taken-over kernel's other stores (values the first fusion
+    round stored for several readers, all now inside stage 1) are dead and dropped ([Note:
+    dead stores]). Values are eager's."""
     monkeypatch.setenv("BRAZE_SPLIT_REDUCTIONS_CPU", "264")
     torch.manual_seed(0)
     m0 = torch.nn.Sequential(torch.nn.BatchNorm2d(16), torch.nn.Hardswish()).to(device)
@@ -1545,6 +1548,7 @@ def test_split_stage_stores_its_input(device, monkeypatch):
     names = [k for k, _ in bwd["kernels"]]
     # Stage 1 (storing the gradient), stage 2, the input gradient.
     assert len(names) == 3 and names[0].startswith("braze_red_"), bwd["schedule"]
+    assert len(bwd["kernels"][0][1]) == 3, bwd["schedule"]
 
 
 @pytest.mark.parametrize("channels", [64, 96])

@@ -654,9 +654,14 @@ fn fuse(g: &Graph, stored: &[bool], log: &mut Vec<String>) -> Result<Fused, Sche
 /// the kernel that computes it, which uses the value directly. Its store is then dead: no
 /// step loads the buffer and no output returns it. Such stores are dropped with the
 /// buffer's place among the kernel's parameters, so it is never allocated (the buffer stays
-/// in the list, touched by no step). Pointwise kernels only. A CPU max pool with indices
-/// stored two boolean masks and a partial maximum per output that nothing read.
+/// in the list, touched by no step). In a reduction kernel only the stores inside a pass's
+/// loop go (a pointwise kernel taken over by a reduction, [Note: split dims]: MobileNet's
+/// stem backward stored the hardswish gradient's `grad * (x / 3 + 0.5)` branch, 25.7 MB that
+/// nothing read); a buffer stored after a pass or in the prelude is kept, since the
+/// reduction's emitters place those stores themselves. A CPU max pool with indices stored
+/// two boolean masks and a partial maximum per output that nothing read.
 fn drop_dead_stores(buffers: &[Buffer], kernels: &mut [Kernel], steps: &[Step], outputs: &[Access]) {
+    use crate::loop_ir::Stmt;
     let mut read = vec![false; buffers.len()];
     for a in outputs {
         read[a.buf as usize] = true;
@@ -670,28 +675,31 @@ fn drop_dead_stores(buffers: &[Buffer], kernels: &mut [Kernel], steps: &[Step], 
     }
     for k in kernels.iter() {
         for st in k.prelude.iter().chain(k.passes.iter().flat_map(|p| p.body.iter().chain(&p.after))) {
-            if let crate::loop_ir::Stmt::Load { buf, .. } = st {
+            if let Stmt::Load { buf, .. } = st {
                 read[*buf as usize] = true;
             }
         }
     }
     let dead = |b: BufId| !read[b as usize] && buffers[b as usize].kind == BufKind::Temp;
     for k in kernels.iter_mut() {
-        // Pointwise kernels only (one pass, no reduction): a reduction's emitters place its
-        // results' stores themselves.
-        let pointwise = !k.is_reduction() && k.inner.is_empty() && k.prelude.is_empty() && k.passes.len() == 1 && k.passes[0].after.is_empty();
-        if !pointwise || !k.bufs.iter().any(|r| dead(r.id)) {
+        if !k.bufs.iter().any(|r| dead(r.id)) {
             continue;
         }
-        let keep = |st: &crate::loop_ir::Stmt| !matches!(st, crate::loop_ir::Stmt::Store { buf, .. } if dead(*buf));
-        k.prelude.retain(keep);
+        // Buffers stored outside the passes' loops stay (see the note).
+        let mut pinned: HashSet<BufId> = HashSet::new();
+        for st in k.prelude.iter().chain(k.passes.iter().flat_map(|p| &p.after)) {
+            if let Stmt::Store { buf, .. } = st {
+                pinned.insert(*buf);
+            }
+        }
+        let drop = |b: BufId| dead(b) && !pinned.contains(&b);
+        let keep = |st: &Stmt| !matches!(st, Stmt::Store { buf, .. } if drop(*buf));
         for p in &mut k.passes {
             p.body.retain(keep);
-            p.after.retain(keep);
         }
-        let gone: Vec<String> = k.bufs.iter().filter(|r| dead(r.id)).map(|r| buffers[r.id as usize].node.to_string()).collect();
+        let gone: Vec<String> = k.bufs.iter().filter(|r| drop(r.id)).map(|r| buffers[r.id as usize].node.to_string()).collect();
         k.roots.retain(|r| !gone.contains(r));
-        k.bufs.retain(|r| !dead(r.id));
+        k.bufs.retain(|r| !drop(r.id));
     }
 }
 
