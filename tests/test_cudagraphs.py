@@ -54,6 +54,35 @@ def test_inference_replays_with_fresh_inputs(device):
         assert caps == 1 and reps == 4 and plain == 0, (caps, reps, plain)  # calls 2-5
 
 
+@pytest.mark.parametrize("reader", ["kernel", "relayout"])
+def test_inputs_only_kernels_read_are_not_copied(device, reader):
+    """[Note: patched inputs] An input only braze's kernels read (a LayerNorm's; the relayout
+    of an NCHW input for channels_last convolutions) is read where it is by each replay, not
+    copied into the graph's buffer: fresh inputs at new addresses, one input twice, one not
+    16-byte aligned (copied in instead) and an aligned one after it all give eager's values."""
+    if device != "cuda":
+        pytest.skip("CUDA graphs")
+    torch.manual_seed(0)
+    if reader == "kernel":
+        m = torch.nn.Sequential(torch.nn.LayerNorm(64), torch.nn.Linear(64, 64)).to(device).eval()
+        shape, opts = (32, 64), {}
+    else:
+        m = torch.nn.Sequential(torch.nn.Conv2d(3, 16, 3, padding=1), torch.nn.BatchNorm2d(16), torch.nn.ReLU()).to(device).eval()
+        shape, opts = (8, 3, 32, 32), {"conv_layout": "channels_last"}
+    c = braze.compile(m, mode="reduce-overhead", options={"on_unsupported": "error", **opts})
+    before, patched = counts(), cudagraphs.stats.patched_inputs
+    n = torch.Size(shape).numel()
+    xs = [torch.randn(shape, device=device) for _ in range(4)]
+    same = torch.randn(shape, device=device)
+    xs += [same, same, torch.randn(n + 1, device=device)[1:].view(shape), torch.randn(shape, device=device)]
+    with torch.no_grad():
+        for x in xs:
+            torch.testing.assert_close(c(x), m(x), rtol=1e-4, atol=1e-4)
+    caps, reps, plain = (a - b for a, b in zip(counts(), before))
+    assert caps == 1 and reps == len(xs) - 1 and plain == 0, (caps, reps, plain)
+    assert cudagraphs.stats.patched_inputs == patched + 1
+
+
 def test_earlier_outputs_are_invalidated(device):
     """A call's outputs stay valid until the next call of the same graph; reading one after
     that raises instead of returning the newer call's values."""

@@ -21,6 +21,10 @@ capture; any other tensor input is copied into a buffer of the graph's own first
 input, such as the expanded gradient ``out.sum().backward()`` hands a backward, into a buffer
 of its strides, by its distinct elements; a later call broadcasting it otherwise runs plainly).
 An input the graph mutates that is not read in place is copied back after the replay.
+An input that only braze's own kernels read is not copied at all ([Note: patched inputs] in
+braze-runtime's graph_patch.rs): the kernel nodes reading it are found once after the capture
+and, when a call's input is somewhere else, pointed at it (an input that is not 16-byte aligned
+is copied as before).
 
 How long outputs stay valid (as PyTorch documents for its CUDA-graph trees):
 
@@ -46,6 +50,8 @@ import weakref
 
 import torch
 
+from . import _core
+
 _POOLS = {}  # device index -> _Pool
 
 _STALE = ("braze (mode='reduce-overhead'): this tensor is an output of a CUDA-graph replay that a later call of the "
@@ -58,6 +64,7 @@ class Stats:
         self.replays = 0
         self.plain_runs = 0  # calls of a captured graph that ran plainly (something alive in the way)
         self.invalidated = 0  # outputs of earlier replays made unreadable
+        self.patched_inputs = 0  # inputs read where they are, not copied ([Note: patched inputs])
         self.not_captured = []  # (graph name, why)
 
 
@@ -119,6 +126,7 @@ class WholeGraph:
         self.calls = 0
         self.graph = None
         self.off = None  # why this graph runs plainly on every call
+        self.patched = []  # inputs read where they are ([Note: patched inputs])
         if g.dynamic:
             self.off = "symbolic sizes"
         elif g.n_host:
@@ -186,16 +194,26 @@ class WholeGraph:
         # The replay's input copy in its cheapest form: one tensor by `copy_`, several by one
         # `_foreach_copy_`; only a broadcast input narrows its source per call.
         self.copy_one = len(self.copy_idx) == 1 and not self.broadcast
-        graph = torch.cuda.CUDAGraph()
+        # Inputs that only braze's kernels read: found in the captured graph to be read where
+        # they are ([Note: patched inputs]); the graph is kept for that search.
+        patchable = [i for i in self.copy_idx if not (0 in self.copied[i].stride()) and i not in self.mutated
+                     and i in self.g.kernel_only_args()]
+        try:
+            graph = torch.cuda.CUDAGraph(keep_graph=True) if patchable else torch.cuda.CUDAGraph()
+        except TypeError:  # a PyTorch without keep_graph
+            graph, patchable = torch.cuda.CUDAGraph(), []
         torch.cuda.synchronize(dev)
         try:
             with torch.cuda.graph(graph, pool=pool.handle, capture_error_mode="thread_local"):
                 outs = self.g(list(cap_args))
+            if patchable:
+                graph.instantiate()
         except Exception as e:  # noqa: BLE001 - any failure: this graph runs plainly from now on
             torch.cuda.synchronize(dev)
             self._turn_off(f"capture failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
             return self.g(args)
         self.graph = graph
+        self._find_patches(patchable)
         self.pool = pool
         # Outputs: views of an input (returned as views of the current call's input), or
         # views of the graph's own blocks, kept here (returned as tensors viewing them).
@@ -250,8 +268,45 @@ class WholeGraph:
         del live_keys
         stats.captures += 1
         self.log(f"{self.name}: captured as one CUDA graph ({sum(1 for o in self.outs if o[0] == 'own')} outputs in its own memory, "
-                 f"{len(self.copied)} inputs copied in, {len(self.check_idx)} read in place)")
+                 f"{len(self.copy_idx)} inputs copied in, {len(self.patched)} read where they are, {len(self.check_idx)} read in place)")
         return self._launch(args, check=False)
+
+    def _find_patches(self, patchable):
+        """[Note: patched inputs] The copied inputs whose readers in the captured graph are
+        all braze's kernels, taken off the replay's copy: each call points those kernels at
+        the call's input instead."""
+        self.patched = []  # [arg index, sites, the graph's own buffer's address, the strides captured]
+        if not patchable:
+            return
+        raw, exec_ = self.graph.raw_cuda_graph(), self.graph.raw_cuda_graph_exec()
+        for i in patchable:
+            buf = self.copied[i]
+            found = _core.graph_input_sites(raw, exec_, buf.data_ptr(), buf.untyped_storage().nbytes())
+            if isinstance(found, str):
+                self.log(f"{self.name}: input {i} is copied in: {found}")
+                continue
+            self.patched.append([i, found, buf.data_ptr(), buf.stride()])
+            stats.patched_inputs += 1
+        if self.patched:
+            gone = {p[0] for p in self.patched}
+            self.copy_idx = [i for i in self.copy_idx if i not in gone]
+            self.copy_dst = [_distinct(self.copied[i]) for i in self.copy_idx]
+            self.copy_one = len(self.copy_idx) == 1 and not self.broadcast
+            self.log(f"{self.name}: inputs {sorted(gone)} read where they are, not copied "
+                     f"({', '.join(str(len(p[1])) for p in self.patched)} kernel nodes)")
+
+    def _point_patched(self, args):
+        """Points each patched input's kernels at this call's input, or, for an input not
+        16-byte aligned (braze's vector loads) or laid out otherwise than at the capture, at
+        the graph's own buffer with the input copied in."""
+        for i, sites, own, stride in self.patched:
+            a = args[i]
+            ptr = a.data_ptr()
+            if ptr % 16 == 0 and a.stride() == stride:
+                sites.point_at(ptr)
+            else:
+                sites.point_at(own)
+                self.copied[i].copy_(a)
 
     # Replay -----------------------------------------------------------------------------
 
@@ -310,6 +365,8 @@ class WholeGraph:
                 return self._plain(args, f"{what} are alive in memory this graph writes")
             if stale:
                 self._invalidate(stale)
+        if self.patched:
+            self._point_patched(args)
         if self.copy_one:
             self.copy_dst[0].copy_(args[self.copy_idx[0]])
         elif self.broadcast:

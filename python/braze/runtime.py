@@ -260,6 +260,19 @@ class CompiledGraph:
             self.template_plan = self._plan(*self._layouts(list(range(compiled.num_exprs))), consts=compiled.const_exprs)
             self.template_exec = self._executor(self.template_plan, [], template=True)
 
+    def kernel_only_args(self):
+        """The argument indices of tensor inputs that only braze's kernels read ([Note:
+        patched inputs] in braze-runtime): no extern call, matmul or convolution takes their
+        buffer, the graph neither mutates them nor returns a copy of them."""
+        if not self.cuda or self.dynamic:
+            return set()
+        taken = set(self.c.library_reads)
+        taken.update(a[0] for s in self.steps if s[0] == "extern" for a in s[4])
+        taken.update(b for (b, _), copy in zip(self.outputs, self.copy_out) if copy)
+        ti = self.tensor_inputs
+        ins = [(b, ti[row[1]]) for b, row in enumerate(self.bufs) if row[0] == "input" and 0 <= row[1] < len(ti)]
+        return {i for _, i in ins} - {i for b, i in ins if b in taken} - set(self.mutated_args)
+
     def _in_layout(self, t, shape, stride, stream):
         """`t`, or a copy of it laid out with `stride` when its layout differs."""
         if t.stride() != stride and not _same_layout(t, shape, stride):

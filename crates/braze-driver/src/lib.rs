@@ -164,6 +164,9 @@ pub struct Plan {
     /// The buffers each step's kernels and matmuls touch (empty for extern steps): the only
     /// pointers a run reads, and the key of its CUDA-graph replay.
     pub step_bufs: Vec<Vec<u32>>,
+    /// The buffers matmuls and convolutions read (the libraries' operands, [Note: patched
+    /// inputs] in braze-runtime).
+    pub library_reads: Vec<u32>,
     /// Byte offset of each buffer in the per-call arena, or -1 (see [Note: arena]).
     pub arena_offsets: Vec<i64>,
     /// The arena's windows ([Note: arena windows]): (first plan step, last plan step, bytes).
@@ -708,9 +711,13 @@ fn compile_graph(g: &Graph, target: Target, check_cuda: bool, check_arch: &str, 
     syms.sort();
     syms.dedup();
     let num_syms = syms.last().map(|m| *m as usize + 1).unwrap_or(0);
+    let mut library_reads: Vec<u32> = sched.steps.iter().flat_map(Step::library_operands).map(|x| x.buf).collect();
+    library_reads.sort_unstable();
+    library_reads.dedup();
     let plan = Plan {
         allocs,
         step_bufs,
+        library_reads,
         arena_offsets,
         arena_windows,
         reuse,

@@ -333,6 +333,36 @@ fn relayout(device: i32, src: usize, src_strides: Vec<i64>, dst: usize, dst_stri
     braze_runtime::cuda::relayout::relayout(device, src, &src_strides, dst, &dst_strides, &shape, elem, stream).map_err(runtime_err)
 }
 
+/// [Note: patched inputs] (braze-runtime's graph_patch.rs): the kernel nodes of a captured
+/// CUDA graph that read one input's buffer, rewritten per call to read the call's input.
+#[pyclass(module = "braze._core", frozen)]
+struct GraphInputSites {
+    sites: std::sync::Mutex<braze_runtime::cuda::graph_patch::InputSites>,
+}
+
+#[pymethods]
+impl GraphInputSites {
+    /// Makes the graph's kernels read the input at device address `addr` from the next
+    /// replay on.
+    fn point_at(&self, addr: u64) -> PyResult<()> {
+        self.sites.lock().unwrap_or_else(|e| e.into_inner()).point_at(addr).map_err(runtime_err)
+    }
+
+    fn __len__(&self) -> usize {
+        self.sites.lock().unwrap_or_else(|e| e.into_inner()).len()
+    }
+}
+
+/// The kernel nodes of captured graph `graph` (instantiated as `exec`, both raw handles)
+/// that read `[addr, addr + nbytes)`, or a string saying why that range cannot be patched.
+#[pyfunction]
+fn graph_input_sites(py: Python<'_>, graph: usize, exec: usize, addr: u64, nbytes: u64) -> PyResult<Py<PyAny>> {
+    match braze_runtime::cuda::graph_patch::find(graph, exec, addr, nbytes).map_err(runtime_err)? {
+        Ok(sites) => Ok(Py::new(py, GraphInputSites { sites: std::sync::Mutex::new(sites) })?.into_any()),
+        Err(why) => Ok(why.into_pyobject(py)?.into_any().unbind()),
+    }
+}
+
 /// The CUDA source of the relayout kernels (for the check that it compiles).
 #[pyfunction]
 fn relayout_source() -> &'static str {
@@ -412,6 +442,12 @@ impl Compiled {
     #[getter]
     fn buffers(&self) -> Vec<braze_driver::BufferRow> {
         self.plan.buffers.clone()
+    }
+
+    /// The buffers matmuls and convolutions read.
+    #[getter]
+    fn library_reads(&self) -> Vec<u32> {
+        self.plan.library_reads.clone()
     }
 
     /// ("kernels", lo, hi, "", [], []) or ("extern", node, 0, target, args, outs) per step.
@@ -686,6 +722,8 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(cpu_blas_ready, m)?)?;
     m.add_function(wrap_pyfunction!(cublaslt_probe_bias_grad, m)?)?;
     m.add_function(wrap_pyfunction!(relayout, m)?)?;
+    m.add_function(wrap_pyfunction!(graph_input_sites, m)?)?;
+    m.add_class::<GraphInputSites>()?;
     m.add_function(wrap_pyfunction!(relayout_source, m)?)?;
     m.add("Unsupported", m.py().get_type::<Unsupported>())?;
     m.add("InternalError", m.py().get_type::<InternalError>())?;

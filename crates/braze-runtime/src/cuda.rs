@@ -8,6 +8,7 @@
 //! points braze uses are resolved. NVRTC works without a GPU, which is how CI checks that
 //! every generated kernel compiles.
 
+pub mod graph_patch;
 pub mod kernel_tune;
 pub mod nvrtc_workers;
 pub mod relayout;
@@ -175,6 +176,30 @@ fn nvrtc() -> Result<&'static Nvrtc, RuntimeError> {
 
 fn driver() -> Result<&'static Driver, RuntimeError> {
     crate::loaded(&DRIVER, "CUDA driver")
+}
+
+/// Every kernel function braze has loaded (graphs' kernels, their scalar fallbacks, the
+/// relayouts): their parameters are plain values braze chose ([Note: patched inputs]).
+fn braze_functions() -> &'static std::sync::Mutex<std::collections::HashSet<usize>> {
+    static F: OnceLock<std::sync::Mutex<std::collections::HashSet<usize>>> = OnceLock::new();
+    F.get_or_init(Default::default)
+}
+
+/// `cuModuleGetFunction`, the function remembered as braze's.
+///
+/// # Safety
+/// `module` is a loaded module.
+unsafe fn get_function(d: &Driver, module: CuModule, name: &str) -> Result<CuFunction, RuntimeError> {
+    let c = CString::new(name).map_err(|_| RuntimeError::Compile(format!("kernel name {name:?}")))?;
+    let mut f: CuFunction = std::ptr::null_mut();
+    // SAFETY: the caller's module; an out-pointer to a local.
+    check(d, unsafe { (d.get_fn)(&mut f, module, c.as_ptr()) }, &format!("kernel {name}"))?;
+    braze_functions().lock().unwrap_or_else(|e| e.into_inner()).insert(f as usize);
+    Ok(f)
+}
+
+fn is_braze_function(f: CuFunction) -> bool {
+    braze_functions().lock().unwrap_or_else(|e| e.into_inner()).contains(&(f as usize))
 }
 
 fn check(d: &Driver, rc: CuResult, what: &str) -> Result<(), RuntimeError> {
@@ -738,10 +763,7 @@ impl CudaModule {
             let mut fns = Vec::new();
             for s in &specs {
                 let module = *modules.get(s.unit).ok_or_else(|| RuntimeError::Compile(format!("kernel {} has no unit", s.name)))?;
-                let name = CString::new(s.name.as_str()).unwrap();
-                let mut f: CuFunction = std::ptr::null_mut();
-                check(d, (d.get_fn)(&mut f, module, name.as_ptr()), &format!("kernel {}", s.name))?;
-                fns.push(f);
+                fns.push(get_function(d, module, &s.name)?);
             }
             let mut scratch: u64 = 0;
             check(d, (d.mem_alloc)(&mut scratch, SCRATCH_BYTES), "cuMemAlloc (empty-buffer stand-in)")?;
@@ -896,9 +918,7 @@ impl CudaModule {
             let mut module: CuModule = std::ptr::null_mut();
             check(d, (d.load)(&mut module, cubin.as_ptr() as *const c_void), "cuModuleLoadData")?;
             g.1.push(module);
-            let name = CString::new(fb.name.as_str()).unwrap();
-            let mut f: CuFunction = std::ptr::null_mut();
-            check(d, (d.get_fn)(&mut f, module, name.as_ptr()), &format!("kernel {}", fb.name))?;
+            let f = get_function(d, module, &fb.name)?;
             g.0.insert(k, f);
             Ok(f)
         }

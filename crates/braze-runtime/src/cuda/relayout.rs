@@ -5,10 +5,10 @@
 //! (TensorIterator set-up), this costs one kernel launch. The kernel is one fixed source,
 //! compiled by NVRTC once per architecture (and cached on disk like every module).
 
-use super::{check, compile_cubin, device_info, driver, ensure_current, make_primary_current, CuContext, CuFunction, CuModule, CuStream};
+use super::{check, compile_cubin, get_function, device_info, driver, ensure_current, make_primary_current, CuContext, CuFunction, CuModule, CuStream};
 use crate::RuntimeError;
 use std::collections::HashMap;
-use std::ffi::{c_uint, c_void, CString};
+use std::ffi::{c_uint, c_void};
 use std::sync::{Mutex, OnceLock};
 
 /// The most dimensions a relayout handles (the caller copies higher ranks itself).
@@ -70,8 +70,7 @@ fn load(ordinal: i32) -> Result<Loaded, RuntimeError> {
         check(d, (d.load)(&mut module, cubin.as_ptr() as *const c_void), "cuModuleLoadData (relayout)")?;
         let mut fns: [CuFunction; 4] = [std::ptr::null_mut(); 4];
         for (f, bytes) in fns.iter_mut().zip([1, 2, 4, 8]) {
-            let name = CString::new(format!("braze_relayout_{bytes}")).unwrap();
-            check(d, (d.get_fn)(f, module, name.as_ptr()), "relayout kernel")?;
+            *f = get_function(d, module, &format!("braze_relayout_{bytes}"))?;
         }
         Ok(Loaded { ctx, fns, max_blocks: 8 * sms.max(1) as u32, _module: module })
     }
