@@ -20,7 +20,7 @@ from . import _core, cuda, cudagraphs
 from . import autograd as direct
 from .attention import dense_masks
 from .config import Config
-from .decomp import decomposition_table, drop_unread_batch_norm_stats
+from .decomp import decomposition_table, drop_unread_batch_norm_stats, recomputable_batch_norm_outputs
 from .lowering import Unsupported, is_tensor_meta, lower_graph
 from .runtime import CompiledGraph
 
@@ -323,6 +323,7 @@ def _partition(joint, joint_inputs, **kwargs):
     from torch._functorch.partitioners import min_cut_rematerialization_partition
 
     drop_unread_batch_norm_stats(joint)
+    recomputable_batch_norm_outputs(joint)
     return min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
 
 

@@ -7,6 +7,7 @@ gelu, var_mean, ...) or calls as extern kernels (mm, convolution, attention) are
 from __future__ import annotations
 
 import functools
+import operator
 
 import torch
 from torch._decomp import get_decompositions
@@ -149,5 +150,75 @@ def drop_unread_batch_norm_stats(joint: torch.fx.GraphModule) -> None:
             if n.args[3] is not None or n.args[4] is not None:
                 n.args = (*n.args[:3], None, None, *n.args[5:])
                 changed = True
+    if changed:
+        joint.recompile()
+
+
+def recomputable_batch_norm_outputs(joint: torch.fx.GraphModule) -> None:
+    """[Note: BatchNorm outputs recomputable] In training, BatchNorm's normalized output is
+    rewritten in the joint graph as pointwise ops of its input and the saved mean and inverse
+    std (the op's own output left unread), so that AOTAutograd's partitioner can recompute it
+    in the backward from what BatchNorm's backward saves anyway, as it does for Inductor's
+    decomposed BatchNorm. Left as the op's output ([Note: BatchNorm lowered, not decomposed]
+    in lowering.py) it was saved whenever the activation's backward reads it (hardswish,
+    SiLU, GELU): MobileNet-v3's forward wrote each BatchNorm + hardswish layer's normalized
+    values and its backward read them back, a full activation each way."""
+    g = joint.graph
+    changed = False
+    for n in list(g.nodes):
+        if n.target is not aten._native_batch_norm_legit_functional.default or len(n.args) < 8 or not n.args[5]:
+            continue
+        x, w, b = n.args[0], n.args[1], n.args[2]
+        xv = x.meta.get("val") if isinstance(x, torch.fx.Node) else None
+        vals = n.meta.get("val")
+        if not isinstance(xv, torch.Tensor) or xv.dim() < 2 or not isinstance(xv.shape[1], int) or vals is None:
+            continue
+        fake = getattr(xv, "fake_mode", None)
+        items = {u.args[1]: u for u in n.users if u.target is operator.getitem}
+        out = items.get(0)
+        if fake is None or out is None or not out.users:
+            continue
+        ct = torch.float32 if xv.dtype in (torch.float16, torch.bfloat16) else xv.dtype
+        if any(not isinstance(v, torch.Tensor) or v.dtype != ct for v in vals[1:3]):
+            continue  # statistics saved rounded (the CPU's bf16 BatchNorm): the op's own output is exact
+        shape = [1, xv.shape[1]] + [1] * (xv.dim() - 2)
+        anchor = [n]
+
+        def add(target, *args):
+            with g.inserting_after(anchor[0]):
+                node = g.call_function(target, args)
+            vals_in = torch.fx.node.map_arg(args, lambda a: a.meta["val"])
+            with fake:
+                node.meta["val"] = target(*vals_in)
+            anchor[0] = node
+            return node
+
+        def as_ct(v):
+            return v if v.meta["val"].dtype == ct else add(torch.ops.prims.convert_element_type.default, v, ct)
+
+        stats = []
+        for k in (1, 2):
+            if k in items:
+                n_last = anchor[0]
+                n_last.append(items[k])
+                anchor[0] = items[k]
+            else:
+                with g.inserting_after(anchor[0]):
+                    items[k] = g.call_function(operator.getitem, (n, k))
+                items[k].meta["val"] = vals[k]
+                anchor[0] = items[k]
+            stats.append(items[k])
+        mean = add(aten.view.default, as_ct(stats[0]), shape)
+        rstd = add(aten.view.default, as_ct(stats[1]), shape)
+        y = add(aten.mul.Tensor, add(aten.sub.Tensor, as_ct(x), mean), rstd)
+        if w is not None:
+            y = add(aten.mul.Tensor, y, add(aten.view.default, as_ct(w), shape))
+        if b is not None:
+            y = add(aten.add.Tensor, y, add(aten.view.default, as_ct(b), shape))
+        if out.meta["val"].dtype != ct:
+            y = add(torch.ops.prims.convert_element_type.default, y, out.meta["val"].dtype)
+        out.replace_all_uses_with(y)
+        g.erase_node(out)
+        changed = True
     if changed:
         joint.recompile()
