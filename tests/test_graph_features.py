@@ -3,6 +3,7 @@ operators (cond, while_loop, flex_attention, activation checkpointing), calls re
 tensor (runtime asserts), sizes with Max/Min and powers, and the README's own calling forms
 (that DCE keeps effectful calls is a golden test in tests/filetests/passes). The suite runs with on_unsupported="error", so each of these
 fails if its graph falls back; each also compares with eager on fresh random inputs."""
+import copy
 import re
 
 import pytest
@@ -503,6 +504,31 @@ def test_attention_mask_made_dense_before_tracing():
             assert m.meta["example_value"].stride()[-1] == 1
         else:
             assert m is mn
+
+
+def test_scalar_roots_share_one_kernel(device):
+    """[Note: scalar kernels] (braze-sched): independent scalar results (BatchNorm's
+    `num_batches_tracked + 1`, one per layer) are computed by one kernel, not one launch
+    each; in a BatchNorm training step the counters are eager's."""
+    torch.manual_seed(0)
+    a, b, c = (torch.randn((), device=device) for _ in range(3))
+    x = torch.randn(64, device=device)
+    f = lambda a, b, c, x: (a + 1, (x * 2).sin(), b * 2, c.exp() - 3)  # noqa: E731
+    n0 = len(braze.stats.records)
+    out = torch.compile(f, backend="braze", options={"on_unsupported": "error"})(a, b, c, x)
+    for o, r in zip(out, f(a, b, c, x)):
+        torch.testing.assert_close(o, r)
+    rec = braze.stats.records[n0]
+    assert len(rec["kernels"]) == 2, rec["kernels"]
+    m0 = torch.nn.Sequential(torch.nn.BatchNorm1d(8), torch.nn.ReLU(), torch.nn.BatchNorm1d(8)).to(device)
+    m = copy.deepcopy(m0)
+    c = torch.compile(m, backend="braze", options={"on_unsupported": "error"})
+    for _ in range(2):
+        x = torch.randn(16, 8, device=device)
+        c(x).sum().backward()
+        m0(x).sum().backward()
+    for b1, b2 in zip(m.buffers(), m0.buffers()):
+        torch.testing.assert_close(b1, b2)
 
 
 def test_dead_stores_dropped(device):

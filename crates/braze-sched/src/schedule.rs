@@ -542,6 +542,8 @@ fn fuse(g: &Graph, stored: &[bool], log: &mut Vec<String>) -> Result<Fused, Sche
     let mut next_order = 0;
     // Groups by the stored values and inputs they read ([Note: sibling fusion]).
     let mut readers: std::collections::HashMap<NodeId, Vec<usize>> = std::collections::HashMap::new();
+    // The first group of a scalar root ([Note: scalar kernels]).
+    let mut scalar_group: Option<usize> = None;
     let dummy = |id: NodeId| if stored[id.index()] || matches!(g.node(id).op, Op::Reduce { .. }) { Some((id.0, contiguous_strides(&g.ty(id).shape))) } else { None };
     for id in g.ids() {
         let node = g.node(id);
@@ -575,13 +577,22 @@ fn fuse(g: &Graph, stored: &[bool], log: &mut Vec<String>) -> Result<Fused, Sche
         // reductions of one input with another kernel between them (BatchNorm backward's
         // sum(g) and sum(g * (x - mean)) once split in two stages, the first sum's second
         // stage between them) read the input once when fused.
+        // The root's own domain, computed once (its loop order walks the graph).
+        let own = std::cell::OnceCell::new();
         let mut siblings: Vec<usize> = rs.iter().filter_map(|x| readers.get(x)).flatten().copied().filter(|k| !cands.contains(k)).collect();
         siblings.sort_by_key(|&k| std::cmp::Reverse(groups[k].order));
         siblings.dedup();
         cands.extend(siblings.into_iter().take(MAX_SIBLING_TRIALS));
+        // [Note: scalar kernels] A scalar root (no dims: BatchNorm's `num_batches_tracked + 1`,
+        // one per layer) may join the first group of scalar roots, whatever they read: one
+        // kernel for all of them instead of one launch of one thread each (MobileNet-v3-small's
+        // training forward had 34 such kernels, ~1.2 µs of GPU time each on the H100).
+        if let Some(sg) = scalar_group {
+            if !cands.contains(&sg) && own.get_or_init(|| Domain::of_root(g, id)).dims.is_empty() {
+                cands.push(sg);
+            }
+        }
         let mut joined = None;
-        // The root's own domain, computed once (its loop order walks the graph).
-        let own = std::cell::OnceCell::new();
         for k in cands {
             let gr = &groups[k];
             if dep_steps.iter().any(|&s| s > gr.order) {
@@ -635,7 +646,11 @@ fn fuse(g: &Graph, stored: &[bool], log: &mut Vec<String>) -> Result<Fused, Sche
                 step_of[id.index()] = Some(groups[k].order);
             }
             None => {
-                groups.push(Group { dom: own.into_inner().unwrap_or_else(|| Domain::of_root(g, id)), roots: vec![id], order: next_order });
+                let dom = own.into_inner().unwrap_or_else(|| Domain::of_root(g, id));
+                if scalar_group.is_none() && dom.dims.is_empty() {
+                    scalar_group = Some(groups.len());
+                }
+                groups.push(Group { dom, roots: vec![id], order: next_order });
                 group_of[id.index()] = Some(groups.len() - 1);
                 step_of[id.index()] = Some(next_order);
                 next_order += 1;
