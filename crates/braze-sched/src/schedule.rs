@@ -341,7 +341,11 @@ pub fn schedule(g: &Graph) -> Result<Schedule, SchedError> {
         // log-probabilities and the f32 gradient, all inside the bf16 gradient that the
         // bias-gradient reduction and the padded matmul operand read. Other shared values
         // are then decided as before, all at once (storing an outer f32 wrapper first, a
-        // softmax's `x * 1.5`, stored more than the value it wraps).
+        // softmax's `x * 1.5`, stored more than the value it wraps). More generally a shared
+        // value goes first when the shared values of its shape it inlines take more bytes per
+        // element than it: a hardswish gradient (f32) over its two masks and its f32 factor,
+        // which BatchNorm's output recomputed in the backward ([Note: BatchNorm outputs
+        // recomputable] in decomp.py) made shared, 6 bytes stored and read back instead of 4.
         let shared = |id: NodeId, stored: &[bool], users_in: &[HashSet<usize>]| {
             !stored[id.index()] && g.node(id).op.is_pointwise() && users_in[id.index()].len() > 1 && inline_cost(g, id, stored, &mut HashSet::new()) > RECOMPUTE_LIMIT
         };
@@ -352,7 +356,7 @@ pub fn schedule(g: &Graph) -> Result<Schedule, SchedError> {
                 continue;
             }
             // Shared values it inlines, wider than it and of its shape.
-            let (ty, mut narrows) = (g.ty(id), false);
+            let (ty, mut inside_bytes) = (g.ty(id), 0usize);
             let mut seen = HashSet::new();
             let mut stack = vec![id];
             let mut inside = Vec::new();
@@ -360,13 +364,15 @@ pub fn schedule(g: &Graph) -> Result<Schedule, SchedError> {
                 for &i in &g.node(x).inputs {
                     if !stored[i.index()] && !matches!(g.node(i).op, Op::Reduce { .. }) && seen.insert(i) {
                         let ti = g.ty(i);
-                        narrows |= ti.shape == ty.shape && ti.dtype.size() > ty.dtype.size() && shared(i, &stored, &users_in);
+                        if ti.shape == ty.shape && shared(i, &stored, &users_in) {
+                            inside_bytes += ti.dtype.size();
+                        }
                         inside.push(i);
                         stack.push(i);
                     }
                 }
             }
-            if !narrows {
+            if inside_bytes <= ty.dtype.size() {
                 continue;
             }
             stored[id.index()] = true;
