@@ -281,7 +281,10 @@ class WholeGraph:
         raw, exec_ = self.graph.raw_cuda_graph(), self.graph.raw_cuda_graph_exec()
         for i in patchable:
             buf = self.copied[i]
-            found = _core.graph_input_sites(raw, exec_, buf.data_ptr(), buf.untyped_storage().nbytes())
+            try:
+                found = _core.graph_input_sites(raw, exec_, buf.data_ptr(), buf.untyped_storage().nbytes())
+            except Exception as e:  # noqa: BLE001 - a driver call failed: the input stays copied
+                found = f"{type(e).__name__}: {e}"
             if isinstance(found, str):
                 self.log(f"{self.name}: input {i} is copied in: {found}")
                 continue

@@ -341,11 +341,15 @@ pub fn schedule(g: &Graph) -> Result<Schedule, SchedError> {
         // log-probabilities and the f32 gradient, all inside the bf16 gradient that the
         // bias-gradient reduction and the padded matmul operand read. Other shared values
         // are then decided as before, all at once (storing an outer f32 wrapper first, a
-        // softmax's `x * 1.5`, stored more than the value it wraps). More generally a shared
-        // value goes first when the shared values of its shape it inlines take more bytes per
-        // element than it: a hardswish gradient (f32) over its two masks and its f32 factor,
-        // which BatchNorm's output recomputed in the backward ([Note: BatchNorm outputs
-        // recomputable] in decomp.py) made shared, 6 bytes stored and read back instead of 4.
+        // softmax's `x * 1.5`, stored more than the value it wraps: the max's kernel still
+        // read the inner one). A shared value also goes first when the shared values of its
+        // shape it inlines that only its own readers share (so no longer shared once it is
+        // stored), masks among them, take more bytes per element than it: a hardswish
+        // gradient (f32) over its two masks and its f32 factor, which BatchNorm's output
+        // recomputed in the backward ([Note: BatchNorm outputs recomputable] in decomp.py) made
+        // shared, 6 bytes stored and read back instead of 4. (Without the narrower ones the
+        // rule also fired in a chain of softmaxes, each storing its exponentials instead of
+        // its scaled input: one more buffer live at once.)
         let shared = |id: NodeId, stored: &[bool], users_in: &[HashSet<usize>]| {
             !stored[id.index()] && g.node(id).op.is_pointwise() && users_in[id.index()].len() > 1 && inline_cost(g, id, stored, &mut HashSet::new()) > RECOMPUTE_LIMIT
         };
@@ -356,7 +360,7 @@ pub fn schedule(g: &Graph) -> Result<Schedule, SchedError> {
                 continue;
             }
             // Shared values it inlines, wider than it and of its shape.
-            let (ty, mut inside_bytes) = (g.ty(id), 0usize);
+            let (ty, mut narrows, mut freed, mut freed_narrow) = (g.ty(id), false, 0usize, false);
             let mut seen = HashSet::new();
             let mut stack = vec![id];
             let mut inside = Vec::new();
@@ -365,14 +369,20 @@ pub fn schedule(g: &Graph) -> Result<Schedule, SchedError> {
                     if !stored[i.index()] && !matches!(g.node(i).op, Op::Reduce { .. }) && seen.insert(i) {
                         let ti = g.ty(i);
                         if ti.shape == ty.shape && shared(i, &stored, &users_in) {
-                            inside_bytes += ti.dtype.size();
+                            narrows |= ti.dtype.size() > ty.dtype.size();
+                            // Shared only through the kernels that recompute `id`: no longer
+                            // shared once `id` is stored.
+                            if users_in[i.index()].is_subset(&users_in[id.index()]) {
+                                freed += ti.dtype.size();
+                                freed_narrow |= ti.dtype.size() < ty.dtype.size();
+                            }
                         }
                         inside.push(i);
                         stack.push(i);
                     }
                 }
             }
-            if inside_bytes <= ty.dtype.size() {
+            if !narrows && !(freed_narrow && freed > ty.dtype.size()) {
                 continue;
             }
             stored[id.index()] = true;
