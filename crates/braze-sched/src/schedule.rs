@@ -382,7 +382,7 @@ pub fn schedule(g: &Graph) -> Result<Schedule, SchedError> {
                     }
                 }
             }
-            if !narrows && !(freed_narrow && freed > ty.dtype.size()) {
+            if !(narrows || (freed_narrow && freed > ty.dtype.size())) {
                 continue;
             }
             stored[id.index()] = true;
