@@ -113,8 +113,8 @@ fn hits(words: &[u64], lo: u64, hi: u64) -> Vec<(usize, u64)> {
 /// # Safety
 /// `p` as `cuGraphKernelNodeGetParams` filled it.
 unsafe fn read_params(a: &Api, p: &KernelNodeParams) -> Result<(Vec<u64>, Vec<usize>), String> {
-    if p.func.is_null() || p.params.is_null() || !p.extra.is_null() {
-        return Err("a kernel node without a function or with packed parameters".into());
+    if p.func.is_null() {
+        return Err("a kernel node without a function".into());
     }
     let mut layout = Vec::new();
     for i in 0.. {
@@ -124,6 +124,12 @@ unsafe fn read_params(a: &Api, p: &KernelNodeParams) -> Result<(Vec<u64>, Vec<us
             break;
         }
         layout.push((off, size));
+    }
+    if layout.is_empty() {
+        return Ok((Vec::new(), Vec::new())); // no parameters: it cannot be handed the input
+    }
+    if p.params.is_null() || !p.extra.is_null() {
+        return Err("a kernel node with packed parameters".into());
     }
     let end = layout.iter().map(|&(o, s)| o + s).max().unwrap_or(0);
     let mut words = vec![0u64; end.div_ceil(8)];
