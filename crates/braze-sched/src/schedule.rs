@@ -589,12 +589,12 @@ fn fuse(g: &Graph, stored: &[bool], log: &mut Vec<String>) -> Result<Fused, Sche
                 cands.push(last);
             }
         }
+        // The root's own domain, computed once (its loop order walks the graph).
+        let own = std::cell::OnceCell::new();
         // [Note: sibling fusion] Groups that read what this root reads, latest first: two
         // reductions of one input with another kernel between them (BatchNorm backward's
         // sum(g) and sum(g * (x - mean)) once split in two stages, the first sum's second
         // stage between them) read the input once when fused.
-        // The root's own domain, computed once (its loop order walks the graph).
-        let own = std::cell::OnceCell::new();
         let mut siblings: Vec<usize> = rs.iter().filter_map(|x| readers.get(x)).flatten().copied().filter(|k| !cands.contains(k)).collect();
         siblings.sort_by_key(|&k| std::cmp::Reverse(groups[k].order));
         siblings.dedup();
