@@ -189,15 +189,11 @@ class WholeGraph:
         # What a replay checks and copies, in the forms its C++ calls take.
         self.check_idx = [i for i, ptr in enumerate(self.check_ptrs) if ptr is not None]
         self.broadcast = [(i, buf.stride()) for i, buf in self.copied.items() if 0 in buf.stride()]
-        self.copy_dst = [_distinct(buf) for buf in self.copied.values()]
         self.copy_idx = list(self.copied)
-        # The replay's input copy in its cheapest form: one tensor by `copy_`, several by one
-        # `_foreach_copy_`; only a broadcast input narrows its source per call.
-        self.copy_one = len(self.copy_idx) == 1 and not self.broadcast
         # Inputs that only braze's kernels read: found in the captured graph to be read where
         # they are ([Note: patched inputs]); the graph is kept for that search.
-        patchable = [i for i in self.copy_idx if not (0 in self.copied[i].stride()) and i not in self.mutated
-                     and i in self.g.kernel_only_args()]
+        kernel_only = self.g.kernel_only_args()
+        patchable = [i for i in self.copy_idx if not (0 in self.copied[i].stride()) and i not in self.mutated and i in kernel_only]
         try:
             graph = torch.cuda.CUDAGraph(keep_graph=True) if patchable else torch.cuda.CUDAGraph()
         except TypeError:  # a PyTorch without keep_graph
@@ -214,6 +210,10 @@ class WholeGraph:
             return self.g(args)
         self.graph = graph
         self._find_patches(patchable)
+        # The replay's input copy in its cheapest form: one tensor by `copy_`, several by one
+        # `_foreach_copy_`; only a broadcast input narrows its source per call.
+        self.copy_dst = [_distinct(self.copied[i]) for i in self.copy_idx]
+        self.copy_one = len(self.copy_idx) == 1 and not self.broadcast
         self.pool = pool
         # Outputs: views of an input (returned as views of the current call's input), or
         # views of the graph's own blocks, kept here (returned as tensors viewing them).
@@ -293,8 +293,6 @@ class WholeGraph:
         if self.patched:
             gone = {p[0] for p in self.patched}
             self.copy_idx = [i for i in self.copy_idx if i not in gone]
-            self.copy_dst = [_distinct(self.copied[i]) for i in self.copy_idx]
-            self.copy_one = len(self.copy_idx) == 1 and not self.broadcast
             self.log(f"{self.name}: inputs {sorted(gone)} read where they are, not copied "
                      f"({', '.join(str(len(p[1])) for p in self.patched)} kernel nodes)")
 

@@ -199,8 +199,7 @@ def recomputable_batch_norm_outputs(joint: torch.fx.GraphModule) -> None:
         stats = []
         for k in (1, 2):
             if k in items:
-                n_last = anchor[0]
-                n_last.append(items[k])
+                anchor[0].append(items[k])
                 anchor[0] = items[k]
             else:
                 with g.inserting_after(anchor[0]):
