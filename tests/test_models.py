@@ -1621,6 +1621,31 @@ def test_column_blocks_fill_sectors(device, dtype, monkeypatch):
         assert f"bz_col_welford<{xt * lanes}, {yt // lanes}>" in src, src
 
 
+def test_split_stage_two_threads_have_rows(device, monkeypatch):
+    """[Note: column geometry]: the statistics of a 120-channel activation at 14×14 (MobileNet-
+    v3-small's) split by the batch into 32 parts; stage 2 combines 32 partial rows for each
+    of 120 channels. Its grid can never reach the column floor of 128 blocks, and doubling
+    its threads along the rows toward it gave each channel 64 threads for 32 rows; it now
+    stops at one row a thread (16 channels by 32 threads). Values are eager's."""
+    monkeypatch.setenv("BRAZE_SPLIT_REDUCTIONS_CPU", "264")
+    x = torch.randn(32, 120, 14, 14, device=device).to(memory_format=torch.channels_last)
+    x[:, 7] += 50
+
+    def f(x):
+        return torch.var_mean(x, (0, 2, 3), correction=0)
+
+    out = compiled(f, options={"on_unsupported": "error"})(x)
+    for got, want in zip(out, f(x)):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-3)
+    rec = braze.stats.records[-1]
+    src = rec["source"] if device == "cuda" else rec.get("cuda_source")
+    if src is None:
+        pytest.skip("NVRTC not found: the CUDA source was not generated")
+    kernels = re.findall(r"__global__ void __launch_bounds__\(\d+\) (\w+)\(", src)
+    assert len([k for k in kernels if not k.endswith("_scalar")]) == 2, kernels
+    assert "bz_col_reduce<16, 32>" in src and "bz_col_reduce<8, 64>" not in src, src
+
+
 @pytest.mark.parametrize("head_dim", [64, 20])
 def test_rotary_halves_read_wide(device, head_dim):
     """[Note: lane-uniform masks] (braze-codegen): rotary embeddings' `rotate_half` is a

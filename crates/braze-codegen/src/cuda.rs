@@ -379,14 +379,20 @@ pub const COL_THREADS: u32 = COL_X * COL_Y;
 /// spent its time in the combination across them (9.5 µs on the H100 against Inductor's 4.5).
 pub fn col_geometry(k: &Kernel) -> (u32, u32) {
     // Threads along the rows: COL_Y, or fewer (at least `min`) for short rows, as long as the
-    // grid keeps MIN_COL_BLOCKS blocks (a split reduction's stage 1 over few points).
+    // grid keeps MIN_COL_BLOCKS blocks (a split reduction's stage 1 over few points) and each
+    // thread keeps a row: a split's stage 2 over 32 partial rows of 120 points can never reach
+    // the floor, and doubling toward it gave each point 64 threads, half of them idle.
     let points = product(&k.outer).as_const().unwrap_or(i64::MAX).max(1) as u64;
+    let rows = product(&k.inner).as_const().filter(|&n| n > 0).map(|n| n as u64);
     let along = |min: u32, points_per_thread: u32| {
-        let mut y = match product(&k.inner).as_const() {
-            Some(n) if n > 0 => (((n as u64).div_ceil(COL_ROWS_PER_THREAD)).next_power_of_two().min(COL_Y as u64) as u32).clamp(min, COL_Y),
-            _ => COL_Y,
+        let mut y = match rows {
+            Some(n) => ((n.div_ceil(COL_ROWS_PER_THREAD)).next_power_of_two().min(COL_Y as u64) as u32).clamp(min, COL_Y),
+            None => COL_Y,
         };
-        while y < COL_Y && points.div_ceil((COL_THREADS / y * points_per_thread) as u64) < MIN_COL_BLOCKS {
+        while y < COL_Y
+            && rows.is_none_or(|n| n >= 2 * y as u64)
+            && points.div_ceil((COL_THREADS / y * points_per_thread) as u64) < MIN_COL_BLOCKS
+        {
             y *= 2;
         }
         y
