@@ -475,6 +475,25 @@ def test_dynamic_sizes_instantiate_the_plan_template(device, compiled_graphs, mo
     _no_eager()
 
 
+def test_dynamic_extern_sizes_fixed_per_instance(device, compiled_graphs):
+    """[Note: plan templates]: an extern call's size arguments (`topk`'s k, from the length and
+    from an int argument, both symbols Dynamo passes as ints) are evaluated once when a size
+    set's executor is instantiated, not per call; each size set keeps its own values (sizes
+    seen before, in another order, and a k that changes with the length fixed)."""
+    def f(x, k):
+        return torch.topk(x.sin(), x.shape[-1] // 2).values * 2, torch.topk(x, k, dim=0).indices
+
+    c = compiled(f, dynamic=True)
+    for n, k in ((8, 2), (12, 3), (8, 2), (8, 3), (10, 4), (12, 3)):
+        x = torch.randn(5, n, device=device)
+        for a, b in zip(c(x, k), f(x, k)):
+            torch.testing.assert_close(a, b)
+    (g,) = compiled_graphs
+    assert g.dynamic and sorted(g.plans) == sorted({(5, 8, 2), (5, 12, 3), (5, 8, 3), (5, 10, 4)}), list(g.plans)
+    assert braze.stats.records[-1]["externs"] == {"aten.topk.default": 2}
+    _no_eager()
+
+
 def test_attention_mask_made_dense_before_tracing():
     """A CUDA attention mask whose last dim has stride 0 (transformers' broadcast padding mask
     under torch.compile) is made contiguous in Dynamo's graph, so AOTAutograd traces a fused

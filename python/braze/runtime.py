@@ -5,6 +5,7 @@ the outputs. Python picks a dynamic graph's plan and finishes what is not a tens
 """
 from __future__ import annotations
 
+import operator
 import re
 import struct
 from typing import Any, NamedTuple, Optional, Union
@@ -150,6 +151,13 @@ class SymResolver:
             raise Unsupported("size symbol(s) " + ", ".join(f"s{n}" for n in missing) + " not found among the inputs")
         self.sources = {n: src for n, src in self.sources.items() if n in needed}
         self.order = tuple(self.sources.values())
+        # The symbols whose values change per call (host scalars): an instance of the plan
+        # evaluates its extern calls' other size arguments once ([Note: plan templates]).
+        self.varying = [n for n, _, _ in self.values]
+        # Symbols that Dynamo passes as int arguments (the usual case): the key is one C call.
+        if self.order and all(kind == "int" for kind, _, _ in self.order):
+            pick = operator.itemgetter(*[i for _, i, _ in self.order])
+            self.key = (lambda args: (pick(args),)) if len(self.order) == 1 else pick
 
     def _add(self, expr, src):
         if expr.startswith("s") and expr[1:].isdigit():
@@ -425,7 +433,7 @@ class CompiledGraph:
             hit = self.plans.get(key)
             if hit is None:
                 syms = self.syms.expand(key)
-                hit = (syms, self.template_exec.instantiate(self.c.eval(syms), syms))
+                hit = (syms, self.template_exec.instantiate(self.c.eval(syms), syms, self.syms.varying))
                 if len(self.plans) >= _PLANS_KEPT:
                     del self.plans[next(iter(self.plans))]
                 self.plans[key] = hit

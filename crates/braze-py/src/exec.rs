@@ -91,6 +91,48 @@ impl Arg {
         }
     }
 
+    /// This argument for one plan instance of a dynamic graph ([Note: plan templates]): a size
+    /// expression reading none of the `varying` symbols (host scalars, whose values change per
+    /// call) evaluated once for `syms`, and a list or tuple left with only such values made one
+    /// value, as a static plan's are; None where nothing changes.
+    fn resolved(&self, py: Python<'_>, syms: &[i64], varying: &[u32]) -> PyResult<Option<Arg>> {
+        let items = |v: &[Arg]| -> PyResult<Option<Vec<Arg>>> {
+            let new = v.iter().map(|a| a.resolved(py, syms, varying)).collect::<PyResult<Vec<_>>>()?;
+            if new.iter().all(Option::is_none) {
+                return Ok(None);
+            }
+            Ok(Some(new.into_iter().zip(v).map(|(n, a)| n.unwrap_or_else(|| a.clone_ref(py))).collect()))
+        };
+        let fixed = |v: &[Arg]| v.iter().all(|a| matches!(a, Arg::Fixed(_)));
+        let objs = |v: &[Arg]| v.iter().map(|a| match a { Arg::Fixed(o) => o.clone_ref(py), _ => unreachable!() }).collect::<Vec<_>>();
+        Ok(match self {
+            Arg::Sym(f) if f.syms().iter().all(|n| !varying.contains(n)) => Some(Arg::Fixed(f.value(py, syms)?.unbind())),
+            Arg::List(v) => items(v)?.map(|v| -> PyResult<Arg> {
+                Ok(if fixed(&v) { Arg::Fixed(PyList::new(py, objs(&v))?.into_any().unbind()) } else { Arg::List(v) })
+            }).transpose()?,
+            Arg::Tuple(v) => items(v)?.map(|v| -> PyResult<Arg> {
+                Ok(if fixed(&v) { Arg::Fixed(PyTuple::new(py, objs(&v))?.into_any().unbind()) } else { Arg::Tuple(v) })
+            }).transpose()?,
+            Arg::Dict(v) => {
+                let vals: Vec<Arg> = v.iter().map(|(_, a)| a.clone_ref(py)).collect();
+                items(&vals)?.map(|new| Arg::Dict(v.iter().zip(new).map(|((k, _), a)| (k.clone_ref(py), a)).collect()))
+            }
+            _ => None,
+        })
+    }
+
+    fn clone_ref(&self, py: Python<'_>) -> Arg {
+        match self {
+            Arg::Fixed(o) => Arg::Fixed(o.clone_ref(py)),
+            Arg::Tensor(k) => Arg::Tensor(*k),
+            Arg::Sym(f) => Arg::Sym(f.clone()),
+            Arg::Host(slot) => Arg::Host(*slot),
+            Arg::List(v) => Arg::List(v.iter().map(|a| a.clone_ref(py)).collect()),
+            Arg::Tuple(v) => Arg::Tuple(v.iter().map(|a| a.clone_ref(py)).collect()),
+            Arg::Dict(v) => Arg::Dict(v.iter().map(|(k, a)| (k.clone_ref(py), a.clone_ref(py))).collect()),
+        }
+    }
+
     /// Whether the symbol values are read.
     fn reads_syms(&self) -> bool {
         match self {
@@ -160,6 +202,21 @@ struct ExternCall {
     reads_syms: bool,
     /// Results kept on the host: (path into the result, host slot).
     host_outs: Vec<(Vec<Obj>, usize)>,
+}
+
+impl ExternCall {
+    /// The call for one plan instance ([`Arg::resolved`]): shared with the template where no
+    /// argument changes.
+    fn resolved(self: &Arc<Self>, py: Python<'_>, syms: &[i64], varying: &[u32]) -> PyResult<Arc<ExternCall>> {
+        if !self.reads_syms {
+            return Ok(self.clone());
+        }
+        let args = self.args.iter().map(|a| Ok(a.resolved(py, syms, varying)?.unwrap_or_else(|| a.clone_ref(py)))).collect::<PyResult<Vec<_>>>()?;
+        let kwargs = self.kwargs.iter().map(|(k, a)| Ok((k.clone_ref(py), a.resolved(py, syms, varying)?.unwrap_or_else(|| a.clone_ref(py))))).collect::<PyResult<Vec<_>>>()?;
+        let reads_syms = args.iter().any(Arg::reads_syms) || kwargs.iter().any(|(_, a)| a.reads_syms());
+        let host_outs = self.host_outs.iter().map(|(path, slot)| (path.iter().map(|k| k.clone_ref(py)).collect(), *slot)).collect();
+        Ok(Arc::new(ExternCall { target: self.target.clone_ref(py), args, kwargs, reads_syms, host_outs }))
+    }
 }
 
 enum Work {
@@ -394,7 +451,7 @@ impl Executor {
     /// graph's size expressions for the call's symbols, `Compiled.eval`) and every view offset
     /// resolved; what no size changes (kernel runs, extern callables and argument templates,
     /// frees, arena windows) shared. `syms`: the symbol values the runs read.
-    fn instantiate(&self, py: Python<'_>, vals: Vec<i64>, syms: Vec<i64>) -> PyResult<Executor> {
+    fn instantiate(&self, py: Python<'_>, vals: Vec<i64>, syms: Vec<i64>, varying: Vec<u32>) -> PyResult<Executor> {
         if !self.template {
             return Err(crate::InternalError::new_err("only a plan template is instantiated"));
         }
@@ -426,7 +483,7 @@ impl Executor {
             let work = match &st.work {
                 Work::Run(n) => Work::Run(*n),
                 Work::Extern(e) => Work::Extern(Extern {
-                    call: e.call.clone(),
+                    call: e.call.resolved(py, &syms, &varying)?,
                     operands: e.operands.iter().map(view).collect::<PyResult<Vec<_>>>()?,
                     results: e.results.iter().map(|(o, path, shape, stride)| -> PyResult<ResultRow> {
                         Ok((*o, path.iter().map(|k| k.clone_ref(py)).collect(), dims(shape)?, dims(stride)?))

@@ -652,6 +652,7 @@ fn torch_num_threads(py: Python<'_>) -> PyResult<i32> {
 /// A scalar expression over size symbols (a SymInt, SymFloat or SymBool as PyTorch prints
 /// it), parsed once and evaluated per call from the call's symbol values.
 #[pyclass(module = "braze._core", frozen)]
+#[derive(Clone)]
 pub struct ScalarFn {
     e: braze_ir::scalar_expr::ScalarExpr,
     text: String,
