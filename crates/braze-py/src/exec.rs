@@ -449,8 +449,10 @@ impl Executor {
     /// [Note: plan templates] The executor of one size set of a dynamic graph, from this
     /// template: every shape and stride (tuples of indices into `vals`, the values of the
     /// graph's size expressions for the call's symbols, `Compiled.eval`) and every view offset
-    /// resolved; what no size changes (kernel runs, extern callables and argument templates,
-    /// frees, arena windows) shared. `syms`: the symbol values the runs read.
+    /// resolved; an extern call's size arguments evaluated for `syms` unless they read one of
+    /// the `varying` symbols (host scalars, set per call: [`Arg::resolved`]); what no size
+    /// changes (kernel runs, extern callables, frees, arena windows) shared. `syms`: the
+    /// symbol values the runs read.
     fn instantiate(&self, py: Python<'_>, vals: Vec<i64>, syms: Vec<i64>, varying: Vec<u32>) -> PyResult<Executor> {
         if !self.template {
             return Err(crate::InternalError::new_err("only a plan template is instantiated"));
