@@ -494,6 +494,33 @@ def test_dynamic_extern_sizes_fixed_per_instance(device, compiled_graphs):
     _no_eager()
 
 
+def test_dynamic_cpu_plans_keep_their_temps(device, compiled_graphs):
+    """[Note: kept temps] (braze-driver): a dynamic graph's temps have symbolic sizes, so no
+    arena holds them; on the CPU each size set's executor keeps the tensors of those only
+    kernels and matmuls address for its next call instead of allocating them per call
+    (LayerNorm, a matmul and GELU here). Values are eager's on every call, repeated sizes
+    and new ones interleaved; the GPU allocates per call (its caching allocator)."""
+    ln, w1, w2 = torch.nn.LayerNorm(32).to(device), torch.randn(32, 64, device=device), torch.randn(64, 32, device=device)
+
+    def f(x):
+        h = torch.nn.functional.gelu(ln(x) @ w1)
+        return (h @ w2 + x).relu()
+
+    c = compiled(f, dynamic=True)
+    with torch.no_grad():
+        for n in (6, 6, 9, 6, 9, 4):
+            x = torch.randn(2, n, 32, device=device)
+            torch.testing.assert_close(c(x), f(x), rtol=1e-4, atol=1e-4)
+    (g,) = compiled_graphs
+    assert g.dynamic and len(g.plans) == 3, list(g.plans)
+    kept = [ex.kept_temps() for _, ex in g.plans.values()]
+    if device == "cpu":
+        assert all(k > 0 for k in kept) and len(set(kept)) == 1, kept
+    else:
+        assert kept == [0, 0, 0], kept
+    _no_eager()
+
+
 def test_attention_mask_made_dense_before_tracing():
     """A CUDA attention mask whose last dim has stride 0 (transformers' broadcast padding mask
     under torch.compile) is made contiguous in Dynamo's graph, so AOTAutograd traces a fused

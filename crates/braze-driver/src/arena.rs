@@ -18,6 +18,13 @@ pub struct ArenaPlan {
     pub reuse: Vec<(usize, BufId, BufId)>,
     /// Buffers that share another's bytes (in an arena or through `reuse`).
     pub in_place: usize,
+    /// [Note: kept temps] Temps that would be arena members but for their symbolic sizes, in
+    /// no in-place pair and touched by no extern call: only kernels and matmuls address them.
+    /// A CPU plan instance of a dynamic graph keeps their tensors between calls instead of
+    /// allocating them per call (`Executor.instantiate` in braze-py): a LayerNorm + MLP block
+    /// allocated four tensors per call with `dynamic=True` where its static plan allocated one
+    /// and reused a kept arena for the three temps.
+    pub kept: Vec<BufId>,
 }
 
 /// Plans the temps of `sched` (see [`ArenaPlan`]).
@@ -99,8 +106,26 @@ pub fn plan(sched: &Schedule, arena_externs: &std::collections::HashSet<String>)
         offsets[b] = offsets[root[b]];
     }
     let in_place = pairs.len();
+    let mut paired = vec![false; n];
+    for &(_, o, i) in &pairs {
+        paired[o as usize] = true;
+        paired[i as usize] = true;
+    }
+    let mut by_extern = vec![false; n];
+    for st in &sched.steps {
+        if let Step::Extern { args, outs, .. } = st {
+            args.iter().for_each(|a| by_extern[a.buf as usize] = true);
+            outs.iter().filter(|&&o| o != braze_sched::schedule::UNUSED).for_each(|&o| by_extern[o as usize] = true);
+        }
+    }
+    let kept = (0..n)
+        .filter(|&b| {
+            sched.buffers[b].kind == BufKind::Temp && !external[b] && !paired[b] && !by_extern[b] && bytes_of(b).is_none() && first[b] != usize::MAX
+        })
+        .map(|b| b as BufId)
+        .collect();
     let reuse = pairs.into_iter().filter(|&(_, o, _)| offsets[o as usize] < 0).collect();
-    ArenaPlan { offsets, windows, reuse, in_place }
+    ArenaPlan { offsets, windows, reuse, in_place, kept }
 }
 
 /// (step, written, read) for each kernel's in-place pair whose buffers allow it: the read

@@ -169,6 +169,8 @@ pub struct Plan {
     pub library_reads: Vec<u32>,
     /// Byte offset of each buffer in the per-call arena, or -1 (see [Note: arena]).
     pub arena_offsets: Vec<i64>,
+    /// Temps whose tensors a CPU plan instance keeps between calls ([Note: kept temps]).
+    pub kept_temps: Vec<u32>,
     /// The arena's windows ([Note: arena windows]): (first plan step, last plan step, bytes).
     pub arena_windows: Vec<(u32, u32, i64)>,
     /// The largest window: the most arena bytes live at once.
@@ -616,6 +618,7 @@ fn compile_graph(g: &Graph, target: Target, check_cuda: bool, check_arch: &str, 
     let arena = arena::plan(&sched, &opts.arena_externs);
     let arena_offsets = arena.offsets;
     let arena_windows = arena.windows;
+    let kept_temps = arena.kept;
     // A window's first step starts a run of its own: a run's kernels see one arena.
     let window_starts: HashSet<usize> = arena_windows.iter().skip(1).map(|w| w.0).collect();
     // Consecutive kernels and matmuls ("items") become one step: one call into Rust runs
@@ -719,6 +722,7 @@ fn compile_graph(g: &Graph, target: Target, check_cuda: bool, check_arch: &str, 
         step_bufs,
         library_reads,
         arena_offsets,
+        kept_temps,
         arena_windows,
         reuse,
         in_place: arena.in_place,

@@ -257,6 +257,10 @@ pub struct Executor {
     syms: Vec<i64>,
     /// [Note: CPU arenas] Arenas by bytes, kept between calls (None on the GPU).
     pool: Option<Mutex<HashMap<i64, Vec<Obj>>>>,
+    /// [Note: kept temps] in braze-driver: which buffers' tensors this CPU instance of a
+    /// dynamic plan keeps between calls (empty: none), and the kept tensors by buffer.
+    kept: Vec<bool>,
+    temps: Mutex<HashMap<usize, Vec<Obj>>>,
     /// [Note: plan templates] Sizes, strides and view offsets are indices into the values of a
     /// dynamic graph's size expressions: not callable, only instantiated.
     template: bool,
@@ -296,6 +300,12 @@ fn alloc_row(row: &Bound<'_, PyAny>) -> PyResult<Alloc> {
         _ => return Err(crate::InternalError::new_err(format!("unknown allocation {tag:?}"))),
     })
 }
+
+/// [Note: kept temps]: the largest temp a CPU plan instance keeps between calls, and the most
+/// bytes it keeps in all (an allocation costs about a microsecond; past these sizes the kernels
+/// reading the memory take far longer than allocating it).
+const KEPT_TEMP_BYTES: i64 = 1 << 20;
+const KEPT_BYTES: i64 = 8 << 20;
 
 type ExternRow<'py> = (
     Obj,
@@ -348,7 +358,21 @@ impl Executor {
         }
         let outs = outs.into_iter().map(|(b, v, copy)| Out { view: View { buf: b, view: v }, copy }).collect();
         let uint8 = py.import("torch")?.getattr("uint8")?.unbind();
-        Ok(Executor { compiled, n_bufs, inputs, steps: typed, outs, empty, in_layout, uint8, syms, pool: pool.then(|| Mutex::new(HashMap::new())), template })
+        Ok(Executor {
+            compiled,
+            n_bufs,
+            inputs,
+            steps: typed,
+            outs,
+            empty,
+            in_layout,
+            uint8,
+            syms,
+            pool: pool.then(|| Mutex::new(HashMap::new())),
+            kept: Vec::new(),
+            temps: Mutex::new(HashMap::new()),
+            template,
+        })
     }
 
     /// Operand `v` of an extern call as a tensor.
@@ -443,6 +467,11 @@ impl Executor {
                 visit.call(t)?;
             }
         }
+        if let Ok(p) = self.temps.try_lock() {
+            for t in p.values().flatten() {
+                visit.call(t)?;
+            }
+        }
         Ok(())
     }
 
@@ -498,7 +527,32 @@ impl Executor {
             steps.push(Step { allocs, work, what: st.what.clone_ref(py), frees: st.frees.clone(), opens: st.opens, closes: st.closes });
         }
         let outs = self.outs.iter().map(|o| -> PyResult<Out> { Ok(Out { view: view(&o.view)?, copy: o.copy }) }).collect::<PyResult<Vec<_>>>()?;
-        let num_syms = self.compiled.bind(py).borrow().plan.num_syms;
+        let compiled = self.compiled.bind(py).borrow();
+        let num_syms = compiled.plan.num_syms;
+        // [Note: kept temps]: on the CPU, the tensors of temps only kernels and matmuls address
+        // are kept for this size set's next call, those of up to KEPT_TEMP_BYTES each and
+        // KEPT_BYTES in all (an instance lives while its size set is among the latest used).
+        let mut kept = Vec::new();
+        if compiled.on_cpu() && !compiled.plan.kept_temps.is_empty() {
+            kept = vec![false; self.n_bufs];
+            let mut keepable = vec![false; self.n_bufs];
+            compiled.plan.kept_temps.iter().for_each(|&b| keepable[b as usize] = true);
+            let mut total = 0i64;
+            for a in steps.iter().flat_map(|st| &st.allocs) {
+                let Alloc::New { buf, shape, stride, dtype } = a else { continue };
+                if !keepable[*buf] {
+                    continue;
+                }
+                let (shape, stride): (Vec<i64>, Vec<i64>) = (shape.extract(py)?, stride.extract(py)?);
+                let item: i64 = dtype.bind(py).getattr(intern!(py, "itemsize"))?.extract()?;
+                let bytes = if shape.contains(&0) { 0 } else { (1 + shape.iter().zip(&stride).map(|(n, s)| (n - 1) * s).sum::<i64>()) * item };
+                if bytes <= KEPT_TEMP_BYTES && total + bytes <= KEPT_BYTES {
+                    kept[*buf] = true;
+                    total += bytes;
+                }
+            }
+        }
+        drop(compiled);
         Ok(Executor {
             compiled: self.compiled.clone_ref(py),
             n_bufs: self.n_bufs,
@@ -510,8 +564,15 @@ impl Executor {
             uint8: self.uint8.clone_ref(py),
             syms: crate::padded(syms, num_syms),
             pool: self.pool.as_ref().map(|_| Mutex::new(HashMap::new())),
+            kept,
+            temps: Mutex::new(HashMap::new()),
             template: false,
         })
+    }
+
+    /// How many temps' tensors are kept for the next call ([Note: kept temps] in braze-driver).
+    fn kept_temps(&self) -> usize {
+        self.temps.lock().map(|p| p.values().map(Vec::len).sum()).unwrap_or(0)
     }
 
     /// The arenas kept for the next calls, by bytes (empty where none are kept).
@@ -601,7 +662,17 @@ impl Executor {
             }
             for a in &st.allocs {
                 let (buf, t) = match a {
-                    Alloc::New { buf, shape, stride, dtype } => (*buf, empty.call1((shape.bind(py), stride.bind(py), dtype.bind(py)))?),
+                    Alloc::New { buf, shape, stride, dtype } => {
+                        let t = if self.kept.get(*buf) == Some(&true) {
+                            self.temps.lock().ok().and_then(|mut p| p.get_mut(buf)?.pop()).map(|t| t.into_bound(py))
+                        } else {
+                            None
+                        };
+                        (*buf, match t {
+                            Some(t) => t,
+                            None => empty.call1((shape.bind(py), stride.bind(py), dtype.bind(py)))?,
+                        })
+                    }
                     Alloc::Reuse { buf, from, restride, shape, stride } => {
                         let t = bufs.get_item(*from)?;
                         (*buf, if *restride { strided(&t, shape, stride, 0)? } else { t })
@@ -637,6 +708,14 @@ impl Executor {
                 f.call1((kind, st.what.bind(py), &bufs))?;
             }
             for &b in &st.frees {
+                if self.kept.get(b) == Some(&true) {
+                    let t = bufs.get_item(b)?;
+                    if !t.is_none() {
+                        if let Ok(mut p) = self.temps.lock() {
+                            p.entry(b).or_default().push(t.unbind());
+                        }
+                    }
+                }
                 bufs.set_item(b, py.None())?;
                 ptrs[b] = 0;
             }

@@ -597,6 +597,11 @@ impl Compiled {
 }
 
 impl Compiled {
+    /// Whether its kernels are the CPU's.
+    fn on_cpu(&self) -> bool {
+        matches!(self.module, Some(Module::Cpu(_)))
+    }
+
     /// Runs plan step `step`'s kernels and matmuls: `ptr(b)` is buffer `b`'s data pointer,
     /// asked only for the step's own buffers outside the arena.
     fn run_step(&self, py: Python<'_>, step: usize, ptr: impl Fn(usize) -> PyResult<usize>, syms: &[i64], stream: usize, arena: usize) -> PyResult<()> {
