@@ -40,13 +40,16 @@ pub fn plan(sched: &Schedule, arena_externs: &std::collections::HashSet<String>)
     // Outputs and extern results are tensors the runtime hands out or gets: never arena
     // memory; nor are the operands of calls outside `arena_externs`.
     let mut external = vec![false; n];
+    // Every extern operand, in an arena or not (kept temps are only kernels' and matmuls').
+    let mut extern_operand = vec![false; n];
     for a in &sched.outputs {
         external[a.buf as usize] = true;
     }
     for st in &sched.steps {
         if let Step::Extern { target, args, outs, .. } = st {
-            for a in args.iter().filter(|_| !arena_externs.contains(target)) {
-                external[a.buf as usize] = true;
+            for a in args {
+                extern_operand[a.buf as usize] = true;
+                external[a.buf as usize] |= !arena_externs.contains(target);
             }
             for &o in outs.iter().filter(|&&o| o != braze_sched::schedule::UNUSED) {
                 external[o as usize] = true;
@@ -111,16 +114,9 @@ pub fn plan(sched: &Schedule, arena_externs: &std::collections::HashSet<String>)
         paired[o as usize] = true;
         paired[i as usize] = true;
     }
-    let mut by_extern = vec![false; n];
-    for st in &sched.steps {
-        if let Step::Extern { args, outs, .. } = st {
-            args.iter().for_each(|a| by_extern[a.buf as usize] = true);
-            outs.iter().filter(|&&o| o != braze_sched::schedule::UNUSED).for_each(|&o| by_extern[o as usize] = true);
-        }
-    }
     let kept = (0..n)
         .filter(|&b| {
-            sched.buffers[b].kind == BufKind::Temp && !external[b] && !paired[b] && !by_extern[b] && bytes_of(b).is_none() && first[b] != usize::MAX
+            sched.buffers[b].kind == BufKind::Temp && !external[b] && !paired[b] && !extern_operand[b] && bytes_of(b).is_none() && first[b] != usize::MAX
         })
         .map(|b| b as BufId)
         .collect();
