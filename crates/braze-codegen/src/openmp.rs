@@ -551,7 +551,7 @@ fn emit_loops(k: &Kernel, e: &Emitter, out: &mut String, serial: bool, depth: us
             }
             return Ok(());
         }
-        if let Some(plan) = crate::tiles::tile_plan(k).filter(|_| k.outer[n_outer - 1].as_const().is_none_or(|c| c > TILE_ROW_MIN)) {
+        if let Some(plan) = crate::tiles::tile_plan(k).filter(|p| p.short.is_none() && k.outer[n_outer - 1].as_const().is_none_or(|c| c > TILE_ROW_MIN)) {
             return emit_tiled_loops(k, e, out, plan.a, serial, depth);
         }
         if let Some(a) = inner_dim(k) {
