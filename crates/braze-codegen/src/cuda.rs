@@ -928,7 +928,7 @@ fn emit_kernel_by_id(k: &Kernel, gpu: Gpu, cfg: &Config, out: &mut String) -> Re
     let vector_col = if col { column_vector_width(k, cfg) } else { None };
     let cluster = if col { cluster_size(k, gpu, cfg, vector_col.is_some()) } else { 1 };
     // [Note: tiled transposes]
-    let tiled = if is_red { None } else { crate::tiles::tile_plan(k) };
+    let tiled = if is_red { None } else { crate::tiles::tile_plan(k).filter(|p| tiles_fit(k, p)) };
     let threads = if col { col_x * col_y } else if tiled.is_some() { TILE as u32 * TILE_ROWS } else { block };
     let dims = if cluster > 1 { format!("__cluster_dims__({cluster}, 1, 1) ") } else { String::new() };
     writeln!(out, "extern \"C\" __global__ void {dims}__launch_bounds__({threads}) {}({}) {{\n  bz_entry();", k.name, params.join(", ")).unwrap();
@@ -1464,8 +1464,7 @@ fn emit_tiled(e: &Emitter, k: &Kernel, plan: &crate::tiles::TilePlan, max_vec: i
         None => 1,
     };
     let (mut ta_len, mut tb_len) = (TILE * ea, TILE * eb);
-    let word = plan.loads.iter().map(|&li| if let Stmt::Load { dst, .. } = &body[li] { k.tmp_dtypes[*dst as usize].size().max(4) as i64 } else { 4 }).max().unwrap_or(4);
-    if plan.loads.len() as i64 * tb_len * (ta_len + 1) * word > TILE_MAX_SHARED {
+    if plan.loads.len() as i64 * tb_len * (ta_len + 1) * tile_word(k, plan) > TILE_MAX_SHARED {
         (ea, eb, ta_len, tb_len) = (1, 1, TILE, TILE);
     }
     let tiles_of = |d: usize, t: i64| k.outer[d].add(&Expr::constant(t - 1)).floordiv(&Expr::constant(t));
@@ -1548,6 +1547,42 @@ fn emit_tiled(e: &Emitter, k: &Kernel, plan: &crate::tiles::TilePlan, max_vec: i
 /// dim's length is odd. One element per access.
 const SHORT_TILE_LONG: i64 = 2048;
 
+/// Whether a tiled kernel's tiles fit in shared memory: its smallest tiles (32 x 32, or the
+/// short side's whole by 32) for all of its transposed loads.
+fn tiles_fit(k: &Kernel, plan: &crate::tiles::TilePlan) -> bool {
+    if plan.short.is_some() {
+        return short_tile_len(k, plan).is_some();
+    }
+    plan.loads.len() as i64 * TILE * (TILE + 1) * tile_word(k, plan) <= TILE_MAX_SHARED
+}
+
+/// Bytes of a shared-memory tile's element: the widest type the transposed loads compute in.
+fn tile_word(k: &Kernel, plan: &crate::tiles::TilePlan) -> i64 {
+    let body = &k.passes[0].body;
+    plan.loads.iter().map(|&li| if let Stmt::Load { dst, .. } = &body[li] { k.tmp_dtypes[*dst as usize].size().max(4) as i64 } else { 4 }).max().unwrap_or(4)
+}
+
+/// The long side of a short-side kernel's tiles ([Note: short-side tiles]): a multiple of 32
+/// near `SHORT_TILE_LONG` / short elements, at most the long dim rounded up, halved while the
+/// tiles of all the transposed loads exceed `TILE_MAX_SHARED` (an average pool of 32 x 32
+/// windows read as 1024 loads); `None` when even 32 does not fit (the kernel is not tiled).
+fn short_tile_len(k: &Kernel, plan: &crate::tiles::TilePlan) -> Option<i64> {
+    let n = k.outer.len();
+    let (short_d, long_d) = if plan.short == Some(crate::tiles::Side::A) { (plan.a, n - 1) } else { (n - 1, plan.a) };
+    let s = k.outer[short_d].as_const()?;
+    let up = |x: i64| (x + TILE - 1) / TILE * TILE;
+    let mut long_len = up(SHORT_TILE_LONG / s);
+    if let Some(c) = k.outer[long_d].as_const() {
+        long_len = long_len.min(up(c));
+    }
+    let word = tile_word(k, plan);
+    let bytes = |l: i64| plan.loads.len() as i64 * l * (s | 1) * word;
+    while bytes(long_len) > TILE_MAX_SHARED && long_len > TILE {
+        long_len = up(long_len / 2);
+    }
+    (bytes(long_len) <= TILE_MAX_SHARED).then_some(long_len)
+}
+
 /// The body of a short-side tiled kernel ([Note: short-side tiles]); returns the work (the
 /// tiles and the other dims) to launch a block of 32 x `TILE_ROWS` threads per item of.
 fn emit_short_tiled(e: &Emitter, k: &Kernel, plan: &crate::tiles::TilePlan, out: &mut String) -> Result<Expr, CodegenError> {
@@ -1556,11 +1591,9 @@ fn emit_short_tiled(e: &Emitter, k: &Kernel, plan: &crate::tiles::TilePlan, out:
     let (a, last) = (plan.a, n - 1);
     let body = &k.passes[0].body;
     let others: Vec<usize> = (0..n).filter(|&d| d != a && d != last).collect();
-    let (short_d, long_d) = if plan.short == Some(Side::A) { (a, last) } else { (last, a) };
+    let short_d = if plan.short == Some(Side::A) { a } else { last };
     let s = k.outer[short_d].as_const().expect("a short side is a constant");
-    let up = |x: i64| (x + TILE - 1) / TILE * TILE;
-    let long_len = up(SHORT_TILE_LONG / s);
-    let long_len = k.outer[long_d].as_const().map_or(long_len, |c| long_len.min(up(c)));
+    let long_len = short_tile_len(k, plan).expect("the tiles fit in shared memory");
     let (ta_len, tb_len) = if short_d == a { (s, long_len) } else { (long_len, s) };
     // Shared memory holds a row of the short dim per element of the long one, an odd number
     // of words apart: the walk along the long dim steps by a row (no two lanes of a warp on
