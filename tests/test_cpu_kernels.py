@@ -548,3 +548,25 @@ def test_kernel_between_layouts_keeps_its_store_strides_short():
     assert len(rec["kernels"]) == 1, rec["kernels"]
     loops = re.findall(r"#pragma omp simd\s*\n\s*for \(int64_t i\d+ = 0; i\d+ < (\d+);", rec["source"])
     assert loops == ["1024"], rec["source"]
+
+
+def test_wide_load_groups_not_forced_to_vectorize():
+    """[Note: wide load groups]: an 8 x 8 average pool of an NCHW activation stored
+    channels_last reads 64 neighbouring elements 4096 floats apart per channel; under `omp
+    simd` GCC vectorized them as one interleaved group and took 91 s to compile the module.
+    That loop has no `omp simd` (GCC's cost model decides); a pool stored in the input's own
+    layout keeps it. Values are eager's."""
+    x = torch.randn(2, 64, 64, 64)
+
+    def f(x):
+        return F.avg_pool2d(x, 8).contiguous(memory_format=torch.channels_last), F.avg_pool2d(x * 2, 2)
+
+    got = compiled(f, dynamic=False, options={"on_unsupported": "error"})(x)
+    for a, b in zip(got, f(x)):
+        assert a.stride() == b.stride()
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    src = braze.stats.records[-1]["source"]
+    kernels = {m.group(1): m.group(2) for m in re.finditer(r"\nvoid (braze_\w+)\(.*?\n(.*?)\n}\n", src, re.S)}
+    wide = [body for body in kernels.values() if "4096*i3 + 455]" in body]
+    assert len(wide) == 1 and "omp simd" not in wide[0], src
+    assert any("omp simd" in body for name, body in kernels.items() if body not in wide), src

@@ -1381,27 +1381,25 @@ def test_transposed_copies(device, dtype, sizes):
 
 
 def _short_side_copies(w, g, img, k2):
-    """Copies with one side shorter than a tile ([Note: short-side tiles]): 3 x 3 filters laid
-    out channels_last (the loads walk the 9 taps) and a channels_last weight gradient laid
-    back (the stores walk them), an RGB image made channels_last (3 channels stored
-    innermost), 2 x 2 filters (an even short side)."""
+    """Copies one of whose walked dims is shorter than a tile ([Note: tiled transposes] leaves
+    them untiled): 3 x 3 filters laid out channels_last (the loads walk the 9 taps) and a
+    channels_last weight gradient laid back (the stores walk them), an RGB image made
+    channels_last (3 channels stored innermost), 2 x 2 filters."""
     return (w.contiguous(memory_format=torch.channels_last), (g * 2).contiguous(),
             (img + 1).contiguous(memory_format=torch.channels_last), k2.contiguous(memory_format=torch.channels_last))
 
 
 @pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
-def test_short_side_tiles(device, dtype, dynamic):
-    """Values and strides as eager's, with whole and partial tiles along the long side (300
-    input channels: tiles of 256 and 44; 3500 pixels), static and with symbolic sizes; the
-    CUDA kernels take the short dims whole."""
+def test_short_side_copies(device, dtype, dynamic):
+    """Values and strides as eager's, static and with symbolic sizes (convolution weights laid
+    out for cuDNN and back, an image made channels_last, in both dtypes)."""
     g = torch.Generator().manual_seed(5)
 
     def r(*s):
         return torch.randn(*s, generator=g).to(device=device, dtype=dtype)
 
-    # Filters of two shapes: copies of one shape would be one kernel (sibling fusion) whose
-    # two stores walk different dims, which no tile serves.
+    # Filters of two shapes: copies of one shape are one kernel (sibling fusion).
     args = (r(37, 300, 3, 3), r(29, 300, 3, 3).contiguous(memory_format=torch.channels_last), r(3, 3, 50, 70), r(16, 100, 2, 2))
     want = _short_side_copies(*args)
     got = compiled(_short_side_copies, dynamic=dynamic, options={"on_unsupported": "error"})(*args)
@@ -1409,12 +1407,6 @@ def test_short_side_tiles(device, dtype, dynamic):
     for a, b in zip(got, want):
         assert a.stride() == b.stride()
         torch.testing.assert_close(a, b, rtol=0, atol=0)
-    src = braze.stats.records[-1]["source"] if device == "cuda" else braze.stats.records[-1].get("cuda_source")
-    if src is None:
-        pytest.skip("NVRTC not found: the CUDA source was not generated")
-    if not dynamic:
-        for pattern in ("ja = m % 9, jb = m / 9;", "jb = m % 9, ja = m / 9;", "m < 2304;", "jb = m % 3,", "m < 2112;", "ja = m % 4,", "m < 512;"):
-            assert pattern in src, (pattern, src)
 
 
 def test_scaled_matmuls_lowered(device):

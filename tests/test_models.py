@@ -9,7 +9,6 @@ import warnings
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import braze
 from braze.workloads import MatmulHeavy, PointwiseHeavy, TinyBlock
@@ -1645,35 +1644,6 @@ def test_split_stage_two_threads_have_rows(device, monkeypatch):
     kernels = re.findall(r"__global__ void __launch_bounds__\(\d+\) (\w+)\(", src)
     assert len([k for k in kernels if not k.endswith("_scalar")]) == 2, kernels
     assert "bz_col_reduce<16, 32>" in src and "bz_col_reduce<8, 64>" not in src, src
-
-
-def test_gathered_bytes_leave_column_geometry(device):
-    """[Note: column geometry]: a ResNet stem's BatchNorm + ReLU + max-pool backward sums
-    the pool's gradient gathered through its int8 window offsets, per channel, over every
-    position. The offsets are read through gathered indices only, so the blocks are sized by
-    the float buffers' sectors (8 channels a block, 8 groups of the 64 channels), not the
-    int8's (32 channels: 2 groups). Values are eager's."""
-    torch.manual_seed(0)
-    x = torch.randn(4, 64, 56, 56, device=device).to(memory_format=torch.channels_last).requires_grad_()
-    w = torch.randn(64, device=device, requires_grad=True)
-    b = torch.randn(64, device=device, requires_grad=True)
-
-    def f(x, w, b):
-        y = F.batch_norm(x, None, None, w, b, training=True)
-        return F.max_pool2d(F.relu(y), 3, 2, 1)
-
-    g = torch.randn(4, 64, 28, 28, device=device).to(memory_format=torch.channels_last)
-    got = compiled(f, options={"on_unsupported": "error"})(x, w, b)
-    grads = torch.autograd.grad(got, (x, w, b), g)
-    want = f(x, w, b)
-    for a, e in zip((got,) + grads, (want,) + torch.autograd.grad(want, (x, w, b), g)):
-        torch.testing.assert_close(a, e, rtol=1e-4, atol=1e-3)
-    rec = braze.stats.records[-1]
-    src = rec["source"] if device == "cuda" else rec.get("cuda_source")
-    if src is None:
-        pytest.skip("NVRTC not found: the CUDA source was not generated")
-    gather = [k for k in src.split("extern \"C\"")[1:] if "const int8_t*" in k.split("{")[0] and "bz_col_reduce" in k]
-    assert gather and all("bz_col_reduce<8, 64>" in k for k in gather), src
 
 
 @pytest.mark.parametrize("head_dim", [64, 20])

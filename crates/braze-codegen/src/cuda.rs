@@ -404,15 +404,7 @@ pub fn col_geometry(k: &Kernel) -> (u32, u32) {
         let xt = COL_THREADS / yt;
         return (xt * v as u32, yt / v as u32);
     }
-    // The narrowest element the kernel walks directly: a buffer read only through gathered
-    // indices (a max-pool's window offsets, int8, read at four window positions for each
-    // element of the stem's BatchNorm backward) moves few of the bytes, and sizing the
-    // blocks by its sectors gave that kernel 32 channels a block: 2 groups of 64 channels,
-    // 16 blocks in clusters of 8 (315 us on the H200 against 177 + 75 for Inductor's two).
-    let walked = |id: u32| {
-        k.prelude.iter().chain(k.passes.iter().flat_map(|p| p.body.iter().chain(&p.after))).any(|st| matches!(st, Stmt::Load { buf, index, .. } if *buf == id && !mentions_tmp(index)))
-    };
-    let narrowest = k.bufs.iter().filter(|b| !b.written && walked(b.id)).map(|b| b.dtype.size()).min().unwrap_or(4).clamp(1, 4) as u32;
+    let narrowest = k.bufs.iter().filter(|b| !b.written).map(|b| b.dtype.size()).min().unwrap_or(4).clamp(1, 4) as u32;
     let y = along(COL_THREADS / 64, 1).min(COL_THREADS / (COL_X * 4 / narrowest));
     (COL_THREADS / y, y)
 }
@@ -954,7 +946,7 @@ fn emit_kernel_by_id(k: &Kernel, gpu: Gpu, cfg: &Config, out: &mut String) -> Re
         // kernels of 3-13 M elements (layer-3 residual 29 vs 35 us).
         let (mut per_block, mut cap, mut grid_multiple) = (block as u64, sms.max(1) * per_sm(32), 1);
         if let Some(plan) = &tiled {
-            let (work, align) = if plan.short.is_some() { (emit_short_tiled(&e, k, plan, out)?, Vec::new()) } else { emit_tiled(&e, k, plan, cfg.max_vec as i64, out)? };
+            let (work, align) = emit_tiled(&e, k, plan, cfg.max_vec as i64, out)?;
             let mut l = Launch { block: TILE as u32, block_y: TILE_ROWS, ..launch(work, 1, sms.max(1) * 32) };
             if !align.is_empty() {
                 // The one-element tiles for unaligned pointers.
@@ -1437,6 +1429,19 @@ const TILE_ACCESS_BYTES: i64 = 4;
 /// Most shared memory of a tiled kernel's tiles.
 const TILE_MAX_SHARED: i64 = 32 << 10;
 
+/// Whether a tiled kernel's smallest tiles (32 x 32, one element per access) for all of its
+/// transposed loads fit in shared memory; a kernel whose do not runs untiled (an average pool
+/// of 32 x 32 windows over a transposed input reads 1024 such loads).
+fn tiles_fit(k: &Kernel, plan: &crate::tiles::TilePlan) -> bool {
+    plan.loads.len() as i64 * TILE * (TILE + 1) * tile_word(k, plan) <= TILE_MAX_SHARED
+}
+
+/// Bytes of a shared-memory tile's element: the widest type the transposed loads compute in.
+fn tile_word(k: &Kernel, plan: &crate::tiles::TilePlan) -> i64 {
+    let body = &k.passes[0].body;
+    plan.loads.iter().map(|&li| if let Stmt::Load { dst, .. } = &body[li] { k.tmp_dtypes[*dst as usize].size().max(4) as i64 } else { 4 }).max().unwrap_or(4)
+}
+
 /// The tiled kernel's body ([Note: tiled transposes]); returns the work to launch a block per
 /// item of (the tiles) and the alignment its wide accesses need (empty when it has none).
 fn emit_tiled(e: &Emitter, k: &Kernel, plan: &crate::tiles::TilePlan, max_vec: i64, out: &mut String) -> Result<(Expr, Vec<(u32, u64)>), CodegenError> {
@@ -1528,125 +1533,6 @@ fn emit_tiled(e: &Emitter, k: &Kernel, plan: &crate::tiles::TilePlan, max_vec: i
     }
     writeln!(out, "      }}\n    }}\n  }}\n}}\n").unwrap();
     Ok((work, align))
-}
-
-/// [Note: short-side tiles] A tiled transpose one of whose sides is a constant dim shorter
-/// than a tile ([Note: tiled transposes]): a 3 x 3 convolution's weights laid out
-/// channels_last for cuDNN ([O, I, 9] read, [O, 9, I] stored: the loads walk the 9 taps, the
-/// stores the input channels) or its weight gradient laid back ([O, 9, I] read, [O, I, 9]
-/// stored). Tiles of 32 along a 9-long dim leave most threads idle, and no tile at all reads
-/// a 36-byte stride per lane (512 x 512 x 3 x 3 f32 weights: 11.7 us, about a third of the
-/// H200's copy bandwidth). Here each tile takes the short dim whole and `SHORT_TILE_LONG` /
-/// short elements of the long one (a multiple of 32, at most the dim's length rounded up),
-/// and the block's 256 threads walk the tile by a linear index twice: in the loads' order
-/// (the `a` index fastest) to fill shared memory, then in the stores' order (the last index
-/// fastest) to run the body. Where the loads read the pair of dims contiguously (they do in
-/// both cases above) consecutive threads read consecutive elements, and consecutive threads
-/// store consecutive elements. Shared memory keeps a row of the short dim (padded to an odd
-/// length) per element of the long one, so neither walk conflicts on banks where the short
-/// dim's length is odd. One element per access.
-const SHORT_TILE_LONG: i64 = 2048;
-
-/// Whether a tiled kernel's tiles fit in shared memory: its smallest tiles (32 x 32, or the
-/// short side's whole by 32) for all of its transposed loads.
-fn tiles_fit(k: &Kernel, plan: &crate::tiles::TilePlan) -> bool {
-    if plan.short.is_some() {
-        return short_tile_len(k, plan).is_some();
-    }
-    plan.loads.len() as i64 * TILE * (TILE + 1) * tile_word(k, plan) <= TILE_MAX_SHARED
-}
-
-/// Bytes of a shared-memory tile's element: the widest type the transposed loads compute in.
-fn tile_word(k: &Kernel, plan: &crate::tiles::TilePlan) -> i64 {
-    let body = &k.passes[0].body;
-    plan.loads.iter().map(|&li| if let Stmt::Load { dst, .. } = &body[li] { k.tmp_dtypes[*dst as usize].size().max(4) as i64 } else { 4 }).max().unwrap_or(4)
-}
-
-/// The long side of a short-side kernel's tiles ([Note: short-side tiles]): a multiple of 32
-/// near `SHORT_TILE_LONG` / short elements, at most the long dim rounded up, halved while the
-/// tiles of all the transposed loads exceed `TILE_MAX_SHARED` (an average pool of 32 x 32
-/// windows read as 1024 loads); `None` when even 32 does not fit (the kernel is not tiled).
-fn short_tile_len(k: &Kernel, plan: &crate::tiles::TilePlan) -> Option<i64> {
-    let n = k.outer.len();
-    let (short_d, long_d) = if plan.short == Some(crate::tiles::Side::A) { (plan.a, n - 1) } else { (n - 1, plan.a) };
-    let s = k.outer[short_d].as_const()?;
-    let up = |x: i64| (x + TILE - 1) / TILE * TILE;
-    let mut long_len = up(SHORT_TILE_LONG / s);
-    if let Some(c) = k.outer[long_d].as_const() {
-        long_len = long_len.min(up(c));
-    }
-    let word = tile_word(k, plan);
-    let bytes = |l: i64| plan.loads.len() as i64 * l * (s | 1) * word;
-    while bytes(long_len) > TILE_MAX_SHARED && long_len > TILE {
-        long_len = up(long_len / 2);
-    }
-    (bytes(long_len) <= TILE_MAX_SHARED).then_some(long_len)
-}
-
-/// The body of a short-side tiled kernel ([Note: short-side tiles]); returns the work (the
-/// tiles and the other dims) to launch a block of 32 x `TILE_ROWS` threads per item of.
-fn emit_short_tiled(e: &Emitter, k: &Kernel, plan: &crate::tiles::TilePlan, out: &mut String) -> Result<Expr, CodegenError> {
-    use crate::tiles::Side;
-    let n = k.outer.len();
-    let (a, last) = (plan.a, n - 1);
-    let body = &k.passes[0].body;
-    let others: Vec<usize> = (0..n).filter(|&d| d != a && d != last).collect();
-    let short_d = if plan.short == Some(Side::A) { a } else { last };
-    let s = k.outer[short_d].as_const().expect("a short side is a constant");
-    let long_len = short_tile_len(k, plan).expect("the tiles fit in shared memory");
-    let (ta_len, tb_len) = if short_d == a { (s, long_len) } else { (long_len, s) };
-    // Shared memory holds a row of the short dim per element of the long one, an odd number
-    // of words apart: the walk along the long dim steps by a row (no two lanes of a warp on
-    // one bank), the walk along the short one by about a word.
-    let row = s | 1;
-    let cell = if short_d == a { "[jb][ja]" } else { "[ja][jb]" };
-    let tiled_dsts: Vec<u32> = plan.loads.iter().map(|&li| body[li].dst().unwrap()).collect();
-    let is_tiled = |st: &Stmt| matches!(st, Stmt::Load { dst, .. } if tiled_dsts.contains(dst));
-    let tiles_of = |d: usize, t: i64| k.outer[d].add(&Expr::constant(t - 1)).floordiv(&Expr::constant(t));
-    let work = others.iter().fold(tiles_of(a, ta_len).mul(&tiles_of(last, tb_len)), |w, &d| w.mul(&k.outer[d]));
-    for (t, &li) in plan.loads.iter().enumerate() {
-        let Stmt::Load { dst, .. } = &body[li] else { unreachable!() };
-        writeln!(out, "  __shared__ {} tile{t}[{long_len}][{row}];", compute_type(k.tmp_dtypes[*dst as usize])).unwrap();
-    }
-    let (na, nb) = (index(&k.outer[a]), index(&k.outer[last]));
-    let narrow = work.as_const().is_some_and(|w| w < (1 << 31)) && k.outer.iter().all(|d| d.as_const().is_some_and(|c| c < (1 << 31)));
-    let (ity, suf) = if narrow { ("unsigned", "u") } else { ("long long", "") };
-    let cells = ta_len * tb_len;
-    let block = TILE * TILE_ROWS as i64;
-    writeln!(out, "  const {ity} ta = ({na} + {}) / {ta_len}, tb = ({nb} + {}) / {tb_len};", ta_len - 1, tb_len - 1).unwrap();
-    writeln!(out, "  const int tid = threadIdx.y * {TILE} + threadIdx.x;").unwrap();
-    writeln!(out, "  for (long long tile = blockIdx.x; tile < {}; tile += gridDim.x) {{", index(&work)).unwrap();
-    writeln!(out, "    {ity} rest = ({ity})tile;").unwrap();
-    writeln!(out, "    const long long ob = (long long)(rest % tb) * {tb_len}; rest /= tb;").unwrap();
-    writeln!(out, "    const long long oa = (long long)(rest % ta) * {ta_len}; rest /= ta;").unwrap();
-    for &d in others.iter().rev() {
-        let sz = if narrow { format!("{}{suf}", k.outer[d].as_const().unwrap()) } else { format!("({})", index(&k.outer[d])) };
-        writeln!(out, "    const long long i{d} = rest % {sz}; rest /= {sz};").unwrap();
-    }
-    writeln!(out, "    __syncthreads();").unwrap();
-    writeln!(out, "    #pragma unroll 4").unwrap();
-    writeln!(out, "    for (int m = tid; m < {cells}; m += {block}) {{").unwrap();
-    writeln!(out, "      const int ja = m % {ta_len}, jb = m / {ta_len};").unwrap();
-    writeln!(out, "      const long long i{a} = oa + ja, i{last} = ob + jb;").unwrap();
-    writeln!(out, "      if (i{a} < {na} && i{last} < {nb}) {{").unwrap();
-    for (t, &li) in plan.loads.iter().enumerate() {
-        let Stmt::Load { buf, index: idx, .. } = &body[li] else { unreachable!() };
-        let at = format!("b{buf} + ({})", crate::c_emit::index(idx));
-        writeln!(out, "        tile{t}{cell} = {};", e.from_storage(*buf, &format!("*({at})"))).unwrap();
-    }
-    writeln!(out, "      }}\n    }}\n    __syncthreads();").unwrap();
-    writeln!(out, "    #pragma unroll 4").unwrap();
-    writeln!(out, "    for (int m = tid; m < {cells}; m += {block}) {{").unwrap();
-    writeln!(out, "      const int jb = m % {tb_len}, ja = m / {tb_len};").unwrap();
-    writeln!(out, "      const long long i{a} = oa + ja, i{last} = ob + jb;").unwrap();
-    writeln!(out, "      if (i{a} < {na} && i{last} < {nb}) {{").unwrap();
-    for (t, d) in tiled_dsts.iter().enumerate() {
-        writeln!(out, "        {} t{d} = tile{t}{cell};", compute_type(k.tmp_dtypes[*d as usize])).unwrap();
-    }
-    let rest: Vec<Stmt> = body.iter().filter(|st| !is_tiled(st)).cloned().collect();
-    emit_list(e, k, &rest, None, "        ", out, None)?;
-    writeln!(out, "      }}\n    }}\n  }}\n}}\n").unwrap();
-    Ok(work)
 }
 
 /// True when an index reads a kernel temporary (a gathered row): its address is known only

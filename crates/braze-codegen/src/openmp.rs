@@ -356,7 +356,9 @@ fn emit_row(k: &Kernel, e: &Emitter, out: &mut String, body: &[Stmt], lo: &str, 
             }
         }
     }
-    writeln!(out, "{}{pragma}", pad(depth)).unwrap();
+    if !pragma.is_empty() {
+        writeln!(out, "{}{pragma}", pad(depth)).unwrap();
+    }
     writeln!(out, "{}for (int64_t i{last} = {lo}; i{last} < {hi}; i{last}++) {{", pad(depth)).unwrap();
     for (j, s) in body.iter().enumerate() {
         match s {
@@ -551,7 +553,7 @@ fn emit_loops(k: &Kernel, e: &Emitter, out: &mut String, serial: bool, depth: us
             }
             return Ok(());
         }
-        if let Some(plan) = crate::tiles::tile_plan(k).filter(|p| p.short.is_none() && k.outer[n_outer - 1].as_const().is_none_or(|c| c > TILE_ROW_MIN)) {
+        if let Some(plan) = crate::tiles::tile_plan(k).filter(|_| k.outer[n_outer - 1].as_const().is_none_or(|c| c > TILE_ROW_MIN)) {
             return emit_tiled_loops(k, e, out, plan.a, serial, depth);
         }
         if let Some(a) = inner_dim(k) {
@@ -570,7 +572,8 @@ fn emit_loops(k: &Kernel, e: &Emitter, out: &mut String, serial: bool, depth: us
         // The last dim: one row, or pieces of it, each in a block of its own (its hoisted
         // masks and row pointers): a concatenation's sources ([Note: row segments]) or a
         // row's border and interior ([Note: interior rows]).
-        let row_pragma = if n_outer == 1 { if serial { "#pragma omp simd".to_string() } else { "#pragma omp parallel for simd schedule(static)".to_string() } } else { "#pragma omp simd".to_string() };
+        let simd = if wide_load_group(body, (n_outer - 1) as u32) { "" } else { " simd" };
+        let row_pragma = if n_outer == 1 && !serial { format!("#pragma omp parallel for{simd} schedule(static)") } else if simd.is_empty() { String::new() } else { "#pragma omp simd".to_string() };
         let n = k.outer.last().map(ix).unwrap_or_default();
         let pieces = row_segments(k, body).or_else(|| {
             let (lo, hi, inner) = interior_rows(k, body)?;
@@ -666,6 +669,25 @@ fn emit_loops(k: &Kernel, e: &Emitter, out: &mut String, serial: bool, depth: us
     Ok(())
 }
 
+/// [Note: wide load groups] Loads of one buffer that move along a loop's variable by the
+/// same stride form an interleaved group for GCC's vectorizer, the stride its size; under
+/// `omp simd` (vectorize regardless of cost) GCC 12 vectorizes a group of two neighbouring
+/// elements 4096 floats apart by loading and permuting the whole group, a function so large
+/// that its register allocation took 26 s (an 8 x 8 average pool of an NCHW activation stored
+/// channels_last: 64 such loads, 91 s; 0.3 s at a stride of 256, 0.06 s without the pragma,
+/// when GCC's cost model declines to vectorize the loop). Such loops get no `omp simd`.
+const SIMD_GROUP_STRIDE_MAX: i64 = 256;
+
+/// Whether two loads of one buffer in `body` move along `var` by the same stride wider than
+/// [`SIMD_GROUP_STRIDE_MAX`] ([Note: wide load groups]).
+fn wide_load_group(body: &[Stmt], var: u32) -> bool {
+    let mut seen = std::collections::HashSet::new();
+    body.iter().any(|s| match s {
+        Stmt::Load { buf, index, .. } => index.linear_coef(var).is_some_and(|c| c.abs() > SIMD_GROUP_STRIDE_MAX && !seen.insert((*buf, c))),
+        _ => false,
+    })
+}
+
 /// Side of a CPU tile ([Note: tiled transposes] in cuda.rs).
 const TILE: i64 = 32;
 /// Rows of at most this many elements are not tiled: the lines one row's transposed loads
@@ -699,7 +721,9 @@ fn emit_tiled_loops(k: &Kernel, e: &Emitter, out: &mut String, a: usize, serial:
     writeln!(out, "{}  for (int64_t tb = 0; tb < {nb}; tb += {TILE}) {{", pad(depth)).unwrap();
     writeln!(out, "{}    const int64_t ea = ta + {TILE} < {na} ? ta + {TILE} : {na}, eb = tb + {TILE} < {nb} ? tb + {TILE} : {nb};", pad(depth)).unwrap();
     writeln!(out, "{}    for (int64_t i{a} = ta; i{a} < ea; i{a}++) {{", pad(depth)).unwrap();
-    writeln!(out, "{}      #pragma omp simd", pad(depth)).unwrap();
+    if !wide_load_group(&k.passes[0].body, last as u32) {
+        writeln!(out, "{}      #pragma omp simd", pad(depth)).unwrap();
+    }
     writeln!(out, "{}      for (int64_t i{last} = tb; i{last} < eb; i{last}++) {{", pad(depth)).unwrap();
     for s in &k.passes[0].body {
         writeln!(out, "{}        {}", pad(depth), e.stmt(s)?).unwrap();
@@ -768,7 +792,9 @@ fn emit_swapped_loops(k: &Kernel, e: &Emitter, out: &mut String, a: usize, seria
         writeln!(out, "{}for (int64_t i{d} = 0; i{d} < {}; i{d}++) {{", pad(depth), ix(&k.outer[d])).unwrap();
         depth += 1;
     }
-    writeln!(out, "{}#pragma omp simd", pad(depth)).unwrap();
+    if !wide_load_group(&k.passes[0].body, a as u32) {
+        writeln!(out, "{}#pragma omp simd", pad(depth)).unwrap();
+    }
     writeln!(out, "{}for (int64_t i{a} = 0; i{a} < {}; i{a}++) {{", pad(depth), ix(&k.outer[a])).unwrap();
     for s in &k.passes[0].body {
         writeln!(out, "{}  {}", pad(depth), e.stmt(s)?).unwrap();

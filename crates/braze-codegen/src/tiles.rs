@@ -15,22 +15,10 @@ pub struct TilePlan {
     pub a: usize,
     /// Indices (into the body) of the loads read through tiles.
     pub loads: Vec<usize>,
-    /// The side shorter than `TILE_MIN_DIM`, taken whole by each tile ([Note: short-side
-    /// tiles] in cuda.rs), or `None` when both are at least that long.
-    pub short: Option<Side>,
-}
-
-/// One side of a tile: the transposed loads' dim or the stores' (the last).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Side {
-    A,
-    Last,
 }
 
 /// The tiled plan of a pointwise kernel ([Note: tiled transposes]), or `None` when no load
-/// walks another dim than the stores do. One side may be a constant dim shorter than
-/// `TILE_MIN_DIM` (a 3 x 3 filter's 9 taps laid out channels_last and back) when the other
-/// is not.
+/// walks another dim than the stores do.
 pub fn tile_plan(k: &Kernel) -> Option<TilePlan> {
     let n = k.outer.len();
     if n < 2 || k.passes.len() != 1 {
@@ -39,9 +27,7 @@ pub fn tile_plan(k: &Kernel) -> Option<TilePlan> {
     let last = (n - 1) as u32;
     let body = &k.passes[0].body;
     let big = |d: &Expr| d.as_const().is_none_or(|c| c >= TILE_MIN_DIM);
-    let short = |d: &Expr| d.as_const().is_some_and(|c| (2..TILE_MIN_DIM).contains(&c));
-    let last_big = big(&k.outer[n - 1]);
-    if !last_big && !short(&k.outer[n - 1]) {
+    if !big(&k.outer[n - 1]) {
         return None;
     }
     let mut stores = 0;
@@ -67,9 +53,7 @@ pub fn tile_plan(k: &Kernel) -> Option<TilePlan> {
         if !moves {
             continue;
         }
-        let unit_of = |ok: &dyn Fn(&Expr) -> bool| (0..n - 1).find(|&d| index.linear_coef(d as u32) == Some(1) && ok(&k.outer[d]));
-        // A short side needs the other one long.
-        let unit = unit_of(&big).or_else(|| if last_big { unit_of(&short) } else { None });
+        let unit = (0..n - 1).find(|&d| index.linear_coef(d as u32) == Some(1) && big(&k.outer[d]));
         match (unit, a) {
             (Some(d), None) => {
                 a = Some(d);
@@ -79,7 +63,6 @@ pub fn tile_plan(k: &Kernel) -> Option<TilePlan> {
             _ => {}
         }
     }
-    let a = a?;
-    let short = if !last_big { Some(Side::Last) } else if !big(&k.outer[a]) { Some(Side::A) } else { None };
-    Some(TilePlan { a, loads, short })
+    Some(TilePlan { a: a?, loads })
 }
+
