@@ -256,11 +256,11 @@ pub struct Executor {
     /// The symbol values runs read (`sym_vals`), unless a call passes its own.
     syms: Vec<i64>,
     /// [Note: CPU arenas] Arenas by bytes, kept between calls (None on the GPU).
-    pool: Option<Mutex<HashMap<i64, Vec<Obj>>>>,
+    pool: Option<Kept<i64>>,
     /// [Note: kept temps] in braze-driver: which buffers' tensors this CPU instance of a
     /// dynamic plan keeps between calls (empty: none), and the kept tensors by buffer.
     kept: Vec<bool>,
-    temps: Mutex<HashMap<usize, Vec<Obj>>>,
+    temps: Kept<usize>,
     /// [Note: plan templates] Sizes, strides and view offsets are indices into the values of a
     /// dynamic graph's size expressions: not callable, only instantiated.
     template: bool,
@@ -299,6 +299,37 @@ fn alloc_row(row: &Bound<'_, PyAny>) -> PyResult<Alloc> {
         "input" => Alloc::InPlace { buf: int(1)?, arg: int(2)?, shape: item(3)?, stride: item(4)?, dtype: item(5)? },
         _ => return Err(crate::InternalError::new_err(format!("unknown allocation {tag:?}"))),
     })
+}
+
+/// Tensors an executor keeps between calls for its next ones, by key: a CPU graph's arenas by
+/// bytes ([Note: CPU arenas]), a dynamic plan instance's temps by buffer ([Note: kept temps]).
+struct Kept<K>(Mutex<HashMap<K, Vec<Obj>>>);
+
+impl<K: Eq + std::hash::Hash> Kept<K> {
+    fn new() -> Self {
+        Kept(Mutex::new(HashMap::new()))
+    }
+
+    /// A kept tensor of `key`, taken out.
+    fn take(&self, key: &K) -> Option<Obj> {
+        self.0.lock().ok()?.get_mut(key)?.pop()
+    }
+
+    /// Keeps `t` under `key` for a later call.
+    fn put(&self, key: K, t: Obj) {
+        if let Ok(mut p) = self.0.lock() {
+            p.entry(key).or_default().push(t);
+        }
+    }
+
+    fn visit(&self, visit: &pyo3::PyVisit<'_>) -> Result<(), pyo3::PyTraverseError> {
+        if let Ok(p) = self.0.try_lock() {
+            for t in p.values().flatten() {
+                visit.call(t)?;
+            }
+        }
+        Ok(())
+    }
 }
 
 /// [Note: kept temps]: the largest temp a CPU plan instance keeps between calls, and the most
@@ -368,9 +399,9 @@ impl Executor {
             in_layout,
             uint8,
             syms,
-            pool: pool.then(|| Mutex::new(HashMap::new())),
+            pool: pool.then(Kept::new),
             kept: Vec::new(),
-            temps: Mutex::new(HashMap::new()),
+            temps: Kept::new(),
             template,
         })
     }
@@ -462,17 +493,10 @@ impl Executor {
                 }
             }
         }
-        if let Some(Ok(p)) = self.pool.as_ref().map(|p| p.try_lock()) {
-            for t in p.values().flatten() {
-                visit.call(t)?;
-            }
+        if let Some(p) = &self.pool {
+            p.visit(&visit)?;
         }
-        if let Ok(p) = self.temps.try_lock() {
-            for t in p.values().flatten() {
-                visit.call(t)?;
-            }
-        }
-        Ok(())
+        self.temps.visit(&visit)
     }
 
     /// [Note: plan templates] The executor of one size set of a dynamic graph, from this
@@ -563,22 +587,22 @@ impl Executor {
             in_layout: self.in_layout.clone_ref(py),
             uint8: self.uint8.clone_ref(py),
             syms: crate::padded(syms, num_syms),
-            pool: self.pool.as_ref().map(|_| Mutex::new(HashMap::new())),
+            pool: self.pool.as_ref().map(|_| Kept::new()),
             kept,
-            temps: Mutex::new(HashMap::new()),
+            temps: Kept::new(),
             template: false,
         })
     }
 
     /// How many temps' tensors are kept for the next call ([Note: kept temps] in braze-driver).
     fn kept_temps(&self) -> usize {
-        self.temps.lock().map(|p| p.values().map(Vec::len).sum()).unwrap_or(0)
+        self.temps.0.lock().map(|p| p.values().map(Vec::len).sum()).unwrap_or(0)
     }
 
     /// The arenas kept for the next calls, by bytes (empty where none are kept).
     fn arena_pool<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let d = PyDict::new(py);
-        if let Some(Ok(p)) = self.pool.as_ref().map(|p| p.lock()) {
+        if let Some(Ok(p)) = self.pool.as_ref().map(|p| p.0.lock()) {
             for (n, ts) in p.iter() {
                 d.set_item(n, PyList::new(py, ts.iter().map(|t| t.bind(py)))?)?;
             }
@@ -652,7 +676,7 @@ impl Executor {
         let mut arena_views: Vec<(usize, Bound<'py, PyAny>)> = Vec::new();
         for st in &self.steps {
             if st.opens > 0 {
-                arena = self.pool.as_ref().and_then(|p| p.lock().ok()?.get_mut(&st.opens)?.pop()).map(|a| a.into_bound(py));
+                arena = self.pool.as_ref().and_then(|p| p.take(&st.opens)).map(|a| a.into_bound(py));
                 if arena.is_none() {
                     arena = Some(empty.call1(((st.opens,), (1,), self.uint8.bind(py)))?);
                 }
@@ -664,7 +688,7 @@ impl Executor {
                 let (buf, t) = match a {
                     Alloc::New { buf, shape, stride, dtype } => {
                         let t = if self.kept.get(*buf) == Some(&true) {
-                            self.temps.lock().ok().and_then(|mut p| p.get_mut(buf)?.pop()).map(|t| t.into_bound(py))
+                            self.temps.take(buf).map(|t| t.into_bound(py))
                         } else {
                             None
                         };
@@ -711,9 +735,7 @@ impl Executor {
                 if self.kept.get(b) == Some(&true) {
                     let t = bufs.get_item(b)?;
                     if !t.is_none() {
-                        if let Ok(mut p) = self.temps.lock() {
-                            p.entry(b).or_default().push(t.unbind());
-                        }
+                        self.temps.put(b, t.unbind());
                     }
                 }
                 bufs.set_item(b, py.None())?;
@@ -722,9 +744,7 @@ impl Executor {
             if st.closes {
                 arena_views.clear();
                 if let (Some(pool), Some(a)) = (&self.pool, arena.take()) {
-                    if let Ok(mut p) = pool.lock() {
-                        p.entry(arena_bytes).or_default().push(a.unbind());
-                    }
+                    pool.put(arena_bytes, a.unbind());
                 }
                 arena = None;
                 arena_ptr = 0;
