@@ -258,13 +258,48 @@ def test_out_of_range_index_in_parallel_vector_loops():
     torch.testing.assert_close(c(x, good), fn(x, good))
     # braze's own gather, checked in its kernel: no ATen embedding.
     rec = braze.stats.records[n0]
-    assert not rec["externs"] and "bz_bounded(" in rec["source"], (rec["externs"], rec["kernels"])
+    assert not rec["externs"] and "bz_bounded(t" in rec["source"], (rec["externs"], rec["kernels"])
     for at in (0, 100_001, 199_999):
         bad = good.clone()
         bad[at] = 4096
         with pytest.raises((IndexError, RuntimeError)):
             c(x, bad)
     torch.testing.assert_close(c(x, good), fn(x, good))
+
+
+def test_clamped_indices_are_not_checked(device):
+    """An index computed into range (a max pool's backward clamps each window's position to
+    the output's extent) gathers without a bounds check ([Note: index ranges] in
+    braze-sched's lower.rs); one clamped only from below keeps it, and a read index (the
+    pool's window offsets) keeps its own."""
+    x = torch.randn(4, 16, 24, 24, device=device, requires_grad=True)
+    pool = lambda x: F.max_pool2d(x, 3, 2, 1)  # noqa: E731
+
+    def gathers(hi):
+        def fn(t, i):
+            return t[:, i.clamp(0, hi)] * 2  # hi None: clamped from below only
+        return fn
+
+    t = torch.randn(8, 40, device=device)
+    i = torch.randint(-3, 48, (40,), device=device)
+    for hi, checked in ((39, False), (None, True)):
+        fn = gathers(hi)
+        c = compiled(fn, options={"on_unsupported": "error"})
+        n0 = len(braze.stats.records)
+        if hi is None:
+            i = i.clamp(max=39)  # in range, though the graph cannot know it
+        torch.testing.assert_close(c(t, i), fn(t, i))
+        src = braze.stats.records[n0]["source"]
+        assert ("bz_bounded(t" in src) == checked, src  # a call, not the helper's definition
+    c = compiled(pool, options={"on_unsupported": "error"})
+    g = torch.randn(4, 16, 12, 12, device=device)
+    n0 = len(braze.stats.records)
+    c(x).backward(g)
+    want = torch.autograd.grad(pool(x), x, g)[0]
+    got, x.grad = x.grad, None
+    torch.testing.assert_close(got, want)
+    bwd = [r for r in braze.stats.records[n0:] if r.get("name", "").startswith("backward")]
+    assert bwd and not any("bz_bounded(t" in r["source"] for r in bwd), [r.get("name") for r in braze.stats.records[n0:]]
 
 
 def test_cpu_tensors_in_a_cuda_graph(device):

@@ -312,6 +312,8 @@ struct Builder<'a, 'c> {
     reds: HashMap<NodeId, (Tmp, Vec<Expr>)>,
     bufs: Vec<BufRef>,
     ops: Vec<&'static str>,
+    /// Known bounds `[lo, hi]` of integer temporaries ([Note: index ranges]).
+    ranges: HashMap<Tmp, (i64, i64)>,
 }
 
 impl Builder<'_, '_> {
@@ -321,8 +323,79 @@ impl Builder<'_, '_> {
     }
     fn emit(&mut self, dt: DType, f: impl FnOnce(Tmp) -> Stmt) -> Tmp {
         let t = self.tmp(dt);
-        self.out.push(f(t));
+        let s = f(t);
+        if let Some(r) = self.range_of(&s, dt) {
+            self.ranges.insert(t, r);
+        }
+        self.out.push(s);
         t
+    }
+
+    /// The bounds of the integer value statement `s` computes, as far as its operands'
+    /// bounds and constants tell ([Note: index ranges]).
+    fn range_of(&self, s: &Stmt, dt: DType) -> Option<(i64, i64)> {
+        let r = |t: &Tmp| self.ranges.get(t).copied();
+        let (lo, hi) = match dt {
+            DType::I32 => (i32::MIN as i64, i32::MAX as i64),
+            DType::I16 => (i16::MIN as i64, i16::MAX as i64),
+            DType::I8 => (i8::MIN as i64, i8::MAX as i64),
+            DType::U8 | DType::Bool => (0, if dt == DType::Bool { 1 } else { 255 }),
+            DType::I64 => (i64::MIN, i64::MAX),
+            _ => return None,
+        };
+        // Whether the result is one of the operands (it cannot wrap), or arithmetic that
+        // wraps when it leaves the dtype (then it has no bound).
+        let (range, selects) = match s {
+            Stmt::Const { value: Lit::I(v), .. } => ((*v, *v), true),
+            Stmt::Const { value: Lit::B(v), .. } => ((*v as i64, *v as i64), true),
+            Stmt::Cast { a, .. } if self.tmp_dtypes[*a as usize] == DType::Bool => ((0, 1), true),
+            Stmt::Cast { a, .. } if self.tmp_dtypes[*a as usize].is_int() => (r(a)?, false),
+            Stmt::Where { c, a, b, .. } => match r(c) {
+                // A condition known from its operands' bounds (a negative index wrapped
+                // where the index cannot be negative) selects one side.
+                Some((1, 1)) => (r(a)?, true),
+                Some((0, 0)) => (r(b)?, true),
+                _ => (r(a).zip(r(b)).map(|(x, y)| (x.0.min(y.0), x.1.max(y.1)))?, true),
+            },
+            Stmt::Binary { op: op @ (BinaryOp::Lt | BinaryOp::Le | BinaryOp::Gt | BinaryOp::Ge), a, b, .. } => {
+                let (x, y) = r(a).zip(r(b))?;
+                // `x < y` always / never, by the bounds; `>` and `>=` as `<` and `<=` swapped.
+                let (x, y, strict) = match op {
+                    BinaryOp::Lt => (x, y, true),
+                    BinaryOp::Le => (x, y, false),
+                    BinaryOp::Gt => (y, x, true),
+                    _ => (y, x, false),
+                };
+                let always = if strict { x.1 < y.0 } else { x.1 <= y.0 };
+                let never = if strict { x.0 >= y.1 } else { x.0 > y.1 };
+                (if always { (1, 1) } else if never { (0, 0) } else { (0, 1) }, true)
+            }
+            Stmt::Binary { op, a, b, .. } => match (op, r(a), r(b)) {
+                // One operand's bound suffices for max's low end and min's high end.
+                (BinaryOp::Max, x, y) => {
+                    let low = x.map(|x| x.0).into_iter().chain(y.map(|y| y.0)).max()?;
+                    ((low, x.zip(y).map_or(hi, |(x, y)| x.1.max(y.1))), true)
+                }
+                (BinaryOp::Min, x, y) => {
+                    let high = x.map(|x| x.1).into_iter().chain(y.map(|y| y.1)).min()?;
+                    ((x.zip(y).map_or(lo, |(x, y)| x.0.min(y.0)), high), true)
+                }
+                (BinaryOp::Add, Some(x), Some(y)) => ((x.0.checked_add(y.0)?, x.1.checked_add(y.1)?), false),
+                (BinaryOp::Sub, Some(x), Some(y)) => ((x.0.checked_sub(y.1)?, x.1.checked_sub(y.0)?), false),
+                (BinaryOp::Mul, Some(x), Some(y)) => {
+                    let p = [x.0.checked_mul(y.0)?, x.0.checked_mul(y.1)?, x.1.checked_mul(y.0)?, x.1.checked_mul(y.1)?];
+                    ((*p.iter().min()?, *p.iter().max()?), false)
+                }
+                (BinaryOp::FloorDiv, Some(x), Some((c, c2))) if c == c2 && c > 0 => ((x.0.div_euclid(c), x.1.div_euclid(c)), true),
+                _ => return None,
+            },
+            _ => return None,
+        };
+        if !selects && (range.0 < lo || range.1 > hi) {
+            return None;
+        }
+        let range = (range.0.max(lo), range.1.min(hi));
+        (range.0 <= range.1).then_some(range)
     }
     fn touch(&mut self, id: BufId, dtype: DType, written: bool) {
         match self.bufs.iter_mut().find(|b| b.id == id) {
@@ -379,6 +452,12 @@ impl Builder<'_, '_> {
     /// elsewhere it is 0, and the masked load it feeds reads nothing.
     fn as_index(&mut self, t: Tmp, hi: Expr) -> Expr {
         let mut t = if self.tmp_dtypes[t as usize] == DType::I64 { t } else { self.emit(DType::I64, |dst| Stmt::Cast { dst, a: t }) };
+        // An index computed in range (a clamped window position) needs no check.
+        if let (Some(&(lo, top)), Some(n)) = (self.ranges.get(&t), hi.as_const()) {
+            if lo >= 0 && top < n {
+                return Expr::tmp(t);
+            }
+        }
         if let Some(m) = self.mask {
             let zero = self.emit(DType::I64, |dst| Stmt::Const { dst, value: braze_ir::Lit::I(0) });
             t = self.emit(DType::I64, |dst| Stmt::Where { dst, c: m, a: t, b: zero });
@@ -598,6 +677,16 @@ fn lit_for(v: Lit, dt: DType) -> Lit {
     }
 }
 
+/// [Note: index ranges] An index read from memory is checked against its dim (`Stmt::Bounded`:
+/// a trap on the GPU, a flag on the CPU), but many gathered indices are computed, not read: a
+/// max pool's backward finds each input's windows by integer arithmetic and clamps their
+/// positions to the output's extent before it reads the window's stored offset and gradient
+/// (ResNet's stem: four windows, two gathered values each, eight checks per element). The
+/// builder keeps the bounds `[lo, hi]` of the integer temporaries it can: constants, casts,
+/// max/min (one operand's bound is enough for max's low end), where (a condition its operands'
+/// bounds decide picks one side), and add/sub/mul/floordiv by a constant while they cannot wrap
+/// in the temporary's dtype. An index whose bounds lie inside its dim needs no check.
+///
 /// Lowers group `me` (its roots in topological order over `dom`) to a kernel.
 pub fn lower(cx: &Ctx, me: usize, dom: &Domain, roots: &[NodeId]) -> Result<Kernel, Illegal> {
     let g = cx.g;
@@ -613,6 +702,7 @@ pub fn lower(cx: &Ctx, me: usize, dom: &Domain, roots: &[NodeId]) -> Result<Kern
         guarded: Vec::new(),
         reds: HashMap::new(),
         bufs: Vec::new(),
+        ranges: HashMap::new(),
         ops: Vec::new(),
     };
     // Place every root: reductions and row-level roots in a pass, outer-level roots in the

@@ -1,0 +1,46 @@
+"""Which GEMM kernels the seed suite's matmul-heavy model runs under eager and braze, and
+their GPU time (torch.profiler, 20 calls), in one process per variant:
+
+    python benchmarks/matmul_choice.py eager|braze [--dim 4096 --rows 1024]
+
+Run braze with BRAZE_MATMUL_TUNE=0 for cuBLASLt's heuristic favourite and with a fresh
+BRAZE_CACHE_DIR for a fresh timing of its candidates."""
+import argparse
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+import braze  # noqa: F401
+from braze.workloads import MatmulHeavy
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("backend")
+    ap.add_argument("--dim", type=int, default=4096)
+    ap.add_argument("--rows", type=int, default=1024)
+    ap.add_argument("--calls", type=int, default=20)
+    a = ap.parse_args()
+    torch.set_float32_matmul_precision("high")
+    m = MatmulHeavy(a.dim, 4).cuda()
+    x = torch.randn(a.rows, a.dim, device="cuda")
+    fn = m if a.backend == "eager" else torch.compile(m, backend=a.backend)
+    with torch.no_grad():
+        for _ in range(10):
+            fn(x)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(a.calls):
+                fn(x)
+            torch.cuda.synchronize()
+    total = 0.0
+    for e in sorted(prof.key_averages(), key=lambda e: -e.device_time_total):
+        if e.device_time_total <= 0:
+            continue
+        total += e.device_time_total
+        print(f"{e.device_time_total / a.calls:9.1f} us/call  x{e.count // a.calls:<3} {e.key[:110]}")
+    print(f"{a.backend}: GPU time {total / a.calls:.1f} us per call")
+
+
+if __name__ == "__main__":
+    main()
