@@ -270,11 +270,7 @@ def test_out_of_range_index_in_parallel_vector_loops():
 def test_clamped_indices_are_not_checked(device):
     """An index computed into range (a max pool's backward clamps each window's position to
     the output's extent) gathers without a bounds check ([Note: index ranges] in
-    braze-sched's lower.rs); one clamped only from below keeps it, and a read index (the
-    pool's window offsets) keeps its own."""
-    x = torch.randn(4, 16, 24, 24, device=device, requires_grad=True)
-    pool = lambda x: F.max_pool2d(x, 3, 2, 1)  # noqa: E731
-
+    braze-sched's lower.rs); one clamped only from below keeps it."""
     def gathers(hi):
         def fn(t, i):
             return t[:, i.clamp(0, hi)] * 2  # hi None: clamped from below only
@@ -291,15 +287,35 @@ def test_clamped_indices_are_not_checked(device):
         torch.testing.assert_close(c(t, i), fn(t, i))
         src = braze.stats.records[n0]["source"]
         assert ("bz_bounded(t" in src) == checked, src  # a call, not the helper's definition
-    c = compiled(pool, options={"on_unsupported": "error"})
-    g = torch.randn(4, 16, 12, 12, device=device)
+
+
+COMPUTED_INDEX_CASES = {
+    "max_pool": lambda x: F.max_pool2d(x, 3, 2, 1),
+    "adaptive_avg_pool": lambda x: F.adaptive_avg_pool2d(x, (5, 7)),
+    "roll": lambda x: torch.roll(x, 3, -1) * 2,
+}
+
+
+@pytest.mark.parametrize("case", sorted(COMPUTED_INDEX_CASES))
+def test_computed_indices_are_not_checked(case, device):
+    """Ops whose gathers read at positions computed from the loop indices (pool windows,
+    shifted positions) compile, forward and backward, without a bounds check, and match
+    eager ([Note: index ranges])."""
+    fn = COMPUTED_INDEX_CASES[case]
+    x = torch.randn(4, 16, 24, 24, device=device, requires_grad=True)
+    c = compiled(fn, options={"on_unsupported": "error"})
     n0 = len(braze.stats.records)
-    c(x).backward(g)
-    want = torch.autograd.grad(pool(x), x, g)[0]
+    y = c(x)
+    g = torch.randn_like(y)
+    y.backward(g)
     got, x.grad = x.grad, None
-    torch.testing.assert_close(got, want)
-    bwd = [r for r in braze.stats.records[n0:] if r.get("name", "").startswith("backward")]
-    assert bwd and not any("bz_bounded(t" in r["source"] for r in bwd), [r.get("name") for r in braze.stats.records[n0:]]
+    want_y = fn(x)
+    torch.testing.assert_close(y, want_y)
+    torch.testing.assert_close(got, torch.autograd.grad(want_y, x, g)[0])
+    recs = braze.stats.records[n0:]
+    assert {r["name"].split("_")[0] for r in recs} == {"forward", "backward"}, [r.get("name") for r in recs]
+    assert not any(r["externs"] for r in recs), [(r["name"], r["externs"]) for r in recs]
+    assert not any("bz_bounded(t" in r["source"] for r in recs)
 
 
 def test_cpu_tensors_in_a_cuda_graph(device):

@@ -476,7 +476,7 @@ impl Expr {
 
     /// The least and greatest value over the loop variables' ranges, for a sum of constant
     /// multiples of loop variables and a constant; `None` for anything else.
-    fn range_in(&self, extent: &dyn Fn(u32) -> Option<i64>) -> Option<(i64, i64)> {
+    pub fn range_in(&self, extent: &dyn Fn(u32) -> Option<i64>) -> Option<(i64, i64)> {
         let (mut lo, mut hi) = (0i64, 0i64);
         for (m, k) in &self.terms {
             match m.as_slice() {

@@ -314,6 +314,8 @@ struct Builder<'a, 'c> {
     ops: Vec<&'static str>,
     /// Known bounds `[lo, hi]` of integer temporaries ([Note: index ranges]).
     ranges: HashMap<Tmp, (i64, i64)>,
+    /// The loop variables' constant extents (outer dims, then inner), for `ranges`.
+    extents: Vec<Option<i64>>,
 }
 
 impl Builder<'_, '_> {
@@ -347,6 +349,8 @@ impl Builder<'_, '_> {
         // wraps when it leaves the dtype (then it has no bound).
         let (range, selects) = match s {
             Stmt::Const { value: Lit::I(v), .. } => ((*v, *v), true),
+            // An iota over the loop variables: the bounds of its linear index.
+            Stmt::Index { index, .. } => (index.range_in(&|v| self.extents.get(v as usize).copied().flatten())?, false),
             Stmt::Const { value: Lit::B(v), .. } => ((*v as i64, *v as i64), true),
             Stmt::Cast { a, .. } if self.tmp_dtypes[*a as usize] == DType::Bool => ((0, 1), true),
             Stmt::Cast { a, .. } if self.tmp_dtypes[*a as usize].is_int() => (r(a)?, false),
@@ -387,6 +391,14 @@ impl Builder<'_, '_> {
                     ((*p.iter().min()?, *p.iter().max()?), false)
                 }
                 (BinaryOp::FloorDiv, Some(x), Some((c, c2))) if c == c2 && c > 0 => ((x.0.div_euclid(c), x.1.div_euclid(c)), true),
+                // Python's remainder takes the divisor's sign: in `0..c` for any dividend.
+                (BinaryOp::Rem, _, Some((c, c2))) if c == c2 && c > 0 => ((0, c - 1), true),
+                // C's remainder takes the dividend's sign.
+                (BinaryOp::Fmod, x, Some((c, c2))) if c == c2 && c > 0 => {
+                    let lo = if x.is_some_and(|x| x.0 >= 0) { 0 } else { 1 - c };
+                    let hi = if x.is_some_and(|x| x.1 <= 0) { 0 } else { c - 1 };
+                    ((lo, hi), true)
+                }
                 _ => return None,
             },
             _ => return None,
@@ -683,9 +695,12 @@ fn lit_for(v: Lit, dt: DType) -> Lit {
 /// positions to the output's extent before it reads the window's stored offset and gradient
 /// (ResNet's stem: four windows, two gathered values each, eight checks per element). The
 /// builder keeps the bounds `[lo, hi]` of the integer temporaries it can: constants, casts,
-/// max/min (one operand's bound is enough for max's low end), where (a condition its operands'
-/// bounds decide picks one side), and add/sub/mul/floordiv by a constant while they cannot wrap
-/// in the temporary's dtype. An index whose bounds lie inside its dim needs no check.
+/// iotas (their linear index over the loop variables' constant extents), max/min (one operand's
+/// bound is enough for max's low end), where (a condition its operands' bounds decide picks
+/// one side), remainders by a positive constant (`roll`'s shifted positions), and add/sub/mul/
+/// floordiv by a constant while they cannot wrap in the temporary's dtype. An index whose
+/// bounds lie inside its dim needs no check (adaptive pools' windows, `roll`, a max pool's
+/// backward).
 ///
 /// Lowers group `me` (its roots in topological order over `dom`) to a kernel.
 pub fn lower(cx: &Ctx, me: usize, dom: &Domain, roots: &[NodeId]) -> Result<Kernel, Illegal> {
@@ -703,6 +718,7 @@ pub fn lower(cx: &Ctx, me: usize, dom: &Domain, roots: &[NodeId]) -> Result<Kern
         reds: HashMap::new(),
         bufs: Vec::new(),
         ranges: HashMap::new(),
+        extents: dom.outer().iter().chain(dom.inner().iter()).map(|e| e.as_const()).collect(),
         ops: Vec::new(),
     };
     // Place every root: reductions and row-level roots in a pass, outer-level roots in the
