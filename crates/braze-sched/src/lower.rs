@@ -345,9 +345,10 @@ impl Builder<'_, '_> {
             DType::I64 => (i64::MIN, i64::MAX),
             _ => return None,
         };
-        // Whether the result is one of the operands (it cannot wrap), or arithmetic that
-        // wraps when it leaves the dtype (then it has no bound).
-        let (range, selects) = match s {
+        // With each range, whether the value cannot wrap (a selection of an operand, a
+        // comparison, a quotient or remainder by a positive constant: clamped to the dtype),
+        // or may (a cast or arithmetic that leaves the dtype has no bound).
+        let (range, cannot_wrap) = match s {
             Stmt::Const { value: Lit::I(v), .. } => ((*v, *v), true),
             // An iota over the loop variables: the bounds of its linear index.
             Stmt::Index { index, .. } => (index.range_in(&|v| self.extents.get(v as usize).copied().flatten())?, false),
@@ -403,7 +404,7 @@ impl Builder<'_, '_> {
             },
             _ => return None,
         };
-        if !selects && (range.0 < lo || range.1 > hi) {
+        if !cannot_wrap && (range.0 < lo || range.1 > hi) {
             return None;
         }
         let range = (range.0.max(lo), range.1.min(hi));
