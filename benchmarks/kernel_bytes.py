@@ -8,6 +8,7 @@ On the GPU machine (Firecracker runtimes: ncu reads the counters there):
     ncu --clock-control none --profile-from-start off --csv --metrics \\
         gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum \\
         python3 benchmarks/kernel_bytes.py resnet18:train braze > braze.csv
+        # [--options '{"column_clusters": false}']: braze options for the step
     python3 benchmarks/kernel_bytes.py --report braze.csv inductor.csv
 
 The step runs three times before the profiled one (compilation, warm caches); only the
@@ -22,7 +23,9 @@ import sys
 from collections import defaultdict
 
 
-def run(work, backend):
+def run(work, backend, options=None):
+    import json
+
     import torch
 
     import braze  # noqa: F401
@@ -34,7 +37,7 @@ def run(work, backend):
     base, inputs, _ = prepared(name, train, dev)
     model = copy.deepcopy(base)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True) if train else None
-    opts = {"options": {"programmatic_launch": False}} if backend == "braze" else {}
+    opts = {"options": {"programmatic_launch": False, **json.loads(options or "{}")}} if backend == "braze" else {}
     fn = model if backend == "eager" else torch.compile(model, backend=backend, **opts)
     step = _make_step(model, fn, inputs, train, dev, opt, autocast_of(name))
     for _ in range(3):
@@ -87,11 +90,12 @@ def main():
     ap.add_argument("args", nargs="+")
     ap.add_argument("--report", action="store_true", help="the arguments are ncu CSV files")
     ap.add_argument("--rows", type=int, default=60)
+    ap.add_argument("--options", default=None, help='braze options as JSON: {"column_clusters": false}')
     a = ap.parse_args()
     if a.report:
         report(a.args, a.rows)
     else:
-        run(*a.args)
+        run(*a.args, options=a.options)
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ registers per SM on the H100: two 512-thread blocks at 33–64 registers, three 
 
     python benchmarks/kernel_regs.py resnet18:train [--match floordiv] [--arch sm_90]
     python benchmarks/kernel_regs.py --source graph.cu      # a program saved before
+    python benchmarks/kernel_regs.py resnet18:train --save dir   # keep the programs
 
 Workloads are the models suite's NAME:infer|train at the GPU's sizes; set
 BRAZE_SPLIT_REDUCTIONS_CPU=264 (the H100's SM count times two) so reductions split as they do
@@ -92,10 +93,16 @@ def main():
     ap.add_argument("--match", default="")
     ap.add_argument("--arch", default="sm_90")
     ap.add_argument("--conv-layout", default=None)
+    ap.add_argument("--save", default=None, help="write each workload program to DIR/<n>.cu")
     a = ap.parse_args()
     progs = [(p, open(p).read()) for p in a.source]
     for w in a.work:
         progs += [(f"{w} {name}", src) for name, src in programs(w, a.conv_layout)]
+    if a.save:
+        os.makedirs(a.save, exist_ok=True)
+        for i, (_, src) in enumerate(progs):
+            with open(os.path.join(a.save, f"{i}.cu"), "w") as f:
+                f.write(src)
     for label, src in progs:
         print(f"== {label}")
         for k, v in ptxas_info(main_program(src), a.arch).items():

@@ -289,6 +289,33 @@ def test_clamped_indices_are_not_checked(device):
         assert ("bz_bounded(t" in src) == checked, src  # a call, not the helper's definition
 
 
+def test_index_arithmetic_is_32_bit_where_it_fits(device):
+    """[Note: 32-bit indices] (braze-sched's lower.rs): a kernel whose loop extents are
+    constants and whose every index fits computes its loop variables and addresses in 32 bits
+    on the GPU (`bz_ix` is `int`), a gathered index included once it is checked against its
+    dim; with symbolic sizes (dynamic shapes) they stay 64-bit. Values against eager."""
+    def fn(t, i, x):
+        return t[i] * 2 + x
+
+    table = torch.randn(1000, 64, device=device)
+    for dynamic, narrow in ((False, True), (True, False)):
+        c = compiled(fn, dynamic=dynamic, options={"on_unsupported": "error"})
+        for rows in (512, 384):
+            i = torch.randint(0, 1000, (rows,), device=device)
+            x = torch.randn(rows, 64, device=device)
+            n0 = len(braze.stats.records)
+            torch.testing.assert_close(c(table, i, x), fn(table, i, x))
+            recs = braze.stats.records[n0:]
+            if not recs:
+                continue  # the graph compiled for 512 rows runs again
+            src = recs[-1]["source"] if device == "cuda" else recs[-1].get("cuda_source")
+            if src is None:
+                pytest.skip("NVRTC not found: the CUDA source was not generated")
+            assert ("typedef int bz_ix;" in src) == narrow and ("typedef long long bz_ix;" in src) != narrow, src
+            if narrow:
+                assert re.search(r"int32_t t\d+ = bz_bounded\(t", src), src
+
+
 COMPUTED_INDEX_CASES = {
     "max_pool": lambda x: F.max_pool2d(x, 3, 2, 1),
     "adaptive_avg_pool": lambda x: F.adaptive_avg_pool2d(x, (5, 7)),

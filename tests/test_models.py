@@ -1712,7 +1712,7 @@ def test_column_variance_in_chunks(device, dtype):
     src = rec["source"] if device == "cuda" else rec.get("cuda_source")
     if src is None:
         pytest.skip("NVRTC not found: the CUDA source was not generated")
-    assert "long long r0 = cr + " in src and "_v[j] * m) + m * m * fw" in src, src
+    assert "bz_ix r0 = cr + " in src and "_v[j] * m) + m * m * fw" in src, src
 
 
 def test_short_column_reductions_run_a_thread_per_point(device):

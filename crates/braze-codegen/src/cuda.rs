@@ -451,8 +451,15 @@ const CLUSTER_MIN_ROWS: i64 = 4;
 /// reductions' stores) are stored by the first block. Unlike a split reduction (two kernels,
 /// the partial results through memory: a loss for ResNet-18's 512-channel BatchNorm kernels,
 /// twenty-ninth session) nothing extra goes to memory. The heuristic doubles the cluster (up
-/// to [`MAX_CLUSTER`]) while the grid is under two blocks per multiprocessor and each thread
-/// keeps at least [`CLUSTER_MIN_ROWS`] rows. Measured per kernel on the H100 (MobileNet-v3-small
+/// to [`MAX_CLUSTER`]) while the grid is under as many blocks per multiprocessor as their
+/// threads allow (four of 512) and each thread keeps at least [`CLUSTER_MIN_ROWS`] rows. It
+/// once stopped at two blocks per multiprocessor, where 54 registers held ResNet-18's stem
+/// backward (max pool backward + BatchNorm sums, 224 groups of 32 channels: 448 blocks, 1.7
+/// waves); with 32-bit indices ([Note: 32-bit indices] in braze-sched) it needs 40 and three
+/// blocks fit, and 448 blocks were 1.13 waves, the last nearly empty (288 → 400 µs on the
+/// H100, forty-fourth session); as clusters of 4 (896 blocks, 2.26 waves) it takes 327 µs,
+/// and the whole training step is as fast as before the change (4.82 against 4.84 ms)
+/// while the other kernels keep their gains. Measured per kernel on the H100 (MobileNet-v3-small
 /// and ResNet-18 fp32 training, thirty-eighth session, programmatic launch on, so durations
 /// include waits for the kernel before), clusters won for the backward's sums
 /// (576 channels × 1568 rows: 72 → 38 µs; ResNet-18's 512-channel ReLU + BatchNorm backward
@@ -476,7 +483,8 @@ pub fn cluster_size(k: &Kernel, gpu: Gpu, cfg: &Config, vector: bool) -> u32 {
     let blocks = (outer + cfg.col.0 as i64 - 1) / cfg.col.0 as i64;
     let (rows, sms) = (cfg.col.1 as i64, gpu.sms as i64);
     let mut c: i64 = 1;
-    while c < MAX_CLUSTER as i64 && blocks * c < 2 * sms && inner >= 2 * c * rows * CLUSTER_MIN_ROWS {
+    let per_sm = 2048 / (cfg.col.0 as i64 * cfg.col.1 as i64).max(1);
+    while c < MAX_CLUSTER as i64 && blocks * c < per_sm * sms && inner >= 2 * c * rows * CLUSTER_MIN_ROWS {
         c *= 2;
     }
     c as u32
@@ -735,7 +743,7 @@ fn decompose(out: &mut String, pad: &str, flat: &str, dims: &[Expr], first: usiz
         return;
     }
     if n == 1 {
-        writeln!(out, "{pad}const long long i{first} = {flat};").unwrap();
+        writeln!(out, "{pad}const bz_ix i{first} = {flat};").unwrap();
         return;
     }
     let narrow = dims.iter().try_fold(1i64, |p, d| d.as_const().and_then(|c| p.checked_mul(c))).is_some_and(|t| t < (1 << 31));
@@ -747,14 +755,14 @@ fn decompose(out: &mut String, pad: &str, flat: &str, dims: &[Expr], first: usiz
     };
     for d in (0..n).rev() {
         if d == 0 {
-            writeln!(out, "{pad}const long long i{} = {rest};", first + d).unwrap();
+            writeln!(out, "{pad}const bz_ix i{} = {rest};", first + d).unwrap();
         } else if narrow {
             let size = dims[d].as_const().unwrap();
-            writeln!(out, "{pad}const long long i{} = ({rest}) % {size}u;", first + d).unwrap();
+            writeln!(out, "{pad}const bz_ix i{} = ({rest}) % {size}u;", first + d).unwrap();
             rest = format!("({rest}) / {size}u");
         } else {
             let size = index(&dims[d]);
-            writeln!(out, "{pad}const long long i{} = ({rest}) % ({size});", first + d).unwrap();
+            writeln!(out, "{pad}const bz_ix i{} = ({rest}) % ({size});", first + d).unwrap();
             rest = format!("({rest}) / ({size})");
         }
     }
@@ -858,6 +866,16 @@ pub fn emit_kernel_with(k: &Kernel, gpu: Gpu, cfg: &Config, out: &mut String) ->
     Ok(launch)
 }
 
+/// The declaration of `bz_ix`, the type of a kernel's loop variables and flat positions: `int`
+/// where every index fits 32 bits ([Note: 32-bit indices] in braze-sched), else `long long`.
+fn index_type(k: &Kernel) -> &'static str {
+    if k.index32 {
+        "typedef int bz_ix;"
+    } else {
+        "typedef long long bz_ix;"
+    }
+}
+
 /// `source` with the buffer parameters of each kernel signature in it (`extern "C" ...
 /// NAME(params) {`) put in `order`; size parameters stay last.
 fn reorder_params(source: &str, order: &[u32]) -> String {
@@ -923,7 +941,7 @@ fn emit_kernel_by_id(k: &Kernel, gpu: Gpu, cfg: &Config, out: &mut String) -> Re
     let tiled = if is_red { None } else { crate::tiles::tile_plan(k).filter(|p| tiles_fit(k, p)) };
     let threads = if col { col_x * col_y } else if tiled.is_some() { TILE as u32 * TILE_ROWS } else { block };
     let dims = if cluster > 1 { format!("__cluster_dims__({cluster}, 1, 1) ") } else { String::new() };
-    writeln!(out, "extern \"C\" __global__ void {dims}__launch_bounds__({threads}) {}({}) {{\n  bz_entry();", k.name, params.join(", ")).unwrap();
+    writeln!(out, "extern \"C\" __global__ void {dims}__launch_bounds__({threads}) {}({}) {{\n  bz_entry();\n  {}", k.name, params.join(", "), index_type(k)).unwrap();
     let launch = |work: Expr, per_block: u64, cap: u32| Launch {
         name: k.name.clone(),
         unit: 0,
@@ -955,7 +973,7 @@ fn emit_kernel_by_id(k: &Kernel, gpu: Gpu, cfg: &Config, out: &mut String) -> Re
             return Ok(l);
         }
         let mut scalar = String::new();
-        writeln!(scalar, "  for (long long x = (long long)blockIdx.x * blockDim.x + threadIdx.x; x < {total}; x += (long long)gridDim.x * blockDim.x) {{").unwrap();
+        writeln!(scalar, "  for (bz_ix x = (bz_ix)blockIdx.x * blockDim.x + threadIdx.x; x < {total}; x += (bz_ix)gridDim.x * blockDim.x) {{").unwrap();
         decompose(&mut scalar, "    ", "x", &k.outer, 0);
         emit_list(&e, k, &k.passes[0].body, None, "    ", &mut scalar, None)?;
         writeln!(scalar, "  }}\n}}\n").unwrap();
@@ -970,10 +988,11 @@ fn emit_kernel_by_id(k: &Kernel, gpu: Gpu, cfg: &Config, out: &mut String) -> Re
         writeln!(out, "}}\n").unwrap();
         let name = format!("{}_scalar", k.name);
         let source = format!(
-            "{}\n/* {name}: {}'s loop for unaligned pointers */\nextern \"C\" __global__ void __launch_bounds__({threads}) {name}({}) {{\n  bz_entry();\n{scalar}",
+            "{}\n/* {name}: {}'s loop for unaligned pointers */\nextern \"C\" __global__ void __launch_bounds__({threads}) {name}({}) {{\n  bz_entry();\n  {}\n{scalar}",
             d.prelude(),
             k.name,
-            params.join(", ")
+            params.join(", "),
+            index_type(k)
         );
         return Ok(Launch { grid_multiple, fallback: Some(Fallback { name, source, align }), ..launch(outer_total, per_block, cap) });
     }
@@ -1003,21 +1022,21 @@ fn emit_kernel_by_id(k: &Kernel, gpu: Gpu, cfg: &Config, out: &mut String) -> Re
         ("threadIdx.x", "blockDim.x".to_string(), Some("threadIdx.x == 0"), None)
     };
     if serial {
-        writeln!(out, "  for (long long o = (long long)blockIdx.x * blockDim.x + threadIdx.x; o < {}; o += (long long)gridDim.x * blockDim.x) {{", index(&outer_total)).unwrap();
+        writeln!(out, "  for (bz_ix o = (bz_ix)blockIdx.x * blockDim.x + threadIdx.x; o < {}; o += (bz_ix)gridDim.x * blockDim.x) {{", index(&outer_total)).unwrap();
     } else if warp {
-        writeln!(out, "  for (long long o = (long long)blockIdx.x * {w} + (threadIdx.x >> 5); o < {}; o += (long long)gridDim.x * {w}) {{", index(&outer_total), w = block / 32).unwrap();
+        writeln!(out, "  for (bz_ix o = (bz_ix)blockIdx.x * {w} + (threadIdx.x >> 5); o < {}; o += (bz_ix)gridDim.x * {w}) {{", index(&outer_total), w = block / 32).unwrap();
     } else if col {
         writeln!(out, "  {{").unwrap();
         if cluster > 1 {
             writeln!(out, "    const unsigned bz_rank = bz_cluster_rank();").unwrap();
-            writeln!(out, "    const long long ox = (long long)(blockIdx.x / {cluster}) * {col_x} + threadIdx.x;").unwrap();
+            writeln!(out, "    const bz_ix ox = (bz_ix)(blockIdx.x / {cluster}) * {col_x} + threadIdx.x;").unwrap();
         } else {
-            writeln!(out, "    const long long ox = (long long)blockIdx.x * {col_x} + threadIdx.x;").unwrap();
+            writeln!(out, "    const bz_ix ox = (bz_ix)blockIdx.x * {col_x} + threadIdx.x;").unwrap();
         }
         writeln!(out, "    const bool live = ox < {};", index(&outer_total)).unwrap();
-        writeln!(out, "    const long long o = live ? ox : 0;").unwrap();
+        writeln!(out, "    const bz_ix o = live ? ox : 0;").unwrap();
     } else {
-        writeln!(out, "  for (long long o = blockIdx.x; o < {}; o += gridDim.x) {{", index(&outer_total)).unwrap();
+        writeln!(out, "  for (bz_ix o = blockIdx.x; o < {}; o += gridDim.x) {{", index(&outer_total)).unwrap();
     }
     decompose(out, "    ", "o", &k.outer, 0);
     for s in &k.prelude {
@@ -1060,7 +1079,7 @@ fn emit_kernel_by_id(k: &Kernel, gpu: Gpu, cfg: &Config, out: &mut String) -> Re
             let n = product(&k.inner).as_const().unwrap();
             writeln!(out, "    #pragma unroll").unwrap();
             writeln!(out, "    for (int j = 0; j < {per}; j++) {{").unwrap();
-            writeln!(out, "      const long long r = {lane} + 32 * j;").unwrap();
+            writeln!(out, "      const bz_ix r = {lane} + 32 * j;").unwrap();
             tail_guard = n % 32 != 0;
             if tail_guard {
                 writeln!(out, "      if (r < {n}) {{").unwrap();
@@ -1071,9 +1090,9 @@ fn emit_kernel_by_id(k: &Kernel, gpu: Gpu, cfg: &Config, out: &mut String) -> Re
             let unroll = if cfg.unroll > 0 { cfg.unroll } else if serial { 8 } else { 4 };
             writeln!(out, "    #pragma unroll {unroll}").unwrap();
             if v > 1 {
-                writeln!(out, "    for (long long rv = {lane}; rv < ({inner_total}) / {v}; rv += {step}) {{").unwrap();
+                writeln!(out, "    for (bz_ix rv = {lane}; rv < ({inner_total}) / {v}; rv += {step}) {{").unwrap();
             } else {
-                writeln!(out, "    for (long long r = {lane}; r < {inner_total}; r += {step}) {{").unwrap();
+                writeln!(out, "    for (bz_ix r = {lane}; r < {inner_total}; r += {step}) {{").unwrap();
             }
         }
         if v > 1 {
@@ -1231,17 +1250,17 @@ fn emit_vector_column(e: &Emitter, k: &Kernel, gpu: Gpu, cfg: &Config, v: i64, c
     let group = if cluster > 1 { format!("(blockIdx.x / {cluster})") } else { "blockIdx.x".to_string() };
     if cluster > 1 {
         writeln!(out, "    const unsigned bz_rank = bz_cluster_rank();").unwrap();
-        writeln!(out, "    const long long cr = (long long)bz_rank * {yt} + cy;").unwrap();
+        writeln!(out, "    const bz_ix cr = (bz_ix)bz_rank * {yt} + cy;").unwrap();
     } else {
-        writeln!(out, "    const long long cr = cy;").unwrap();
+        writeln!(out, "    const bz_ix cr = cy;").unwrap();
     }
     // Rows a thread steps over: the cluster's blocks' runs of `yt` rows in turn.
     let row_step = yt * cluster as i64;
-    writeln!(out, "    const long long ox = ((long long){group} * {xt} + cx) * {v};").unwrap();
+    writeln!(out, "    const bz_ix ox = ((bz_ix){group} * {xt} + cx) * {v};").unwrap();
     writeln!(out, "    const bool live = ox < {total};").unwrap();
-    writeln!(out, "    const long long o = live ? ox : 0;").unwrap();
+    writeln!(out, "    const bz_ix o = live ? ox : 0;").unwrap();
     decompose(out, "    ", "o", &k.outer, 0);
-    writeln!(out, "    const long long ov = i{last};").unwrap();
+    writeln!(out, "    const bz_ix ov = i{last};").unwrap();
     // Each reduction's state, `v` lanes of it. A variance's lanes see the same rows, so they
     // share its count and the count's reciprocal, computed once per step.
     let shared_count = |r: &braze_sched::loop_ir::Reduction, name: &str| r.kind == ReduceKind::Var && name.starts_with("wn");
@@ -1286,7 +1305,7 @@ fn emit_vector_column(e: &Emitter, k: &Kernel, gpu: Gpu, cfg: &Config, v: i64, c
         emit_welford_chunks(e, k, p, v, unroll, row_step, &rows, Lanes { before, first: refs.clone(), each, ..Lanes::default() }, out)?;
     } else {
         writeln!(out, "    #pragma unroll {unroll}").unwrap();
-        writeln!(out, "    for (long long r = cr; r < {rows}; r += {row_step}) {{").unwrap();
+        writeln!(out, "    for (bz_ix r = cr; r < {rows}; r += {row_step}) {{").unwrap();
         decompose(out, "      ", "r", &k.inner, n_outer);
         let lanes = Lanes { before, first: refs.clone(), each, ..Lanes::default() };
         emit_lanes(e, k, &p.body, last, v, &|_| false, &[], &lanes, "      ", out)?;
@@ -1313,7 +1332,7 @@ fn emit_vector_column(e: &Emitter, k: &Kernel, gpu: Gpu, cfg: &Config, v: i64, c
         writeln!(out, "    {line}").unwrap();
     }
     writeln!(out, "    #pragma unroll\n    for (int j = 0; j < {v}; j++) {{").unwrap();
-    writeln!(out, "      const long long i{last} = ov + j;").unwrap();
+    writeln!(out, "      const bz_ix i{last} = ov + j;").unwrap();
     for l in &refs {
         writeln!(out, "      {l}").unwrap();
     }
@@ -1347,7 +1366,7 @@ fn emit_welford_chunks(e: &Emitter, k: &Kernel, p: &braze_sched::loop_ir::Pass, 
     let vars: Vec<u32> = p.reductions.iter().filter(|r| r.kind == ReduceKind::Var).map(|r| r.dst).collect();
     // The first row: Welford's per-element update (the count's reciprocal is 1).
     writeln!(out, "    if (cr < {rows}) {{").unwrap();
-    writeln!(out, "      const long long r = cr;").unwrap();
+    writeln!(out, "      const bz_ix r = cr;").unwrap();
     decompose(out, "      ", "r", &k.inner, n_outer);
     emit_lanes(e, k, &p.body, last, v, &|_| false, &[], &lanes, "      ", out)?;
     writeln!(out, "    }}").unwrap();
@@ -1367,13 +1386,13 @@ fn emit_welford_chunks(e: &Emitter, k: &Kernel, p: &braze_sched::loop_ir::Pass, 
         }
     }
     let step = yt * unroll as i64;
-    writeln!(out, "    long long r0 = cr + {yt};").unwrap();
+    writeln!(out, "    bz_ix r0 = cr + {yt};").unwrap();
     writeln!(out, "    for (; r0 + {} < {rows}; r0 += {step}) {{", step - yt).unwrap();
     for n in &vars {
         writeln!(out, "      float cs{n}_v[{v}] = {{}}, cq{n}_v[{v}] = {{}};").unwrap();
     }
     writeln!(out, "      #pragma unroll\n      for (int u = 0; u < {unroll}; u++) {{").unwrap();
-    writeln!(out, "        const long long r = r0 + u * {yt};").unwrap();
+    writeln!(out, "        const bz_ix r = r0 + u * {yt};").unwrap();
     decompose(out, "        ", "r", &k.inner, n_outer);
     let chunk = Lanes { first, each, ..Lanes::default() };
     emit_lanes(e, k, &p.body, last, v, &|_| false, &[], &chunk, "        ", out)?;
@@ -1385,7 +1404,7 @@ fn emit_welford_chunks(e: &Emitter, k: &Kernel, p: &braze_sched::loop_ir::Pass, 
     }
     writeln!(out, "    }}").unwrap();
     // The last rows (fewer than a chunk) one at a time.
-    writeln!(out, "    for (long long r = r0; r < {rows}; r += {yt}) {{").unwrap();
+    writeln!(out, "    for (bz_ix r = r0; r < {rows}; r += {yt}) {{").unwrap();
     decompose(out, "      ", "r", &k.inner, n_outer);
     emit_lanes(e, k, &p.body, last, v, &|_| false, &[], &lanes, "      ", out)?;
     writeln!(out, "    }}").unwrap();
@@ -1483,20 +1502,20 @@ fn emit_tiled(e: &Emitter, k: &Kernel, plan: &crate::tiles::TilePlan, max_vec: i
     let narrow = work.as_const().is_some_and(|w| w < (1 << 31)) && k.outer.iter().all(|d| d.as_const().is_some_and(|c| c < (1 << 31)));
     let (ity, suf) = if narrow { ("unsigned", "u") } else { ("long long", "") };
     writeln!(out, "  const {ity} ta = ({na} + {}) / {ta_len}, tb = ({nb} + {}) / {tb_len};", ta_len - 1, tb_len - 1).unwrap();
-    writeln!(out, "  for (long long tile = blockIdx.x; tile < {}; tile += gridDim.x) {{", index(&work)).unwrap();
+    writeln!(out, "  for (bz_ix tile = blockIdx.x; tile < {}; tile += gridDim.x) {{", index(&work)).unwrap();
     writeln!(out, "    {ity} rest = ({ity})tile;").unwrap();
-    writeln!(out, "    const long long ob = (long long)(rest % tb) * {tb_len}; rest /= tb;").unwrap();
-    writeln!(out, "    const long long oa = (long long)(rest % ta) * {ta_len}; rest /= ta;").unwrap();
+    writeln!(out, "    const bz_ix ob = (bz_ix)(rest % tb) * {tb_len}; rest /= tb;").unwrap();
+    writeln!(out, "    const bz_ix oa = (bz_ix)(rest % ta) * {ta_len}; rest /= ta;").unwrap();
     for &d in others.iter().rev() {
         let sz = if narrow { format!("{}{suf}", k.outer[d].as_const().unwrap()) } else { format!("({})", index(&k.outer[d])) };
-        writeln!(out, "    const long long i{d} = rest % {sz}; rest /= {sz};").unwrap();
+        writeln!(out, "    const bz_ix i{d} = rest % {sz}; rest /= {sz};").unwrap();
     }
     let mut align: Vec<(u32, u64)> = Vec::new();
     writeln!(out, "    __syncthreads();").unwrap();
     writeln!(out, "    #pragma unroll").unwrap();
     writeln!(out, "    for (int jj = 0; jj < {}; jj++) {{", tb_len / TILE_ROWS as i64).unwrap();
     writeln!(out, "      const int j = threadIdx.y + {TILE_ROWS} * jj;").unwrap();
-    writeln!(out, "      const long long i{a} = oa + {ea} * threadIdx.x, i{last} = ob + j;").unwrap();
+    writeln!(out, "      const bz_ix i{a} = oa + {ea} * threadIdx.x, i{last} = ob + j;").unwrap();
     writeln!(out, "      if (i{a} < {na} && i{last} < {nb}) {{").unwrap();
     for (t, &li) in plan.loads.iter().enumerate() {
         let Stmt::Load { buf, index: idx, .. } = &body[li] else { unreachable!() };
@@ -1515,7 +1534,7 @@ fn emit_tiled(e: &Emitter, k: &Kernel, plan: &crate::tiles::TilePlan, max_vec: i
     writeln!(out, "    #pragma unroll").unwrap();
     writeln!(out, "    for (int jj = 0; jj < {}; jj++) {{", ta_len / TILE_ROWS as i64).unwrap();
     writeln!(out, "      const int j = threadIdx.y + {TILE_ROWS} * jj;").unwrap();
-    writeln!(out, "      const long long i{a} = oa + j, i{last} = ob + {eb} * threadIdx.x;").unwrap();
+    writeln!(out, "      const bz_ix i{a} = oa + j, i{last} = ob + {eb} * threadIdx.x;").unwrap();
     writeln!(out, "      if (i{a} < {na} && i{last} < {nb}) {{").unwrap();
     if eb == 1 {
         for (t, d) in tiled_dsts.iter().enumerate() {
@@ -1733,23 +1752,23 @@ fn emit_vector_path(e: &Emitter, k: &Kernel, plan: &VecPlan, out: &mut String) -
     writeln!(out, "  {{").unwrap();
     let total = index(&product(&k.outer));
     if let Some(h) = &plan.hoist {
-        writeln!(out, "  const long long xs = (long long)blockIdx.x * blockDim.x + threadIdx.x;").unwrap();
+        writeln!(out, "  const bz_ix xs = (bz_ix)blockIdx.x * blockDim.x + threadIdx.x;").unwrap();
         writeln!(out, "  // Column-invariant values, once per thread (its column is fixed: the grid is a multiple of {} threads).", h.row_threads).unwrap();
         for t in &h.frontier {
             writeln!(out, "  {} h{t}[{v}];", compute_type(k.tmp_dtypes[*t as usize])).unwrap();
         }
-        writeln!(out, "  {{\n    const long long vb = (xs % {}) * {v};", h.row_threads).unwrap();
+        writeln!(out, "  {{\n    const bz_ix vb = (xs % {}) * {v};", h.row_threads).unwrap();
         writeln!(out, "    #pragma unroll\n    for (int j = 0; j < {v}; j++) {{").unwrap();
-        writeln!(out, "      const long long i{last} = vb + j;").unwrap();
+        writeln!(out, "      const bz_ix i{last} = vb + j;").unwrap();
         let pre: Vec<Stmt> = body.iter().filter(|s| matches!(s, Stmt::Const { .. }) || hoisted(s)).cloned().collect();
         emit_list(e, k, &pre, None, "      ", out, None)?;
         for t in &h.frontier {
             writeln!(out, "      h{t}[j] = t{t};").unwrap();
         }
         writeln!(out, "    }}\n  }}").unwrap();
-        writeln!(out, "  for (long long x = xs; x < ({total}) / {v}; x += (long long)gridDim.x * blockDim.x) {{").unwrap();
+        writeln!(out, "  for (bz_ix x = xs; x < ({total}) / {v}; x += (bz_ix)gridDim.x * blockDim.x) {{").unwrap();
     } else {
-        writeln!(out, "  for (long long x = (long long)blockIdx.x * blockDim.x + threadIdx.x; x < ({total}) / {v}; x += (long long)gridDim.x * blockDim.x) {{").unwrap();
+        writeln!(out, "  for (bz_ix x = (bz_ix)blockIdx.x * blockDim.x + threadIdx.x; x < ({total}) / {v}; x += (bz_ix)gridDim.x * blockDim.x) {{").unwrap();
     }
     decompose(out, "    ", &format!("x * {v}"), &k.outer, 0);
     let frontier: &[u32] = plan.hoist.as_ref().map_or(&[], |h| &h.frontier);
@@ -1824,9 +1843,9 @@ fn emit_lanes(e: &Emitter, k: &Kernel, body: &[Stmt], last: u32, v: i64, hoisted
     for l in &extra.before {
         writeln!(out, "{pad}{l}").unwrap();
     }
-    writeln!(out, "{pad}const long long vb = i{last};").unwrap();
+    writeln!(out, "{pad}const bz_ix vb = i{last};").unwrap();
     writeln!(out, "{pad}#pragma unroll\n{pad}for (int j = 0; j < {v}; j++) {{").unwrap();
-    writeln!(out, "{pad}  const long long i{last} = vb + j;").unwrap();
+    writeln!(out, "{pad}  const bz_ix i{last} = vb + j;").unwrap();
     for l in &extra.first {
         writeln!(out, "{pad}  {l}").unwrap();
     }

@@ -498,6 +498,29 @@ impl Expr {
         Some((lo, hi))
     }
 
+    /// A bound on the magnitude of every value computed while evaluating the expression as
+    /// [`Expr::render`] writes it (each term's partial products, the running sum, nested
+    /// divisions' operands), given bounds on the leaves' magnitudes (`leaf`: loop variables,
+    /// temporaries, symbols); `None` where a leaf has none or the bound overflows. Whether an
+    /// index can be computed in 32 bits ([Note: 32-bit indices] in braze-sched).
+    pub fn magnitude_in(&self, leaf: &dyn Fn(&Atom) -> Option<i64>) -> Option<i64> {
+        let atom = |a: &Atom| -> Option<i64> {
+            match a {
+                // |x / y| <= |x| for a nonzero integer y; |x % y| < |y|; both operands are
+                // computed, so both must be bounded.
+                Atom::FloorDiv(x, y) | Atom::Mod(x, y) | Atom::Max(x, y) | Atom::Min(x, y) => Some(x.magnitude_in(leaf)?.max(y.magnitude_in(leaf)?)),
+                other => leaf(other),
+            }
+        };
+        let mut total = 0i64;
+        for (m, k) in &self.terms {
+            // A factor bounded by 0 still leaves the partial products before it.
+            let term = m.iter().try_fold(k.checked_abs()?, |p, a| p.checked_mul(atom(a)?.max(1)))?;
+            total = total.checked_add(term)?;
+        }
+        Some(total)
+    }
+
     /// Renders as C with a caller-supplied spelling for leaves: `/` and `%` for division,
     /// conditional expressions for `Max` and `Min`.
     pub fn render(&self, leaf: &dyn Fn(&Atom) -> String) -> String {
@@ -803,6 +826,27 @@ mod tests {
         let mut none = Vec::new();
         i3.add(&Expr::constant(2)).tmps(&mut none);
         assert!(none.is_empty());
+    }
+
+    #[test]
+    fn magnitudes_bound_every_partial_value() {
+        let p = |t: &str| parse_expr(t).unwrap();
+        let leaf = |a: &Atom| match a {
+            Atom::Var(v) => [111, 63, 0].get(*v as usize).copied(),
+            Atom::Tmp(_) => Some(999),
+            _ => None,
+        };
+        // Terms add by magnitude, whatever their signs: `-7168*i0` then `+ i1`.
+        assert_eq!(p("7168*i0 + i1").magnitude_in(&leaf), Some(7168 * 111 + 63));
+        assert_eq!(p("-7168*i0 + i1 - 5").magnitude_in(&leaf), Some(7168 * 111 + 63 + 5));
+        // A gathered index at its bound; a variable of extent 1 leaves its coefficient.
+        assert_eq!(p("64*t3 + i1").magnitude_in(&leaf), Some(64 * 999 + 63));
+        assert_eq!(p("4096*i2").magnitude_in(&leaf), Some(4096));
+        // A division's operands are computed too: the larger bounds it.
+        assert_eq!(p("(64*i0 + i1) // 3").magnitude_in(&leaf), Some(64 * 111 + 63));
+        // Symbols have no bound; overflow has none either.
+        assert_eq!(p("s0*i1").magnitude_in(&leaf), None);
+        assert_eq!(p("4611686018427387904*i0").magnitude_in(&leaf), None);
     }
 
     #[test]

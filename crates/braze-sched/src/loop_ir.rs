@@ -97,6 +97,10 @@ pub struct Kernel {
     /// like a bias gradient): neighbouring outer points, not neighbouring reduced elements,
     /// are adjacent in memory, so targets vectorize across outer points.
     pub column: bool,
+    /// Every loop variable and every index the kernel computes stays within
+    /// [`crate::lower::INDEX32_LIMIT`] in magnitude ([Note: 32-bit indices]): targets may
+    /// compute them in 32 bits.
+    pub index32: bool,
 }
 
 impl Kernel {
@@ -565,7 +569,8 @@ impl fmt::Display for Kernel {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let list = |v: &[Expr]| v.iter().map(|e| e.to_string()).collect::<Vec<_>>().join(", ");
         let column = if self.column { " column" } else { "" };
-        writeln!(f, "kernel {} outer=[{}] inner=[{}]{column}  // {}", self.name, list(&self.outer), list(&self.inner), self.roots.join(", "))?;
+        let index32 = if self.index32 { " index32" } else { "" };
+        writeln!(f, "kernel {} outer=[{}] inner=[{}]{column}{index32}  // {}", self.name, list(&self.outer), list(&self.inner), self.roots.join(", "))?;
         for s in &self.prelude {
             writeln!(f, "  {s}")?;
         }

@@ -353,6 +353,9 @@ impl Builder<'_, '_> {
             // An iota over the loop variables: the bounds of its linear index.
             Stmt::Index { index, .. } => (index.range_in(&|v| self.extents.get(v as usize).copied().flatten())?, false),
             Stmt::Const { value: Lit::B(v), .. } => ((*v as i64, *v as i64), true),
+            // A checked index is inside its dim (out of range, the GPU traps and the CPU
+            // reads element 0).
+            Stmt::Bounded { hi, .. } => ((0, hi.as_const().filter(|&n| n > 0)? - 1), true),
             Stmt::Cast { a, .. } if self.tmp_dtypes[*a as usize] == DType::Bool => ((0, 1), true),
             Stmt::Cast { a, .. } if self.tmp_dtypes[*a as usize].is_int() => (r(a)?, false),
             Stmt::Where { c, a, b, .. } => match r(c) {
@@ -464,18 +467,22 @@ impl Builder<'_, '_> {
     /// `slice_backward` in cumsum's backward) the index is only checked where the mask holds;
     /// elsewhere it is 0, and the masked load it feeds reads nothing.
     fn as_index(&mut self, t: Tmp, hi: Expr) -> Expr {
-        let mut t = if self.tmp_dtypes[t as usize] == DType::I64 { t } else { self.emit(DType::I64, |dst| Stmt::Cast { dst, a: t }) };
-        // An index computed in range (a clamped window position) needs no check.
+        // An index computed in range (a clamped window position) needs no check, nor
+        // widening: a 32-bit one keeps the address arithmetic 32-bit ([Note: 32-bit indices]).
         if let (Some(&(lo, top)), Some(n)) = (self.ranges.get(&t), hi.as_const()) {
             if lo >= 0 && top < n {
+                let t = if self.tmp_dtypes[t as usize] == DType::I64 && top <= i32::MAX as i64 { self.emit(DType::I32, |dst| Stmt::Cast { dst, a: t }) } else { t };
                 return Expr::tmp(t);
             }
         }
+        let mut t = if self.tmp_dtypes[t as usize] == DType::I64 { t } else { self.emit(DType::I64, |dst| Stmt::Cast { dst, a: t }) };
         if let Some(m) = self.mask {
             let zero = self.emit(DType::I64, |dst| Stmt::Const { dst, value: braze_ir::Lit::I(0) });
             t = self.emit(DType::I64, |dst| Stmt::Where { dst, c: m, a: t, b: zero });
         }
-        let t = self.emit(DType::I64, |dst| Stmt::Bounded { dst, a: t, hi });
+        // A checked index into a dim that fits 32 bits is a 32-bit value.
+        let dt = if hi.as_const().is_some_and(|n| n <= i32::MAX as i64) { DType::I32 } else { DType::I64 };
+        let t = self.emit(dt, |dst| Stmt::Bounded { dst, a: t, hi });
         Expr::tmp(t)
     }
 
@@ -815,9 +822,48 @@ pub fn lower(cx: &Ctx, me: usize, dom: &Domain, roots: &[NodeId]) -> Result<Kern
         tmp_dtypes: b.tmp_dtypes,
         bufs: b.bufs,
         column: dom.column(),
+        index32: false,
     };
     crate::loop_ir::reload_stored_values(&mut k);
+    k.index32 = fits_index32(&k, &b.ranges);
     Ok(k)
+}
+
+/// [Note: 32-bit indices] A GPU computes 64-bit integers in pairs of 32-bit registers and
+/// instructions: loop variables, flat positions and address arithmetic in `long long` cost
+/// registers (ResNet's stem backward kernel: 54, two 512-thread blocks per SM; the same
+/// source with 32-bit index arithmetic: 40, three) and instructions. A kernel whose loop
+/// extents are constants and whose every index — each term, partial product and running sum
+/// as the emitter writes it, loop variables at their extents and gathered indices at their
+/// bounds ([Note: index ranges]) — stays within `INDEX32_LIMIT` in magnitude is marked
+/// `index32`, and the CUDA emitter declares its index variables `int`. The limit leaves room
+/// for a grid-stride loop's last step past the end (at most one grid of threads, capped
+/// far below 2^30). Eager's kernels do the same (`canUse32BitIndexMath`), as do Inductor's.
+pub const INDEX32_LIMIT: i64 = 1 << 30;
+
+/// Whether every index of `k` fits 32 bits ([Note: 32-bit indices]); `ranges` bound its
+/// integer temporaries.
+fn fits_index32(k: &Kernel, ranges: &HashMap<Tmp, (i64, i64)>) -> bool {
+    let Some(extents) = k.outer.iter().chain(&k.inner).map(|e| e.as_const()).collect::<Option<Vec<i64>>>() else {
+        return false;
+    };
+    if extents.iter().try_fold(1i64, |a, &e| a.checked_mul(e)).is_none_or(|w| w > INDEX32_LIMIT) {
+        return false;
+    }
+    let leaf = |a: &Atom| match a {
+        Atom::Var(v) => extents.get(*v as usize).map(|&e| (e - 1).max(0)),
+        Atom::Tmp(t) => ranges.get(t).map(|&(lo, hi)| lo.unsigned_abs().max(hi.unsigned_abs()).min(i64::MAX as u64) as i64),
+        _ => None,
+    };
+    let fits = |e: &Expr| e.magnitude_in(&leaf).is_some_and(|m| m <= INDEX32_LIMIT);
+    let stmts = k.prelude.iter().chain(k.passes.iter().flat_map(|p| p.body.iter().chain(&p.after)));
+    let stmts_fit = stmts.into_iter().all(|s| match s {
+        Stmt::Load { index, .. } | Stmt::Store { index, .. } | Stmt::Index { index, .. } | Stmt::Random { index, .. } => fits(index),
+        Stmt::InRange { index, lo, hi, .. } => fits(index) && fits(lo) && fits(hi),
+        Stmt::Bounded { hi, .. } => fits(hi),
+        _ => true,
+    });
+    stmts_fit && k.passes.iter().flat_map(|p| &p.reductions).all(|r| fits(&r.inner_index) && fits(&r.count))
 }
 
 /// In `Builder::guarded`: a guarded dim whose index mentions no loop variable.
