@@ -4,6 +4,7 @@ tensor (runtime asserts), sizes with Max/Min and powers, and the README's own ca
 (that DCE keeps effectful calls is a golden test in tests/filetests/passes). The suite runs with on_unsupported="error", so each of these
 fails if its graph falls back; each also compares with eager on fresh random inputs."""
 import copy
+import os
 import re
 
 import pytest
@@ -314,6 +315,40 @@ def test_index_arithmetic_is_32_bit_where_it_fits(device):
             assert ("typedef int bz_ix;" in src) == narrow and ("typedef long long bz_ix;" in src) != narrow, src
             if narrow:
                 assert re.search(r"int32_t t\d+ = bz_bounded\(t", src), src
+
+
+def test_index_arithmetic_past_2_to_the_31(device):
+    """[Note: 32-bit indices]: past the limit a kernel keeps 64-bit indices, and elements
+    beyond 2^31 are computed right: a pointwise kernel over 2^31 + 9 bytes, and a gather of
+    few rows from a byte table of 2^31 + 64 elements (small loops, large addresses: the
+    gathered row, a 32-bit value, is widened before it is scaled). About 4 GB: on the CPU only
+    where that much memory is free."""
+    if device == "cpu" and os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") < 12 * 2**30:
+        pytest.skip("needs 12 GB of free memory")
+
+    def source(rec):
+        return rec["source"] if device == "cuda" else rec.get("cuda_source")
+
+    n = 2**31 + 9
+    x = torch.zeros(n, dtype=torch.uint8, device=device)
+    x[-4:] = 5
+    x[2**31 - 6: 2**31 + 2] = 7
+    c = compiled(lambda t: t + 1, options={"on_unsupported": "error"})
+    n0 = len(braze.stats.records)
+    y = c(x)
+    assert y[-4:].tolist() == [6] * 4 and y[2**31 - 6: 2**31 + 2].tolist() == [8] * 8 and y[:4].tolist() == [1] * 4
+    src = source(braze.stats.records[n0])
+    assert src is None or ("typedef long long bz_ix;" in src and "typedef int bz_ix;" not in src), src
+    del x, y
+    rows = 2**25 + 1
+    table = torch.zeros(rows, 64, dtype=torch.uint8, device=device)
+    table[-1] = torch.arange(64, dtype=torch.uint8, device=device)
+    idx = torch.tensor([rows - 1, 3, rows - 1], device=device)
+    g = compiled(lambda t, i: t[i] * 2, options={"on_unsupported": "error"})
+    n0 = len(braze.stats.records)
+    torch.testing.assert_close(g(table, idx), table[idx] * 2)
+    src = source(braze.stats.records[n0])
+    assert src is None or ("typedef long long bz_ix;" in src and "typedef int bz_ix;" not in src), src
 
 
 COMPUTED_INDEX_CASES = {

@@ -5,12 +5,15 @@ use crate::CodegenError;
 use braze_ir::{Atom, BinaryOp, DType, Expr, Lit, RandomDist, ReduceKind, UnaryOp};
 use braze_sched::loop_ir::{stmt_reads, Kernel, Reduction, Stmt};
 
-/// Index expressions in C (all index arithmetic is on non-negative int64 values).
+/// Index expressions in C, computed in `bz_ix`: a kernel's loop variables are of that type,
+/// and a temporary (a gathered index, 32-bit where its dim fits) is converted to it, so
+/// `64*t1` does not multiply in 32 bits in a kernel whose addresses pass 2^31 ([Note: 32-bit
+/// indices] in braze-sched; each target declares `bz_ix`).
 pub fn index(e: &Expr) -> String {
     e.render(&|a| match a {
         Atom::Sym(n) => format!("s{n}"),
         Atom::Var(n) => format!("i{n}"),
-        Atom::Tmp(n) => format!("t{n}"),
+        Atom::Tmp(n) => format!("((bz_ix)t{n})"),
         _ => unreachable!(),
     })
 }

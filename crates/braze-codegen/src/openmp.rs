@@ -131,6 +131,8 @@ double pow(double, double);
 static inline float bz_wdiv(float a, float b) { return a / b; }
 static inline double bz_wdivd(double a, double b) { return a / b; }
 typedef int64_t bz_count_t;
+/* The type index arithmetic is done in: a gathered index enters it widened ([Note: 32-bit indices]). */
+typedef int64_t bz_ix;
 /* What a steady masked load reads where its mask is off ([Note: steady masked loads]). */
 static const unsigned char bz_zeros[65536] __attribute__((aligned(64), unused));
 static inline float bz_self(int c, float a, float b) { uint32_t x, y, m = -(uint32_t)(c != 0); memcpy(&x, &a, 4); memcpy(&y, &b, 4); x = (x & m) | (y & ~m); memcpy(&a, &x, 4); return a; }
