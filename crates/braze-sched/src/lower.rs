@@ -838,7 +838,10 @@ pub fn lower(cx: &Ctx, me: usize, dom: &Domain, roots: &[NodeId]) -> Result<Kern
 /// bounds ([Note: index ranges]) — stays within `INDEX32_LIMIT` in magnitude is marked
 /// `index32`, and the CUDA emitter declares its index variables `int`. The limit leaves room
 /// for a grid-stride loop's last step past the end (at most one grid of threads, capped
-/// far below 2^30). Eager's kernels do the same (`canUse32BitIndexMath`), as do Inductor's.
+/// far below 2^30). A gathered index is a 32-bit temporary where its dim fits (`as_index`);
+/// rendered into an index it is converted to the target's index type, so a kernel whose
+/// addresses pass the limit widens it before it scales it by a stride. Eager's kernels do the
+/// same (`canUse32BitIndexMath`), as do Inductor's.
 pub const INDEX32_LIMIT: i64 = 1 << 30;
 
 /// Whether every index of `k` fits 32 bits ([Note: 32-bit indices]); `ranges` bound its
