@@ -2,7 +2,8 @@
 them through NVRTC (`--ptxas-options=-v`), with no GPU: the graph is compiled for the CPU with
 `BRAZE_CHECK_CUDA=1`, which also writes its CUDA program, and that program is compiled again
 here for `--arch`. A kernel's registers decide how many of its blocks an SM holds (65536
-registers per SM on the H100: two 512-thread blocks at 33–64 registers, three at ≤ 42).
+registers per SM on the H100, given to warps in units of 256: two 512-thread blocks at 41–64
+registers, three at 33–40); the `blocks/SM` column counts them (registers and threads only).
 
     python benchmarks/kernel_regs.py resnet18:train [--match floordiv] [--arch sm_90]
     python benchmarks/kernel_regs.py --source graph.cu      # a program saved before
@@ -86,6 +87,18 @@ def ptxas_info(src, arch):
     return info
 
 
+def blocks_per_sm(regs, threads):
+    """Blocks of `threads` an SM holds by its registers and threads (Hopper: 64 K registers
+    allocated per warp in units of 256, 2048 threads, 32 blocks; shared memory not counted),
+    "?" where the block size is unknown. A change in it changes a grid's waves: ResNet-18's
+    stem backward went from two blocks to three and its grid's last wave ran nearly empty."""
+    if not threads:
+        return "?"
+    warps = -(-threads // 32)
+    per_warp = -(-max(regs, 1) * 32 // 256) * 256
+    return min(65536 // per_warp // warps, 2048 // threads, 32)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("work", nargs="*")
@@ -105,9 +118,12 @@ def main():
                 f.write(src)
     for label, src in progs:
         print(f"== {label}")
-        for k, v in ptxas_info(main_program(src), a.arch).items():
+        main = main_program(src)
+        threads = {m.group(2): int(m.group(1)) for m in re.finditer(r"__launch_bounds__\((\d+)\) (\w+)\(", main)}
+        for k, v in ptxas_info(main, a.arch).items():
             if a.match in k:
-                print(f"  {v.get('regs', 0):4d} regs  spill {v.get('spill_st', 0)}/{v.get('spill_ld', 0)} B  stack {v.get('stack', 0):3d} B  {k}")
+                occ = blocks_per_sm(v.get("regs", 0), threads.get(k, 0))
+                print(f"  {v.get('regs', 0):4d} regs  {occ:>2} blocks/SM  spill {v.get('spill_st', 0)}/{v.get('spill_ld', 0)} B  stack {v.get('stack', 0):3d} B  {k}")
 
 
 if __name__ == "__main__":
