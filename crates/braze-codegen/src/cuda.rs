@@ -433,6 +433,8 @@ impl Gpu {
     }
 }
 
+/// Threads a multiprocessor holds at once (Hopper and newer, where clusters run).
+const SM_THREADS: i64 = 2048;
 /// Most blocks of a cluster (the portable limit).
 pub const MAX_CLUSTER: u32 = 8;
 /// Fewest rows per thread of a clustered column kernel.
@@ -483,7 +485,7 @@ pub fn cluster_size(k: &Kernel, gpu: Gpu, cfg: &Config, vector: bool) -> u32 {
     let blocks = (outer + cfg.col.0 as i64 - 1) / cfg.col.0 as i64;
     let (rows, sms) = (cfg.col.1 as i64, gpu.sms as i64);
     let mut c: i64 = 1;
-    let per_sm = 2048 / (cfg.col.0 as i64 * cfg.col.1 as i64).max(1);
+    let per_sm = SM_THREADS / (cfg.col.0 as i64 * cfg.col.1 as i64).max(1);
     while c < MAX_CLUSTER as i64 && blocks * c < per_sm * sms && inner >= 2 * c * rows * CLUSTER_MIN_ROWS {
         c *= 2;
     }

@@ -115,31 +115,34 @@ impl Kernel {
     /// Every size symbol the kernel's loops and indices mention.
     pub fn syms(&self) -> Vec<u32> {
         let mut out = Vec::new();
-        for e in self.outer.iter().chain(&self.inner) {
+        for e in self.outer.iter().chain(&self.inner).chain(self.index_exprs()) {
             e.syms(&mut out);
-        }
-        let all = self.prelude.iter().chain(self.passes.iter().flat_map(|p| p.body.iter().chain(&p.after)));
-        for s in all {
-            match s {
-                Stmt::Load { index, .. } | Stmt::Store { index, .. } | Stmt::Index { index, .. } | Stmt::Random { index, .. } | Stmt::Bounded { hi: index, .. } => {
-                    index.syms(&mut out)
-                }
-                Stmt::InRange { index, lo, hi, .. } => {
-                    index.syms(&mut out);
-                    lo.syms(&mut out);
-                    hi.syms(&mut out);
-                }
-                _ => {}
-            }
-        }
-        for p in &self.passes {
-            for r in &p.reductions {
-                r.count.syms(&mut out);
-                r.inner_index.syms(&mut out);
-            }
         }
         out.sort();
         out
+    }
+
+    /// Every index expression of the kernel: loads', stores', index values', random
+    /// counters', bounds checks' and in-range masks' (index and bounds), and each reduction's
+    /// inner index and count.
+    pub fn index_exprs(&self) -> Vec<&Expr> {
+        let mut out = Vec::new();
+        for s in self.prelude.iter().chain(self.passes.iter().flat_map(|p| p.body.iter().chain(&p.after))) {
+            match s {
+                Stmt::Load { index, .. } | Stmt::Store { index, .. } | Stmt::Index { index, .. } | Stmt::Random { index, .. } | Stmt::Bounded { hi: index, .. } => out.push(index),
+                Stmt::InRange { index, lo, hi, .. } => out.extend([index, lo, hi]),
+                Stmt::Const { .. } | Stmt::Unary { .. } | Stmt::Binary { .. } | Stmt::Where { .. } | Stmt::Cast { .. } => {}
+            }
+        }
+        for r in self.passes.iter().flat_map(|p| &p.reductions) {
+            out.extend([&r.count, &r.inner_index]);
+        }
+        out
+    }
+
+    /// The loop variables' extents in variable order (outer dims, then inner), where constant.
+    pub fn const_extents(&self) -> Vec<Option<i64>> {
+        self.outer.iter().chain(&self.inner).map(|e| e.as_const()).collect()
     }
 
     /// [Note: in-place kernels] Pairs (written buffer, read buffer) where the written one may

@@ -847,7 +847,7 @@ pub const INDEX32_LIMIT: i64 = 1 << 30;
 /// Whether every index of `k` fits 32 bits ([Note: 32-bit indices]); `ranges` bound its
 /// integer temporaries.
 fn fits_index32(k: &Kernel, ranges: &HashMap<Tmp, (i64, i64)>) -> bool {
-    let Some(extents) = k.outer.iter().chain(&k.inner).map(|e| e.as_const()).collect::<Option<Vec<i64>>>() else {
+    let Some(extents) = k.const_extents().into_iter().collect::<Option<Vec<i64>>>() else {
         return false;
     };
     if extents.iter().try_fold(1i64, |a, &e| a.checked_mul(e)).is_none_or(|w| w > INDEX32_LIMIT) {
@@ -858,15 +858,7 @@ fn fits_index32(k: &Kernel, ranges: &HashMap<Tmp, (i64, i64)>) -> bool {
         Atom::Tmp(t) => ranges.get(t).map(|&(lo, hi)| lo.unsigned_abs().max(hi.unsigned_abs()).min(i64::MAX as u64) as i64),
         _ => None,
     };
-    let fits = |e: &Expr| e.magnitude_in(&leaf).is_some_and(|m| m <= INDEX32_LIMIT);
-    let stmts = k.prelude.iter().chain(k.passes.iter().flat_map(|p| p.body.iter().chain(&p.after)));
-    let stmts_fit = stmts.into_iter().all(|s| match s {
-        Stmt::Load { index, .. } | Stmt::Store { index, .. } | Stmt::Index { index, .. } | Stmt::Random { index, .. } => fits(index),
-        Stmt::InRange { index, lo, hi, .. } => fits(index) && fits(lo) && fits(hi),
-        Stmt::Bounded { hi, .. } => fits(hi),
-        _ => true,
-    });
-    stmts_fit && k.passes.iter().flat_map(|p| &p.reductions).all(|r| fits(&r.inner_index) && fits(&r.count))
+    k.index_exprs().into_iter().all(|e| e.magnitude_in(&leaf).is_some_and(|m| m <= INDEX32_LIMIT))
 }
 
 /// In `Builder::guarded`: a guarded dim whose index mentions no loop variable.

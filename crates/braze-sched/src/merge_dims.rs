@@ -39,7 +39,7 @@ pub fn merge_dims(k: &mut Kernel) {
 
 /// Folds the divisions and modulos of `k`'s indices that its loop ranges decide.
 fn fold_divmods(k: &mut Kernel) {
-    let sizes: Vec<Option<i64>> = k.outer.iter().chain(&k.inner).map(|e| e.as_const()).collect();
+    let sizes = k.const_extents();
     let extent = |v: u32| sizes.get(v as usize).copied().flatten();
     map_indices(k, &|e| e.fold_divmod_in(&extent));
 }
