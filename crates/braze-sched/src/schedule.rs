@@ -223,6 +223,38 @@ fn reads_memory(g: &Graph, n: NodeId, stored: &[bool]) -> bool {
     false
 }
 
+/// Stored values of `n`'s own size that inlining it loads, counted up to `cap`.
+fn full_loads(g: &Graph, n: NodeId, stored: &[bool], cap: usize) -> usize {
+    let size = g.ty(n).numel();
+    let mut seen = HashSet::new();
+    let mut stack = vec![n];
+    let mut c = 0;
+    while let Some(x) = stack.pop() {
+        for &i in &g.node(x).inputs {
+            if !seen.insert(i) || matches!(g.node(i).op, Op::Reduce { .. }) {
+                continue;
+            }
+            if stored[i.index()] || g.node(i).op.is_view() {
+                let base = view_base(g, i);
+                if stored[base.index()] {
+                    if g.ty(i).numel() == size {
+                        c += 1;
+                        if c >= cap {
+                            return c;
+                        }
+                    }
+                    continue;
+                }
+            }
+            if seen.len() > 8 * CHAIN_LIMIT {
+                return c;
+            }
+            stack.push(i);
+        }
+    }
+    c
+}
+
 pub fn schedule(g: &Graph) -> Result<Schedule, SchedError> {
     let n = g.nodes.len();
     let mut stored = vec![false; n];
@@ -319,6 +351,39 @@ pub fn schedule(g: &Graph) -> Result<Schedule, SchedError> {
             if bounded_inline_cost(g, base, &stored, BROADCAST_LIMIT) > BROADCAST_LIMIT && reads_memory(g, base, &stored) {
                 stored[b] = true;
             }
+        }
+    }
+    // [Note: gathered values stored] A pointwise value read through a gather (`index_select`,
+    // `gather`, chains of them) is computed once per gathered element when inlined. Where the
+    // gathers read it at least four times per element (their results' elements summed) and
+    // inlining it loads two or more values of its size, it is stored: each gathered read is
+    // then one load, not one per operand, for one more write and read of its size. A
+    // max pool's backward gathers the pooled output's gradient four times per input element
+    // (its candidates, [Note: max-pool backward by candidates] in lowering.py); in a ResNet
+    // block that gradient is the residual sum `relu_mask(a + b) + c`, three loads per
+    // candidate, and the stem's fused backward kernel was bound by the latency of its sixteen
+    // gathered loads per element.
+    let mut gathered = vec![0i64; n];
+    for id in g.ids() {
+        if !matches!(g.node(id).op, Op::IndexSelect { .. } | Op::Gather { .. }) {
+            continue;
+        }
+        let mut src = view_base(g, g.node(id).inputs[0]);
+        while !stored[src.index()] && matches!(g.node(src).op, Op::IndexSelect { .. } | Op::Gather { .. }) {
+            src = view_base(g, g.node(src).inputs[0]);
+        }
+        if let Some(wide) = g.ty(id).numel().as_const() {
+            gathered[src.index()] = gathered[src.index()].saturating_add(wide);
+        }
+    }
+    for id in g.ids() {
+        if gathered[id.index()] > 0
+            && !stored[id.index()]
+            && g.node(id).op.is_pointwise()
+            && g.ty(id).numel().as_const().is_some_and(|own| gathered[id.index()] >= 4 * own)
+            && full_loads(g, id, &stored, 2) >= 2
+        {
+            stored[id.index()] = true;
         }
     }
     let mut log = Vec::new();
