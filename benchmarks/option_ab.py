@@ -7,10 +7,13 @@ timed synchronized one by one and back to back (what a training loop sees).
 
 A workload is NAME:MODE:infer|train (NAME from `--suite models`, MODE default or
 reduce-overhead); a variant is a backend (eager, inductor, braze) with braze options as
-:KEY=VALUE. Compare figures within one run: machines differ by more than most changes.
+:KEY=VALUE, and environment variables as :env.NAME=VALUE (set while the variant compiles,
+its first call and warm-up steps: a trial switch read by the compiler, `braze:env.BZX_X=off`).
+Compare figures within one run: machines differ by more than most changes.
 """
 import argparse
 import copy
+import os
 import statistics
 import time
 
@@ -37,7 +40,11 @@ def main():
         runs = {}
         for spec in a.variants.split(";"):
             be, *opts = spec.split(":")
-            options = {k: {"true": True, "false": False}.get(v.lower(), v) for k, v in (o.split("=", 1) for o in opts)}
+            pairs = [o.split("=", 1) for o in opts]
+            env = {k[4:]: v for k, v in pairs if k.startswith("env.")}
+            options = {k: {"true": True, "false": False}.get(v.lower(), v) for k, v in pairs if not k.startswith("env.")}
+            saved = {k: os.environ.get(k) for k in env}
+            os.environ.update(env)
             model = copy.deepcopy(base)
             opt = None
             if train:
@@ -68,6 +75,11 @@ def main():
             for _ in range(3):
                 step()
             sync()
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k)
+                else:
+                    os.environ[k] = v
             runs[spec] = step
         synced = {s: [] for s in runs}
         b2b = {s: [] for s in runs}
