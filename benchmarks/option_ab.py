@@ -16,6 +16,7 @@ import copy
 import os
 import statistics
 import time
+from unittest import mock
 
 import torch
 
@@ -43,8 +44,8 @@ def main():
             pairs = [o.split("=", 1) for o in opts]
             env = {k[4:]: v for k, v in pairs if k.startswith("env.")}
             options = {k: {"true": True, "false": False}.get(v.lower(), v) for k, v in pairs if not k.startswith("env.")}
-            saved = {k: os.environ.get(k) for k in env}
-            os.environ.update(env)
+            env_set = mock.patch.dict(os.environ, env)
+            env_set.start()
             model = copy.deepcopy(base)
             opt = None
             if train:
@@ -75,11 +76,7 @@ def main():
             for _ in range(3):
                 step()
             sync()
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k)
-                else:
-                    os.environ[k] = v
+            env_set.stop()
             runs[spec] = step
         synced = {s: [] for s in runs}
         b2b = {s: [] for s in runs}
