@@ -2046,6 +2046,44 @@ def test_row_kernel_reloads_stored_sum_and_writes_in_place(device, compiled_grap
             assert re.search(r"b%s\[[^\]]+\] = (t\d+); c\d+\[j\] = \1;" % stored, src), src
 
 
+def test_persistent_rows_hold_per_row_loads(device):
+    """[Note: persistent rows]: a norm's weight, the same for every row, is read again in the
+    later passes and not held in registers, which go to the row's own values: an RMSNorm
+    backward holds the incoming gradient and the input (Llama's held its weight and reloaded
+    its input). Values and gradients are eager's."""
+    import re
+
+    class RMSNorm(torch.nn.Module):  # Llama's (transformers' LlamaRMSNorm)
+        def __init__(self, n, eps=1e-6):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.randn(n))
+            self.eps = eps
+
+        def forward(self, h):
+            var = h.to(torch.float32).pow(2).mean(-1, keepdim=True)
+            return self.weight * (h * torch.rsqrt(var + self.eps)).to(h.dtype)
+
+    torch.manual_seed(0)
+    norm = RMSNorm(512).to(device)
+    x = torch.randn(4, 24, 512, device=device, requires_grad=True)
+    g = torch.randn(4, 24, 512, device=device)
+    n0 = len(braze.stats.records)
+    c = compiled(norm, options={"on_unsupported": "error"})
+    out = c(x)
+    (dx, dw) = torch.autograd.grad(out, (x, norm.weight), g)
+    ref = norm(x)
+    (rdx, rdw) = torch.autograd.grad(ref, (x, norm.weight), g)
+    torch.testing.assert_close(out, ref)
+    torch.testing.assert_close(dx, rdx, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(dw, rdw, rtol=1e-4, atol=1e-4)
+    recs = braze.stats.records[n0:]
+    assert len(recs) == 2 and all(r["status"] == "compiled" and not r["externs"] for r in recs), recs
+    src = recs[1].get("cuda_source") if device == "cpu" else None
+    if src:
+        held = re.findall(r"= b\d+\[([^\]]+)\]; c\d+\[j\] =", src)
+        assert len(held) >= 2 and all("i0" in h for h in held), (held, src)
+
+
 @pytest.mark.parametrize("mode", ["default", "reduce-overhead"])
 def test_programmatic_launch(device, compiled_graphs, mode):
     """[Note: programmatic launch] (braze-runtime): every generated CUDA kernel waits for the

@@ -696,7 +696,9 @@ pub const PERSIST_MAX_REGS: i64 = 64;
 /// constant length (LayerNorm: statistics, then the normalized store) reloaded every element
 /// in each pass. Its lanes instead keep the first pass's loads of read-only buffers, and the
 /// values it stores that later passes load back, in register arrays (the loop fully
-/// unrolled, `per` elements per lane) and later passes read them there. Returns `per` and the held loads by (buffer, index), each with its array number
+/// unrolled, `per` elements per lane) and later passes read them there. Loads the same for
+/// every row (a norm's weight, read back from L1) are not held: Llama's RMSNorm backward held
+/// its weight in one of its two arrays and reloaded its input, 4 KB a row, in the second pass. Returns `per` and the held loads by (buffer, index), each with its array number
 /// and dtype; `None` when the kernel has one pass, a long or symbolic row, or nothing to hold.
 fn persistent_loads(k: &Kernel) -> Option<(i64, Held)> {
     if k.passes.len() < 2 {
@@ -726,7 +728,10 @@ fn persistent_loads(k: &Kernel) -> Option<(i64, Held)> {
             _ => continue,
         };
         let reused = later.iter().any(|s| matches!(s, Stmt::Load { buf: b, index: i, mask: None, .. } if b == buf && i == index));
-        if ok && reused && !loads.contains_key(&(*buf, index.clone())) && (loads.len() as i64 + 1) * per <= PERSIST_MAX_REGS {
+        // A load the same for every row (a norm's weight) is read from L1 again instead of
+        // taking registers that a row's own values need.
+        let per_row = k.outer.is_empty() || (0..k.outer.len() as u32).any(|v| index.uses_var(v));
+        if ok && reused && per_row && !loads.contains_key(&(*buf, index.clone())) && (loads.len() as i64 + 1) * per <= PERSIST_MAX_REGS {
             let id = loads.len();
             loads.insert((*buf, index.clone()), (id, dt));
         }
