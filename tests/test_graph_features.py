@@ -991,6 +991,41 @@ def test_avg_pool2d_backward_lowered(device, dtype):
     assert not any("avg_pool" in k for k in braze.stats.extern_ops), braze.stats.extern_ops
 
 
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_tiled_avg_pool2d_backward_reads_each_gradient_once(device, channels_last):
+    """[Note: tiled average-pool gradients]: windows that tile the input (kernel = stride, no
+    padding; DenseNet's transitions) spread each output's gradient over its window as a
+    broadcast, with no per-candidate masks: the fused upstream gradient is not evaluated
+    once per window position. Rows and columns past the last window get zeros; gradients
+    are eager's, in eager's layout."""
+    torch.manual_seed(0)
+
+    def f(x, a, c):
+        z = F.avg_pool2d(torch.relu(x * 1.5 - 0.2), 2)
+        return z * a + torch.sin(z * c)
+
+    c = compiled(f, dynamic=False, options={"on_unsupported": "error"})
+    for shape in ((3, 5, 10, 14), (3, 5, 11, 15)):  # 5 x 7 windows; the second leaves a row and a column out
+        x = torch.randn(*shape, device=device)
+        if channels_last:
+            x = x.contiguous(memory_format=torch.channels_last)
+        a, cc = torch.randn(5, 1, 1, device=device), torch.randn(5, 1, 1, device=device)
+        x1, x2 = x.detach().clone().requires_grad_(), x.detach().clone().requires_grad_()
+        n0 = len(braze.stats.records)
+        out = c(x1, a, cc)
+        g = torch.randn_like(out)
+        out.backward(g)
+        want = f(x2, a, cc)
+        want.backward(g)
+        torch.testing.assert_close(out, want)
+        torch.testing.assert_close(x1.grad, x2.grad)
+        assert x1.grad.stride() == x2.grad.stride(), (x1.grad.stride(), x2.grad.stride())
+        backward = [r for r in braze.stats.records[n0:] if r.get("kind") == "backward"]
+        assert backward and all("% 2" not in r["source"] for r in backward), [r["source"] for r in backward]
+    _no_eager()
+    assert not any("avg_pool" in k for k in braze.stats.extern_ops), braze.stats.extern_ops
+
+
 def test_dynamic_channels_last_keeps_eager_strides(device):
     """Under dynamic=True a channels_last value keeps eager's (symbolic) channels_last
     strides, and its kernel walks memory in that order: the strides were returned row-major
