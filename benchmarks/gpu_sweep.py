@@ -19,6 +19,8 @@ import json
 import subprocess
 import sys
 
+from model_sweep import _main_output  # the CPU coverage sweep's: a model output's main tensor
+
 
 def _hf(cfg_cls, model_cls, big, small, inputs):
     return ("hf", cfg_cls, model_cls, big, small, inputs)
@@ -126,16 +128,6 @@ def build(name, small, device):
     feats = torch.randn(inp[1], model.config.num_mel_bins, inp[2], generator=g).to(device)
     tgt = torch.randint(3, vocab, (inp[1], inp[3]), generator=g).to(device)
     return model, {"input_features": feats, "decoder_input_ids": tgt}, {"input_features": feats, "labels": tgt}
-
-
-def _main_output(out):
-    import torch
-    if isinstance(out, torch.Tensor):
-        return out
-    for k in ("logits", "last_hidden_state"):
-        if getattr(out, k, None) is not None:
-            return getattr(out, k)
-    return out[0]
 
 
 def one(name, mode, small, backends, reps, fp32=False):

@@ -697,8 +697,9 @@ pub const PERSIST_MAX_REGS: i64 = 64;
 /// in each pass. Its lanes instead keep the first pass's loads of read-only buffers, and the
 /// values it stores that later passes load back, in register arrays (the loop fully
 /// unrolled, `per` elements per lane) and later passes read them there. Loads the same for
-/// every row (a norm's weight, read back from L1) are not held: Llama's RMSNorm backward held
-/// its weight in one of its two arrays and reloaded its input, 4 KB a row, in the second pass. Returns `per` and the held loads by (buffer, index), each with its array number
+/// every row (a norm's weight, read back from L1) are not held, leaving the registers to the
+/// row's own values (Llama's RMSNorm backward held its weight and reloaded its input; the
+/// reload hit in cache, and the H100 showed neither bytes nor time move). Returns `per` and the held loads by (buffer, index), each with its array number
 /// and dtype; `None` when the kernel has one pass, a long or symbolic row, or nothing to hold.
 fn persistent_loads(k: &Kernel) -> Option<(i64, Held)> {
     if k.passes.len() < 2 {
