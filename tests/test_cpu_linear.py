@@ -361,3 +361,32 @@ def test_dynamic_rows_follow_the_library(f32_lib, compiled_graphs):
         for b in (0, 1):  # Dynamo's own specializations
             x = torch.randn(b, 5, 768)
             torch.testing.assert_close(c(x), m(x), atol=1e-4, rtol=1e-4)
+
+
+def test_batched_matmuls_are_braze_blas_calls():
+    """[Note: batched CPU matmuls]: a batch of small products (Swin's window attention: q @ k^T
+    with k a transposed view, then p @ v), a baddbmm (its input added) and a batched product
+    with a relu after it run as braze's BLAS calls, one call for the whole batch where MKL's
+    `sgemm_batch_` is there; values and gradients are eager's, and no bmm is left to ATen."""
+    if not braze._core.cpu_blas_ready():
+        pytest.skip("braze's own BLAS calls need an sgemm_ in this PyTorch")
+    torch.manual_seed(0)
+
+    def f(q, k, v, r):
+        p = torch.softmax(q @ k.transpose(-1, -2) * 0.17, dim=-1)
+        return p @ v, torch.baddbmm(r, q, k.transpose(-1, -2)), torch.relu(q @ k.transpose(-1, -2))
+
+    c = torch.compile(f, backend="braze", options={"on_unsupported": "error"})
+    for batch in (96, 1):
+        q, k, v = (torch.randn(batch, 49, 32, requires_grad=True) for _ in range(3))
+        r = torch.randn(batch, 49, 49)
+        q2, k2, v2 = (t.detach().clone().requires_grad_() for t in (q, k, v))
+        got, want = c(q, k, v, r), f(q2, k2, v2, r)
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4)
+        sum(o.square().sum() for o in got).backward()
+        sum(o.square().sum() for o in want).backward()
+        for a, b in ((q, q2), (k, k2), (v, v2)):
+            torch.testing.assert_close(a.grad, b.grad, atol=1e-3, rtol=1e-4)
+    assert not any("bmm" in k or "matmul" in k for k in braze.stats.extern_ops), braze.stats.extern_ops
+    assert braze.stats.graphs_eager == 0, braze.stats.eager_reasons

@@ -35,26 +35,60 @@ type Sgemm = unsafe extern "C" fn(
     ldc: *const i32,
 );
 
+/// MKL's `sgemm_batch_` (one group): `group_size` products of the same sizes and flags, each
+/// with its own pointers, which MKL spreads over its threads. [Note: batched CPU matmuls]
+/// A batch of small products (Swin's window attention: 384 products of 49 x 32 x 49) called
+/// `sgemm_` once per item, each call a parallel region of its own: 3.5 ms against ATen's
+/// `bmm` at 1.2 ms on the 2-core machine, and Swin-T's CPU training step at 0.73x eager.
+type SgemmBatch = unsafe extern "C" fn(
+    transa: *const c_char,
+    transb: *const c_char,
+    m: *const i32,
+    n: *const i32,
+    k: *const i32,
+    alpha: *const f32,
+    a: *const *const f32,
+    lda: *const i32,
+    b: *const *const f32,
+    ldb: *const i32,
+    beta: *const f32,
+    c: *const *mut f32,
+    ldc: *const i32,
+    group_count: *const i32,
+    group_size: *const i32,
+);
+
+/// The address of `sym` in the loaded `libtorch_cpu`, or why there is none.
+fn torch_symbol(sym: &[u8]) -> Result<usize, String> {
+    // Only a library PyTorch has loaded already (RTLD_NOLOAD): its BLAS, not another.
+    let flags = libloading::os::unix::RTLD_NOW | libc_rtld_noload();
+    for name in ["libtorch_cpu.so", "libtorch_cpu.dylib"] {
+        // SAFETY: RTLD_NOLOAD opens nothing new; it returns a handle to a loaded library.
+        if let Ok(lib) = unsafe { libloading::os::unix::Library::open(Some(name), flags) } {
+            // SAFETY: only the address is taken here; callers give it its BLAS signature.
+            if let Ok(s) = unsafe { lib.get::<*const ()>(sym) } {
+                let addr = *s as usize;
+                // The library stays loaded (PyTorch holds it); keep our handle's count too.
+                std::mem::forget(lib);
+                return Ok(addr);
+            }
+        }
+    }
+    Err(format!("no {} in a loaded libtorch_cpu (PyTorch built without MKL or another BLAS)", String::from_utf8_lossy(sym)))
+}
+
+/// The loaded library's `sgemm_batch_` (MKL's), when it has one.
+fn sgemm_batch() -> Option<SgemmBatch> {
+    static S: OnceLock<Option<usize>> = OnceLock::new();
+    // SAFETY: the address of MKL's `sgemm_batch_`, whose signature `SgemmBatch` declares,
+    // from a library that stays loaded.
+    S.get_or_init(|| torch_symbol(b"sgemm_batch_").ok()).map(|a| unsafe { std::mem::transmute::<usize, SgemmBatch>(a) })
+}
+
 /// The loaded library's `sgemm_`, or why there is none.
 fn sgemm() -> Result<Sgemm, RuntimeError> {
     static S: OnceLock<Result<usize, String>> = OnceLock::new();
-    let f = S.get_or_init(|| {
-        // Only a library PyTorch has loaded already (RTLD_NOLOAD): its BLAS, not another.
-        let flags = libloading::os::unix::RTLD_NOW | libc_rtld_noload();
-        for name in ["libtorch_cpu.so", "libtorch_cpu.dylib"] {
-            // SAFETY: RTLD_NOLOAD opens nothing new; it returns a handle to a loaded library.
-            if let Ok(lib) = unsafe { libloading::os::unix::Library::open(Some(name), flags) } {
-                // SAFETY: `sgemm_` has the Fortran BLAS signature declared by `Sgemm`.
-                if let Ok(s) = unsafe { lib.get::<Sgemm>(b"sgemm_") } {
-                    let addr = *s as usize;
-                    // The library stays loaded (PyTorch holds it); keep our handle's count too.
-                    std::mem::forget(lib);
-                    return Ok(addr);
-                }
-            }
-        }
-        Err("no sgemm_ in a loaded libtorch_cpu (PyTorch built without MKL or another BLAS)".into())
-    });
+    let f = S.get_or_init(|| torch_symbol(b"sgemm_"));
     match f {
         // SAFETY: the address of `sgemm_`, resolved above from a library that stays loaded.
         Ok(a) => Ok(unsafe { std::mem::transmute::<usize, Sgemm>(*a) }),
@@ -120,6 +154,7 @@ fn call_of(spec: MatmulSpec) -> Result<Call, RuntimeError> {
 pub struct CpuMatmul {
     pub exprs: MatmulExprs,
     f: Sgemm,
+    batched: Option<SgemmBatch>,
     fixed: Option<Call>,
 }
 
@@ -132,7 +167,7 @@ pub fn prepare(exprs: MatmulExprs) -> Result<CpuMatmul, RuntimeError> {
     }
     let f = sgemm()?;
     let fixed = exprs.eval(&[]).map(call_of).transpose()?;
-    Ok(CpuMatmul { exprs, f, fixed })
+    Ok(CpuMatmul { exprs, f, batched: sgemm_batch(), fixed })
 }
 
 impl CpuMatmul {
@@ -178,26 +213,50 @@ impl CpuMatmul {
         let alpha = 1.0f32;
         let beta = if bias.is_some() { 1.0f32 } else { 0.0 };
         let (ta, tb) = (c.ta as c_char, c.tb as c_char);
-        for bi in 0..s.batch as usize {
-            // SAFETY: offsets within the buffers the plan sized for this matmul.
-            unsafe {
+        let batch = s.batch as usize;
+        let ldc = c.m.max(1);
+        // SAFETY (this block and the loops below): offsets within the buffers the plan sized
+        // for this matmul.
+        unsafe {
+            let operands = |bi: usize| {
+                let a = pb.offset((s.b.offset + bi as i64 * s.b.batch_stride) as isize);
+                let b = pa.offset((s.a.offset + bi as i64 * s.a.batch_stride) as isize);
+                (a, b, pout.add(bi * per))
+            };
+            for bi in 0..batch {
                 let out = pout.add(bi * per);
                 if let Some(bias) = bias {
                     let row = std::slice::from_raw_parts(bias, cols);
                     for r in 0..rows {
                         std::slice::from_raw_parts_mut(out.add(r * cols), cols).copy_from_slice(row);
                     }
+                } else if c.k == 0 {
+                    std::ptr::write_bytes(out, 0, per);
                 }
-                if c.k == 0 {
-                    if bias.is_none() {
-                        std::ptr::write_bytes(out, 0, per);
+            }
+            match self.batched {
+                // [Note: batched CPU matmuls]: one call for the batch.
+                Some(fb) if c.k > 0 && batch > 1 => {
+                    let (mut av, mut bv, mut cv) = (Vec::with_capacity(batch), Vec::with_capacity(batch), Vec::with_capacity(batch));
+                    for bi in 0..batch {
+                        let (a, b, o) = operands(bi);
+                        av.push(a);
+                        bv.push(b);
+                        cv.push(o);
                     }
-                } else {
-                    let a = pb.offset((s.b.offset + bi as i64 * s.b.batch_stride) as isize);
-                    let b = pa.offset((s.a.offset + bi as i64 * s.a.batch_stride) as isize);
-                    let ldc = c.m.max(1);
-                    (self.f)(&ta, &tb, &c.m, &c.n, &c.k, &alpha, a, &c.lda, b, &c.ldb, &beta, out, &ldc);
+                    let (groups, size) = (1i32, i32::try_from(batch).map_err(|_| RuntimeError::Launch(format!("{}: a batch past 2^31", s.name)))?);
+                    fb(&ta, &tb, &c.m, &c.n, &c.k, &alpha, av.as_ptr(), &c.lda, bv.as_ptr(), &c.ldb, &beta, cv.as_ptr(), &ldc, &groups, &size);
                 }
+                _ if c.k > 0 => {
+                    for bi in 0..batch {
+                        let (a, b, out) = operands(bi);
+                        (self.f)(&ta, &tb, &c.m, &c.n, &c.k, &alpha, a, &c.lda, b, &c.ldb, &beta, out, &ldc);
+                    }
+                }
+                _ => {}
+            }
+            for bi in 0..batch {
+                let out = pout.add(bi * per);
                 if let Some((pr, r)) = residual {
                     let base = pr.offset((r.offset + bi as i64 * r.batch_stride) as isize);
                     for i in 0..rows {
