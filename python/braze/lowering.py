@@ -3148,6 +3148,7 @@ def _avg_pool2d_backward(L, node, grad_out, x, kernel_size, stride, padding, cei
     div = _pool_divisor(L, r, (h, w), (ho, wo), k, s, p, count_include_pad, divisor_override, ct)
     g = L.op("div", L.tensor(grad_out, ct), div)
     lead = [sym_val(n) for n in gv.shape[:-2]]
+    cells = L.op("reshape", g, shape=lead + [ho, 1, wo, 1])
     if tuple(k) == tuple(s) and tuple(p) == (0, 0) and ho * s[0] <= h and wo * s[1] <= w:
         # [Note: tiled average-pool gradients] Windows that tile the input (kernel = stride,
         # no padding: DenseNet's transitions, 2x2 stride 2) give each input element exactly
@@ -3155,14 +3156,13 @@ def _avg_pool2d_backward(L, node, grad_out, x, kernel_size, stride, padding, cei
         # the output gradient), zero in rows and columns past the last window. The general
         # form below sums k0 x k1 shifted grids, of which all but one are zero here, and
         # computed the fused upstream gradient once per candidate (four times for 2x2).
-        up = L.op("expand", L.op("reshape", g, shape=lead + [ho, 1, wo, 1]), shape=lead + [ho, s[0], wo, s[1]])
+        up = L.op("expand", cells, shape=lead + [ho, s[0], wo, s[1]])
         up = L.op("reshape", up, shape=lead + [ho * s[0], wo * s[1]])
         if ho * s[0] < h or wo * s[1] < w:
             up = L.op("pad", up, pads=[0, 0] * (r - 2) + [0, h - ho * s[0], 0, w - wo * s[1]], value=_lit(0, ct))
         return L.eager_layout(L.cast(up, val.dtype), val)
     # Output (oh, ow) lands at (oh * s0, ow * s1) of a grid of zeros.
-    grid = L.op("reshape", g, shape=lead + [ho, 1, wo, 1])
-    grid = L.op("pad", grid, pads=[0, 0] * (r - 2) + [0, 0, 0, s[0] - 1, 0, 0, 0, s[1] - 1], value=_lit(0, ct))
+    grid = L.op("pad", cells, pads=[0, 0] * (r - 2) + [0, 0, 0, s[0] - 1, 0, 0, 0, s[1] - 1], value=_lit(0, ct))
     grid = L.op("reshape", grid, shape=lead + [ho * s[0], wo * s[1]])
     # Input row i is in the window of output oh at position di when oh * s0 = i + p0 - di.
     total = None
