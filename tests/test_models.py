@@ -1443,6 +1443,45 @@ def test_channels_last_values_keep_eager_strides(device, compiled_graphs):
         assert stride == (h * w * c, 1, w * c, c), (shape, stride)
 
 
+@pytest.mark.parametrize("train", [False, True])
+def test_permuted_matmul_results_keep_their_order(device, compiled_graphs, train):
+    """[Note: permuted views keep their order] (braze-ir's memory_order.rs): ConvNeXt's MLP
+    runs on NHWC rows (row-major matrix products) and permutes back to NCHW for the layer
+    scale and the residual add. Those values lie channels_last in memory, as in eager, so the
+    kernels computing them walk memory in that order and store them channels_last; before,
+    they were stored row-major NCHW and their kernels strided by the channels on every
+    access. timm's ConvNeXt (small widths), channels_last, bf16 autocast, against eager."""
+    timm = pytest.importorskip("timm")
+    from timm.models.convnext import ConvNeXt
+
+    torch.manual_seed(0)
+    m = ConvNeXt(depths=(2, 1, 1, 1), dims=(24, 40, 40, 40), num_classes=10).to(device).to(memory_format=torch.channels_last).train(train)
+    x = torch.randn(2, 3, 64, 64, device=device).to(memory_format=torch.channels_last)
+    ref_m = copy.deepcopy(m)
+    c = compiled(m, options={"on_unsupported": "error"})
+    with torch.autocast(device, dtype=torch.bfloat16), torch.set_grad_enabled(train):
+        out, ref = c(x), ref_m(x)
+    torch.testing.assert_close(out.float(), ref.float(), rtol=2e-2, atol=2e-2)
+    if train:
+        out.float().pow(2).mean().backward()
+        ref.float().pow(2).mean().backward()
+        for (name, p), q in zip(m.named_parameters(), ref_m.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=5e-2, atol=5e-3, msg=name)
+    assert braze.stats.graphs_eager == 0
+    for g in compiled_graphs:
+        _, shapes, strides = g.static
+        for b, buf in enumerate(g.bufs):
+            # Activations in NCHW logical order (channels 24 or 40, square maps); the NHWC
+            # rows the norms and matrix products work on are row-major in both. The last
+            # stage (2 x 2) is left out: its gradient starts as the global pool's broadcast,
+            # which has no memory order of its own.
+            if buf[0] != "temp" or len(shapes[b]) != 4 or shapes[b][0] != 2 or shapes[b][1] not in (24, 40):
+                continue
+            n, ch, h, w = shapes[b]
+            if h == w > 2:
+                assert strides[b] == (h * w * ch, 1, w * ch, ch), (shapes[b], strides[b])
+
+
 @pytest.mark.parametrize("how", ["option", "mode"])
 def test_cuda_graphs_option_and_mode(how, device, compiled_graphs):
     """options={"cuda_graphs": False}, or mode="max-autotune-no-cudagraphs", launches kernels
