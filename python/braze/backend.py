@@ -16,7 +16,7 @@ import warnings
 
 import torch
 
-from . import _core, cuda, cudagraphs
+from . import _core, cpu_heap, cuda, cudagraphs
 from . import autograd as direct
 from .attention import dense_masks
 from .config import Config
@@ -83,6 +83,10 @@ def compile_fx_graph(gm: torch.fx.GraphModule, example_inputs, *, cfg: Config, k
             compiled = _build(lowered, cfg)
         t2 = time.perf_counter()
         fn = CompiledGraph(compiled, lowered, name)
+        if kind == "forward" and cfg.keep_cpu_heap and fn.device.type == "cpu" and not cpu_heap.kept():
+            # [Note: a kept CPU heap]: the saved activations are freed and allocated again each step.
+            if cpu_heap.keep():
+                _log(cfg, "compile", f"{name}: CPU heap", "kept between steps (glibc trim threshold 1 GiB, mmap threshold 32 MiB)")
         if kind == "forward":
             _note_relaid_outputs(gm, lowered, fn)
             cap = direct.current()

@@ -67,6 +67,10 @@ OPTIONS = {
                     "compiled model draws eager's values from PyTorch's generator (for comparing runs bit for bit); "
                     "default False: braze computes them in its kernels from one seed per call drawn from that "
                     "generator, fused with their neighbours (same seed, same values; not eager's values)",
+    "keep_cpu_heap": "bool: when braze compiles its first CPU training graph, keep freed heap memory in the process "
+                     "(glibc's malloc: trim threshold 1 GiB, mmap threshold 32 MiB, process-wide, once) so that the "
+                     "saved activations a step frees in its backward do not fault in again, zeroed, in the next "
+                     "forward; nothing is set off glibc (default True; python/braze/cpu_heap.py tells why)",
     "direct_autograd": "bool: run graphs without mutation, aliasing, subclasses or RNG state through braze's own "
                        "autograd.Function instead of AOTAutograd's runtime wrappers (default True)",
 }
@@ -94,6 +98,7 @@ class Config:
     programmatic_launch: bool = True
     column_clusters: bool = True
     eager_random: bool = False
+    keep_cpu_heap: bool = True
 
     @staticmethod
     def make(mode=None, options=None) -> "Config":
@@ -128,7 +133,7 @@ class Config:
             raise BrazeConfigError("braze: option 'conv_layout' must be 'auto', 'channels_last' or 'eager'")
         flags = {}
         for name, default in (("cuda_graphs", mode != "max-autotune-no-cudagraphs"), ("matmul_tune", mode.startswith("max-autotune")),
-                              ("kernel_tune", mode.startswith("max-autotune")), ("cudnn_convs", True), ("bias_grad_epilogues", False), ("programmatic_launch", True), ("column_clusters", True), ("eager_random", False),
+                              ("kernel_tune", mode.startswith("max-autotune")), ("cudnn_convs", True), ("bias_grad_epilogues", False), ("programmatic_launch", True), ("column_clusters", True), ("eager_random", False), ("keep_cpu_heap", True),
                               ("whole_graph_replay", mode in ("reduce-overhead", "max-autotune"))):
             flags[name] = options.get(name, default)
             if not isinstance(flags[name], bool):
