@@ -5,8 +5,9 @@ allocates them again in the next forward. glibc returns the top of its heap to t
 more than its trim threshold is free there, so at the end of each backward the activations'
 pages went back, and the next forward faulted every one of them in again, zeroed by the
 kernel: Swin-T's CPU training step (b2, fp32, 2 cores) took about 45,000 minor page faults per
-step under braze and 11,000-23,000 under eager, and without them braze's step was about 10%
-shorter (`/proc/self/stat`, interleaved processes; BENCHMARKS.md). braze's own temps live in
+step under braze and 11,000-23,000 under eager (`/proc/self/stat`); with the heap kept, 144
+faults and a median step of 713 ms against 765 (the two settings alternated in one process;
+BENCHMARKS.md). braze's own temps live in
 arenas it keeps ([Note: CPU arenas] in runtime.py); the saved activations are autograd's, so
 the heap they come from is kept instead: when the first CPU training graph is compiled (option
 `keep_cpu_heap`, default True), braze sets glibc's trim threshold to 1 GiB and its mmap

@@ -84,8 +84,9 @@ fn walk(g: &Graph, id: NodeId, depth: usize, seen: &mut HashSet<NodeId>) -> Opti
     }
 }
 
-/// The non-1 dims of `shape` in logical (row-major) order.
-fn non_1_dims(shape: &[Expr]) -> Vec<usize> {
+/// The non-1 dims of `shape` in logical (row-major) order: the memory order of a row-major
+/// value, and the dims a kernel's domain keeps.
+pub fn non_1_dims(shape: &[Expr]) -> Vec<usize> {
     (0..shape.len()).filter(|&d| !shape[d].is_const(1)).collect()
 }
 
@@ -149,7 +150,7 @@ pub fn from_strides(shape: &[Expr], strides: &[Expr]) -> Option<Vec<usize>> {
     if strides.len() != shape.len() {
         return None;
     }
-    let dims: Vec<usize> = (0..shape.len()).filter(|&d| !shape[d].is_const(1)).collect();
+    let dims = non_1_dims(shape);
     if dims.iter().any(|&d| strides[d].as_const().is_none()) {
         return dense_chain(shape, strides, &dims);
     }

@@ -19,7 +19,7 @@
 
 use crate::cse::cse;
 use crate::dce::dce;
-use braze_ir::memory_order::memory_order;
+use braze_ir::memory_order::{memory_order, non_1_dims};
 use braze_ir::{BinaryOp, DType, Expr, Graph, Lit, Node, NodeId, Op, ReduceKind};
 
 /// Reduced elements per kept point below which a row (kept dims outer) is not split.
@@ -81,7 +81,7 @@ fn plan(g: &Graph, id: NodeId, min_blocks: i64) -> Option<Plan> {
     let reduced: i64 = dims.iter().map(|&d| size(d)).product::<Option<i64>>()?;
     let kept: i64 = (0..shape.len()).filter(|d| !dims.contains(d)).map(size).product::<Option<i64>>()?;
     // Non-1 dims outermost in memory first.
-    let order = memory_order(g, n.inputs[0]).unwrap_or_else(|| (0..shape.len()).filter(|&d| !shape[d].is_const(1)).collect());
+    let order = memory_order(g, n.inputs[0]).unwrap_or_else(|| non_1_dims(&shape));
     let column = order.last().is_some_and(|d| !dims.contains(d));
     let (min_len, per_block) = if column { (MIN_SPLIT_LEN_COLUMN, COLUMN_POINTS_PER_BLOCK) } else { (MIN_SPLIT_LEN, 1) };
     if reduced < min_len || kept >= min_blocks * per_block {

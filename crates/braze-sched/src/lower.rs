@@ -8,6 +8,7 @@
 //! group read at another point than its own); fusion uses that as its legality test.
 
 use crate::layout::view_index;
+use braze_ir::memory_order::non_1_dims;
 use crate::loop_ir::{BufId, BufRef, Kernel, Pass, Reduction, Stmt, Tmp};
 use braze_ir::{Atom, BinaryOp, DType, Expr, Graph, Lit, NodeId, Op, ReduceKind};
 use std::collections::{HashMap, HashSet};
@@ -76,7 +77,7 @@ impl Domain {
         match &n.op {
             Op::Reduce { .. } => {
                 let t = g.ty(n.inputs[0]);
-                let keep: Vec<usize> = (0..t.rank()).filter(|&d| !t.shape[d].is_const(1)).collect();
+                let keep = non_1_dims(&t.shape);
                 // Loops nest in the order the input lies in memory ([`braze_ir::memory_order`]).
                 let order = braze_ir::memory_order::memory_order(g, n.inputs[0]).and_then(|o| nesting(&o, &keep));
                 let (dims, reduced) = reduction_space(g, r);
@@ -84,7 +85,7 @@ impl Domain {
             }
             _ => {
                 let s = &g.ty(r).shape;
-                let keep: Vec<usize> = (0..s.len()).filter(|&d| !s[d].is_const(1)).collect();
+                let keep = non_1_dims(s);
                 let dims: Vec<Expr> = keep.iter().map(|&d| s[d].clone()).collect();
                 // A value stored in a permuted layout (eager's, or its operands') iterates in
                 // its memory order.
@@ -126,7 +127,7 @@ pub enum Level {
 
 /// Maps the non-1 dims of `shape` onto domain dims `ds` in order; 1-dims get index 0.
 fn map_dims(shape: &[Expr], dom: &Domain, ds: &[usize]) -> Option<Vec<Expr>> {
-    let real: Vec<usize> = (0..shape.len()).filter(|&d| !shape[d].is_const(1)).collect();
+    let real = non_1_dims(shape);
     if real.len() != ds.len() || real.iter().zip(ds).any(|(&d, &k)| shape[d] != dom.dims[k]) {
         return None;
     }
