@@ -18,8 +18,10 @@ PROBE = textwrap.dedent("""
         _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd",
                                                     "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
     libc = ctypes.CDLL(None)
-    libc.mallinfo2.restype = Mallinfo2
     def free_in_heap():  # bytes free in glibc's heap: the process's, not the system's
+        if not hasattr(libc, "mallinfo2"):  # glibc before 2.33
+            return -1
+        libc.mallinfo2.restype = Mallinfo2
         return libc.mallinfo2().fordblks
     # Whether this kernel counts minor faults (some sandboxes report 0): touch 64 fresh pages.
     f0, region = faults(), mmap.mmap(-1, 64 * 4096)
@@ -84,8 +86,10 @@ def test_kept_heap_serves_freed_memory_without_page_faults():
     before, kept, kept_faults, kept_free = _probe(True)
     _, trimmed_kept, trimmed_faults, trimmed_free = _probe(False)
     assert not before and kept and not trimmed_kept
-    assert kept_free >= 128 << 20, kept_free
-    assert trimmed_free < 64 << 20, trimmed_free
+    if kept_free >= 0 and trimmed_free >= 0:
+        assert kept_free >= 128 << 20, kept_free
+        assert trimmed_free < 64 << 20, trimmed_free
+    assert max(kept_free, kept_faults) >= 0, "neither glibc nor the kernel can say where the memory went"
     if kept_faults >= 0 and trimmed_faults >= 0:
         assert trimmed_faults > 16000, trimmed_faults
         assert kept_faults < 200, kept_faults
