@@ -491,19 +491,29 @@ fn interior_rows(k: &Kernel, body: &[Stmt]) -> Option<(i64, i64, Vec<Stmt>)> {
 /// source (a gather under its mask, the source's own BatchNorm and ReLU) and selects one;
 /// a max pool of the concatenation does it per tap: GoogLeNet's `inception3a` and `3b` took
 /// 16.4 ms on the 2-core build machine against eager's 7.3. The row is cut where such a mask
-/// changes; on each piece every such mask is a constant, and GCC drops the sources it
-/// rules out. Masks considered: `InRange` of `i + r` (unit stride along the last dim) within
-/// constant bounds; applied when one of them holds on at most half the row (pads' masks,
-/// true on all but a border, are [Note: interior rows]' business) and the pieces are few.
+/// changes; on each piece every such mask is a constant, and the piece keeps only the
+/// statements of the sources it does not rule out ([Note: known masks]): a DenseNet-121
+/// layer's BatchNorm and ReLU over its block's 25 sources is 25 pieces of one load each.
+/// Masks considered: `InRange` of `i + r` (unit stride along the last dim) within constant
+/// bounds; applied when one of them holds on at most half the row (pads' masks, true on all
+/// but a border, are [Note: interior rows]' business) and the pieces are at most 64. A
+/// column kernel (a BatchNorm's statistics over a channels_last concatenation) cuts its
+/// columns the same way ([`emit_column`]).
 fn row_segments(k: &Kernel, body: &[Stmt]) -> Option<Vec<(i64, i64, Vec<Stmt>)>> {
-    const MAX_PIECES: usize = 16;
     let lastd = k.outer.len().checked_sub(1)?;
     let n = k.outer[lastd].as_const()?;
-    let v = lastd as u32;
-    let masks: Vec<(usize, u32, i64, i64)> = body
-        .iter()
-        .enumerate()
-        .filter_map(|(j, s)| {
+    let pieces = concat_pieces(body.iter(), lastd as u32, n)?;
+    Some(pieces.into_iter().map(|(a, b, known)| (a, b, braze_sched::loop_ir::fold_known(body, &known, &k.tmp_dtypes, &Default::default()))).collect())
+}
+
+/// The pieces of loop variable `v`'s range `[0, n)` that a concatenation's masks among
+/// `stmts` cut it into ([Note: row segments]), each with those masks' values on it: masks
+/// `InRange` of `i + r` (unit stride along `v`) within constant bounds. None unless one of
+/// them holds on at most half the range and the pieces are at most 64.
+fn concat_pieces<'a>(stmts: impl Iterator<Item = &'a Stmt>, v: u32, n: i64) -> Option<Vec<Piece>> {
+    const MAX_PIECES: usize = 64;
+    let masks: Vec<(u32, i64, i64)> = stmts
+        .filter_map(|s| {
             let Stmt::InRange { dst, index, lo, hi } = s else { return None };
             if index.linear_coef(v) != Some(1) {
                 return None;
@@ -511,30 +521,270 @@ fn row_segments(k: &Kernel, body: &[Stmt]) -> Option<Vec<(i64, i64, Vec<Stmt>)>>
             let r = index.sub(&Expr::var(v)).as_const()?;
             // Where `lo <= i + r < hi` holds within [0, n).
             let (a, b) = ((lo.as_const()? - r).clamp(0, n), (hi.as_const()? - r).clamp(0, n));
-            Some((j, *dst, a, b.max(a)))
+            Some((*dst, a, b.max(a)))
         })
         .collect();
-    if !masks.iter().any(|&(_, _, a, b)| b - a <= n / 2) {
+    if !masks.iter().any(|&(_, a, b)| b - a <= n / 2) {
         return None;
     }
-    let mut cuts: Vec<i64> = masks.iter().flat_map(|&(_, _, a, b)| [a, b]).chain([0, n]).collect();
+    let mut cuts: Vec<i64> = masks.iter().flat_map(|&(_, a, b)| [a, b]).chain([0, n]).collect();
     cuts.sort_unstable();
     cuts.dedup();
     if cuts.len() - 1 > MAX_PIECES {
         return None;
     }
-    Some(
-        cuts.windows(2)
-            .filter(|w| w[0] < w[1])
-            .map(|w| {
-                let mut piece = body.to_vec();
-                for &(j, dst, a, b) in &masks {
-                    piece[j] = Stmt::Const { dst, value: braze_ir::Lit::B(a <= w[0] && w[1] <= b) };
+    Some(cuts.windows(2).filter(|w| w[0] < w[1]).map(|w| (w[0], w[1], masks.iter().map(|&(dst, a, b)| (dst, a <= w[0] && w[1] <= b)).collect())).collect())
+}
+
+/// A piece of a loop variable's range: (start, end, the masks' values on it).
+type Piece = (i64, i64, Vec<(u32, bool)>);
+
+/// Pseudo buffer ids of [Note: piece groups]' slots: `b{SLOT_BASE + n}` is a local pointer.
+const SLOT_BASE: u32 = 4_000_000_000;
+
+/// [Note: piece groups] The pieces of a concatenation ([Note: row segments]) differ in
+/// which source they load and where in the row they are, and often in nothing else: a
+/// DenseNet-121 layer's BatchNorm over its block's sources is one 256-channel piece and up
+/// to 24 pieces of 32 channels, each a load of its own buffer. Emitted one by one, a
+/// training graph's column kernels were 85,000 lines of C and 38 s of GCC (10 s before the
+/// pieces). So each piece's kernel is put in a canonical form: its loop variable counts from
+/// the piece's start, and each buffer access (buffer, constant term of its index) becomes a
+/// slot. Pieces of one form share its code; a slot that differs among them is a pointer
+/// (`b{SLOT_BASE + n}`) taken from a table per member, already offset by the access's
+/// constant term. Kernels that store a buffer they also load, or index by a temporary (a
+/// gather), are left ungrouped.
+struct PieceGroup {
+    /// (start, end) of each member along the loop variable.
+    spans: Vec<(i64, i64)>,
+    /// The shared code: the loop variable counts from a member's start.
+    kernel: Kernel,
+    /// Slots that differ among the members: (pseudo id, written, C pointer per member).
+    slots: Vec<(u32, bool, Vec<String>)>,
+}
+
+/// Every index expression of `k` rebuilt by `f` (loads', stores', index values', random
+/// counters', masks', bounds', and the reductions' inner indices and counts).
+fn map_kernel_exprs(k: &mut Kernel, f: &dyn Fn(&Expr) -> Expr) {
+    let stmts = k.prelude.iter_mut().chain(k.passes.iter_mut().flat_map(|p| p.body.iter_mut().chain(p.after.iter_mut())));
+    for s in stmts {
+        match s {
+            Stmt::Load { index, .. } | Stmt::Store { index, .. } | Stmt::Index { index, .. } | Stmt::Random { index, .. } | Stmt::Bounded { hi: index, .. } => *index = f(index),
+            Stmt::InRange { index, lo, hi, .. } => {
+                *index = f(index);
+                *lo = f(lo);
+                *hi = f(hi);
+            }
+            _ => {}
+        }
+    }
+    for r in k.passes.iter_mut().flat_map(|p| p.reductions.iter_mut()) {
+        r.inner_index = f(&r.inner_index);
+        r.count = f(&r.count);
+    }
+}
+
+/// `k` with its temporaries numbered in order of definition (the prelude's, then each
+/// pass's body, reductions and `after`), so that kernels that differ only in which
+/// temporaries they name compare equal.
+fn renumber_tmps(k: &Kernel) -> Kernel {
+    use std::collections::HashMap;
+    let mut map: HashMap<u32, u32> = HashMap::new();
+    let mut order: Vec<u32> = Vec::new();
+    let mut def = |t: u32, map: &mut HashMap<u32, u32>| {
+        if let std::collections::hash_map::Entry::Vacant(v) = map.entry(t) {
+            v.insert(order.len() as u32);
+            order.push(t);
+        }
+    };
+    for s in &k.prelude {
+        if let Some(t) = s.dst() {
+            def(t, &mut map);
+        }
+    }
+    for p in &k.passes {
+        for s in &p.body {
+            if let Some(t) = s.dst() {
+                def(t, &mut map);
+            }
+        }
+        for r in &p.reductions {
+            def(r.dst, &mut map);
+        }
+        for s in &p.after {
+            if let Some(t) = s.dst() {
+                def(t, &mut map);
+            }
+        }
+    }
+    // Temporaries read but defined nowhere here keep numbers after the defined ones.
+    let mut out = k.clone();
+    let all_reads: Vec<u32> = k.prelude.iter().chain(k.passes.iter().flat_map(|p| p.body.iter().chain(&p.after))).flat_map(braze_sched::loop_ir::stmt_reads).chain(k.passes.iter().flat_map(|p| p.reductions.iter().map(|r| r.src))).collect();
+    for t in all_reads {
+        def(t, &mut map);
+    }
+    let m = |t: &mut u32| *t = map[t];
+    // Index expressions name no temporaries here (`group_pieces` takes no such kernel).
+    let stmts = out.prelude.iter_mut().chain(out.passes.iter_mut().flat_map(|p| p.body.iter_mut().chain(p.after.iter_mut())));
+    for s in stmts {
+        match s {
+            Stmt::Load { dst, mask, .. } => {
+                m(dst);
+                if let Some(t) = mask {
+                    m(t);
                 }
-                (w[0], w[1], piece)
+            }
+            Stmt::Const { dst, .. } | Stmt::Index { dst, .. } | Stmt::InRange { dst, .. } => m(dst),
+            Stmt::Random { dst, seed, .. } => {
+                m(dst);
+                m(seed);
+            }
+            Stmt::Unary { dst, a, .. } | Stmt::Cast { dst, a } | Stmt::Bounded { dst, a, .. } => {
+                m(dst);
+                m(a);
+            }
+            Stmt::Binary { dst, a, b, .. } => {
+                m(dst);
+                m(a);
+                m(b);
+            }
+            Stmt::Where { dst, c, a, b } => {
+                m(dst);
+                m(c);
+                m(a);
+                m(b);
+            }
+            Stmt::Store { value, .. } => m(value),
+        }
+    }
+    for r in out.passes.iter_mut().flat_map(|p| p.reductions.iter_mut()) {
+        m(&mut r.dst);
+        m(&mut r.src);
+    }
+    out.tmp_dtypes = order.iter().map(|&t| k.tmp_dtypes[t as usize]).collect();
+    out
+}
+
+/// `pieces` (start, end, the kernel folded for the piece) of loop variable `v`'s range in
+/// groups that share code ([Note: piece groups]), in order of their first member; None where
+/// a kernel stores a buffer it loads.
+fn group_pieces(v: u32, pieces: Vec<(i64, i64, Kernel)>) -> Option<Vec<PieceGroup>> {
+    // A gathered index (a temporary inside an index expression) keeps its pieces apart.
+    if pieces.iter().any(|(_, _, p)| p.index_exprs().iter().any(|e| {
+        let mut ts = Vec::new();
+        e.tmps(&mut ts);
+        !ts.is_empty()
+    })) {
+        return None;
+    }
+    // (canonical kernel, members' spans, members' slot keys: (buffer, constant term)).
+    type Form = (Kernel, Vec<(i64, i64)>, Vec<Vec<(u32, i64)>>);
+    let mut groups: Vec<Form> = Vec::new();
+    for (a, b, piece) in pieces {
+        let mut c = renumber_tmps(&piece);
+        map_kernel_exprs(&mut c, &|e| e.subst_vars(&|n| if n == v { Expr::var(v).add(&Expr::constant(a)) } else { Expr::var(n) }));
+        let mut keys: Vec<(u32, i64)> = Vec::new();
+        let (mut loaded, mut stored) = (Vec::new(), Vec::new());
+        let stmts = c.prelude.iter_mut().chain(c.passes.iter_mut().flat_map(|p| p.body.iter_mut().chain(p.after.iter_mut())));
+        for s in stmts {
+            let (buf, index) = match s {
+                Stmt::Load { buf, index, .. } => {
+                    loaded.push(*buf);
+                    (buf, index)
+                }
+                Stmt::Store { buf, index, .. } => {
+                    stored.push(*buf);
+                    (buf, index)
+                }
+                _ => continue,
+            };
+            let key = (*buf, index.const_term());
+            let n = keys.iter().position(|k| *k == key).unwrap_or_else(|| {
+                keys.push(key);
+                keys.len() - 1
+            });
+            *index = index.sub(&Expr::constant(key.1));
+            *buf = SLOT_BASE + n as u32;
+        }
+        if stored.iter().any(|b| loaded.contains(b)) {
+            return None;
+        }
+        c.bufs = keys
+            .iter()
+            .enumerate()
+            .map(|(n, (id, _))| {
+                let r = piece.bufs.iter().find(|r| r.id == *id).expect("a kernel buffer");
+                braze_sched::loop_ir::BufRef { id: SLOT_BASE + n as u32, dtype: r.dtype, written: stored.contains(id) }
+            })
+            .collect();
+        match groups.iter_mut().find(|g| g.0 == c) {
+            Some(g) => {
+                g.1.push((a, b));
+                g.2.push(keys);
+            }
+            None => groups.push((c, vec![(a, b)], vec![keys])),
+        }
+    }
+    Some(
+        groups
+            .into_iter()
+            .map(|(mut kernel, spans, members)| {
+                // Slots every member fills alike are that buffer at that offset again.
+                let n_slots = members[0].len();
+                let same: Vec<bool> = (0..n_slots).map(|n| members.iter().all(|m| m[n] == members[0][n])).collect();
+                let stmts = kernel.prelude.iter_mut().chain(kernel.passes.iter_mut().flat_map(|p| p.body.iter_mut().chain(p.after.iter_mut())));
+                for s in stmts {
+                    if let Stmt::Load { buf, index, .. } | Stmt::Store { buf, index, .. } = s {
+                        let n = (*buf - SLOT_BASE) as usize;
+                        if same[n] {
+                            let (id, c) = members[0][n];
+                            *buf = id;
+                            *index = index.add(&Expr::constant(c));
+                        }
+                    }
+                }
+                let mut slots = Vec::new();
+                for (n, r) in kernel.bufs.iter_mut().enumerate() {
+                    if same[n] {
+                        r.id = members[0][n].0;
+                    } else {
+                        slots.push((r.id, r.written, members.iter().map(|m| format!("b{} + ({})", m[n].0, m[n].1)).collect()));
+                    }
+                }
+                let len = spans.iter().map(|(a, b)| b - a).max().unwrap_or(0);
+                kernel.outer[v as usize] = Expr::constant(len);
+                PieceGroup { spans, kernel, slots }
             })
             .collect(),
     )
+}
+
+/// One group of a row's pieces ([Note: piece groups]) at indentation `depth`: its members
+/// in turn, each with its slots' pointers.
+fn emit_group_rows(g: &PieceGroup, e: &Emitter, out: &mut String, pragma: &str, depth: usize) -> Result<(), CodegenError> {
+    let pad = |d: usize| "  ".repeat(d);
+    let ge = Emitter { k: &g.kernel, d: e.d };
+    let body = &g.kernel.passes[0].body;
+    let m = g.spans.len();
+    writeln!(out, "{}{{ /* {} */", pad(depth), g.spans.iter().map(|(a, b)| format!("{a}..{b}")).collect::<Vec<_>>().join(", ")).unwrap();
+    if m == 1 {
+        emit_row(&g.kernel, &ge, out, body, "0", &(g.spans[0].1 - g.spans[0].0).to_string(), pragma, depth + 1)?;
+        writeln!(out, "{}}}", pad(depth)).unwrap();
+        return Ok(());
+    }
+    writeln!(out, "{}static const int64_t bz_n[{m}] = {{{}}};", pad(depth + 1), g.spans.iter().map(|(a, b)| (b - a).to_string()).collect::<Vec<_>>().join(", ")).unwrap();
+    for (id, written, ptrs) in &g.slots {
+        let (c, t) = (if *written { "" } else { "const " }, storage_type(ge.buf_dtype(*id)));
+        writeln!(out, "{}{c}{t}* const bz_p{id}[{m}] = {{{}}};", pad(depth + 1), ptrs.join(", ")).unwrap();
+    }
+    writeln!(out, "{}for (int64_t q = 0; q < {m}; q++) {{", pad(depth + 1)).unwrap();
+    for (id, written, _) in &g.slots {
+        let (c, t) = (if *written { "" } else { "const " }, storage_type(ge.buf_dtype(*id)));
+        writeln!(out, "{}{c}{t}* restrict b{id} = bz_p{id}[q];", pad(depth + 2)).unwrap();
+    }
+    emit_row(&g.kernel, &ge, out, body, "0", "bz_n[q]", pragma, depth + 2)?;
+    writeln!(out, "{}}}", pad(depth + 1)).unwrap();
+    writeln!(out, "{}}}", pad(depth)).unwrap();
+    Ok(())
 }
 
 /// The kernel's loop nest at indentation `depth`: parallel over its outer points, or
@@ -577,7 +827,24 @@ fn emit_loops(k: &Kernel, e: &Emitter, out: &mut String, serial: bool, depth: us
         let simd = if wide_load_group(body, (n_outer - 1) as u32) { "" } else { " simd" };
         let row_pragma = if n_outer == 1 && !serial { format!("#pragma omp parallel for{simd} schedule(static)") } else if simd.is_empty() { String::new() } else { "#pragma omp simd".to_string() };
         let n = k.outer.last().map(ix).unwrap_or_default();
-        let pieces = row_segments(k, body).or_else(|| {
+        let segments = row_segments(k, body);
+        let with_body = |b: Vec<Stmt>| {
+            let mut pk = k.clone();
+            pk.passes[0].body = b;
+            pk
+        };
+        let groups = segments.clone().and_then(|p| group_pieces((n_outer - 1) as u32, p.into_iter().map(|(a, b, body)| (a, b, with_body(body))).collect()));
+        if let Some(groups) = groups {
+            for g in &groups {
+                emit_group_rows(g, e, out, &row_pragma, depth)?;
+            }
+            for _ in 1..n_outer {
+                depth -= 1;
+                writeln!(out, "{}}}", pad(depth)).unwrap();
+            }
+            return Ok(());
+        }
+        let pieces = segments.or_else(|| {
             let (lo, hi, inner) = interior_rows(k, body)?;
             let end = k.outer.last().and_then(Expr::as_const)?; // (a split row's length is constant)
             let mut v = Vec::new();
@@ -1061,18 +1328,45 @@ fn emit_column(k: &Kernel, e: &Emitter, out: &mut String, pragma: Option<String>
     let last = n_outer - 1;
     let c = ix(&k.outer[last]);
     let lead = product(&k.outer[..last]);
-    let defined = |stmts: &[braze_sched::loop_ir::Stmt]| -> Vec<u32> { stmts.iter().filter_map(|s| s.dst()).collect() };
-    // What a pass leaves for later passes, per column: its reductions' results and the
-    // temporaries of its `after` statements.
-    let pass_values = |p: &braze_sched::loop_ir::Pass| -> Vec<u32> { p.reductions.iter().map(|r| r.dst).chain(defined(&p.after)).collect() };
-    let ctype = |t: u32| crate::dialect::compute_type(k.tmp_dtypes[t as usize]);
-    writeln!(out, "  const int64_t nch = ({c} + {COL_CHUNK} - 1) / {COL_CHUNK};").unwrap();
+    // A concatenation along the columns ([Note: row segments]): chunks that stay within
+    // one source, each group of pieces running the kernel folded for it, with its members'
+    // pointers ([Note: piece groups]).
+    let all = || k.prelude.iter().chain(k.passes.iter().flat_map(|p| p.body.iter().chain(&p.after)));
+    let groups = k.outer[last].as_const().and_then(|n| concat_pieces(all(), last as u32, n)).and_then(|pieces| {
+        group_pieces(last as u32, pieces.into_iter().map(|(a, b, known)| (a, b, braze_sched::loop_ir::fold_known_kernel(k, &known))).collect())
+    });
+    match &groups {
+        Some(groups) => {
+            // Chunks: (start within the member, columns, group, member).
+            let chunks: Vec<[i64; 4]> = groups
+                .iter()
+                .enumerate()
+                .flat_map(|(gi, g)| g.spans.iter().enumerate().flat_map(move |(q, &(a, b))| (0..b - a).step_by(COL_CHUNK as usize).map(move |cb| [cb, (b - a - cb).min(COL_CHUNK), gi as i64, q as i64])))
+                .collect();
+            for (f, name) in ["bz_cb", "bz_cn", "bz_group", "bz_member"].iter().enumerate() {
+                writeln!(out, "  static const int32_t {name}[{}] = {{{}}};", chunks.len(), chunks.iter().map(|ch| ch[f].to_string()).collect::<Vec<_>>().join(", ")).unwrap();
+            }
+            for (gi, g) in groups.iter().enumerate() {
+                for (id, written, ptrs) in &g.slots {
+                    let (c, t) = (if *written { "" } else { "const " }, storage_type(g.kernel.bufs.iter().find(|b| b.id == *id).expect("a slot").dtype));
+                    writeln!(out, "  {c}{t}* const bz_g{gi}_p{id}[{}] = {{{}}};", ptrs.len(), ptrs.join(", ")).unwrap();
+                }
+            }
+            writeln!(out, "  const int64_t nch = {};", chunks.len()).unwrap();
+        }
+        None => writeln!(out, "  const int64_t nch = ({c} + {COL_CHUNK} - 1) / {COL_CHUNK};").unwrap(),
+    }
     if let Some(pragma) = pragma {
         writeln!(out, "  {pragma}").unwrap();
     }
     writeln!(out, "  for (int64_t x = 0; x < {} * nch; x++) {{", ix(&lead)).unwrap();
-    writeln!(out, "    const int64_t cb = (x % nch) * {COL_CHUNK};").unwrap();
-    writeln!(out, "    const int64_t cn = {c} - cb < {COL_CHUNK} ? {c} - cb : {COL_CHUNK};").unwrap();
+    if groups.is_some() {
+        writeln!(out, "    const int64_t cb = bz_cb[x % nch];").unwrap();
+        writeln!(out, "    const int64_t cn = bz_cn[x % nch];").unwrap();
+    } else {
+        writeln!(out, "    const int64_t cb = (x % nch) * {COL_CHUNK};").unwrap();
+        writeln!(out, "    const int64_t cn = {c} - cb < {COL_CHUNK} ? {c} - cb : {COL_CHUNK};").unwrap();
+    }
     let mut rest = "(x / nch)".to_string();
     for d in (0..last).rev() {
         let size = ix(&k.outer[d]);
@@ -1083,6 +1377,42 @@ fn emit_column(k: &Kernel, e: &Emitter, out: &mut String, pragma: Option<String>
             rest = format!("({rest} / ({size}))");
         }
     }
+    match &groups {
+        Some(groups) => {
+            writeln!(out, "    switch (bz_group[x % nch]) {{").unwrap();
+            for (gi, g) in groups.iter().enumerate() {
+                let ge = Emitter { k: &g.kernel, d: e.d };
+                let mut chunk = String::new();
+                for (id, written, _) in &g.slots {
+                    let (c, t) = (if *written { "" } else { "const " }, storage_type(ge.buf_dtype(*id)));
+                    writeln!(chunk, "    {c}{t}* restrict b{id} = bz_g{gi}_p{id}[bz_member[x % nch]];").unwrap();
+                }
+                emit_column_chunk(&g.kernel, &ge, &mut chunk)?;
+                writeln!(out, "    case {gi}: {{ /* columns {} */", g.spans.iter().map(|(a, b)| format!("{a}..{b}")).collect::<Vec<_>>().join(", ")).unwrap();
+                for line in chunk.lines() {
+                    writeln!(out, "    {line}").unwrap();
+                }
+                writeln!(out, "    }} break;").unwrap();
+            }
+            writeln!(out, "    }}").unwrap();
+        }
+        None => emit_column_chunk(k, e, out)?,
+    }
+    writeln!(out, "  }}").unwrap();
+    Ok(())
+}
+
+/// The body of [`emit_column`]'s loop: one chunk of `cn` columns from `cb` (C variables
+/// defined before it, as are the outer dims but the last).
+fn emit_column_chunk(k: &Kernel, e: &Emitter, out: &mut String) -> Result<(), CodegenError> {
+    let last = k.outer.len() - 1;
+    let n_outer = k.outer.len();
+    let ix = crate::c_emit::index;
+    let defined = |stmts: &[braze_sched::loop_ir::Stmt]| -> Vec<u32> { stmts.iter().filter_map(|s| s.dst()).collect() };
+    // What a pass leaves for later passes, per column: its reductions' results and the
+    // temporaries of its `after` statements.
+    let pass_values = |p: &braze_sched::loop_ir::Pass| -> Vec<u32> { p.reductions.iter().map(|r| r.dst).chain(defined(&p.after)).collect() };
+    let ctype = |t: u32| crate::dialect::compute_type(k.tmp_dtypes[t as usize]);
     let col = format!("const int64_t i{last} = cb + j;");
     // Values of the outer point known so far, per column, and how to read them back.
     let mut known: Vec<u32> = Vec::new();
@@ -1193,7 +1523,6 @@ fn emit_column(k: &Kernel, e: &Emitter, out: &mut String, pragma: Option<String>
         }
         writeln!(out, "    }}").unwrap();
     }
-    writeln!(out, "  }}").unwrap();
     Ok(())
 }
 

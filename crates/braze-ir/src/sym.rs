@@ -99,6 +99,11 @@ impl Expr {
             _ => None,
         }
     }
+    /// The expression's constant term (0 when it has none): `2*i0 + i1 - 256` gives -256.
+    pub fn const_term(&self) -> i64 {
+        self.terms.get(&Vec::new()).copied().unwrap_or(0)
+    }
+
     pub fn is_const(&self, c: i64) -> bool {
         self.as_const() == Some(c)
     }

@@ -486,6 +486,138 @@ fn drop_unused(k: &mut Kernel) {
     }
 }
 
+/// [Note: known masks] `body` (statements of a kernel) where the temporaries in `known`
+/// hold the given booleans: each of those becomes a constant; `and`, `or` and `not` of known
+/// values fold; a select on a known condition is its chosen side (later statements read that
+/// side's temporary; where an index expression or `outside` names the select, or `dtypes`
+/// shows its sides' dtype to differ from its own, it becomes a cast of that side); a load
+/// under a mask known true loses its mask; then whatever no store and no temporary in
+/// `outside` (those read by the kernel's other statement lists: a pass's reductions, its
+/// `after`) needs any more is dropped. A concatenation's piece of a row ([Note: row
+/// segments] in the C dialect) keeps one source's statements of its twenty-five, so the C
+/// compiler is not handed every source once per piece.
+pub fn fold_known(body: &[Stmt], known: &[(Tmp, bool)], dtypes: &[DType], outside: &std::collections::HashSet<Tmp>) -> Vec<Stmt> {
+    use std::collections::{HashMap, HashSet};
+    let mut konst: HashMap<Tmp, bool> = known.iter().copied().collect();
+    let mut alias: HashMap<Tmp, Tmp> = HashMap::new();
+    let named: HashSet<Tmp> = body
+        .iter()
+        .flat_map(|s| match s {
+            Stmt::Load { index, .. } | Stmt::Index { index, .. } | Stmt::Random { index, .. } | Stmt::Store { index, .. } => vec![index],
+            Stmt::InRange { index, lo, hi, .. } => vec![index, lo, hi],
+            _ => vec![],
+        })
+        .flat_map(|e| {
+            let mut v = Vec::new();
+            expr_tmps(e, &mut v);
+            v
+        })
+        .collect();
+    let mut out = Vec::with_capacity(body.len());
+    for s in body {
+        let r = |t: &Tmp| *alias.get(t).unwrap_or(t);
+        let s = match s {
+            s if s.dst().is_some_and(|d| konst.contains_key(&d)) => {
+                let dst = s.dst().unwrap();
+                Stmt::Const { dst, value: Lit::B(konst[&dst]) }
+            }
+            Stmt::Const { dst, value: Lit::B(b) } => {
+                konst.insert(*dst, *b);
+                Stmt::Const { dst: *dst, value: Lit::B(*b) }
+            }
+            Stmt::Where { dst, c, a, b } => {
+                let (a, b) = (r(a), r(b));
+                let same = |t: Tmp| dtypes.get(t as usize).is_some() && dtypes.get(t as usize) == dtypes.get(*dst as usize);
+                match konst.get(&r(c)) {
+                    Some(&pick) if !named.contains(dst) && !outside.contains(dst) && same(if pick { a } else { b }) => {
+                        alias.insert(*dst, if pick { a } else { b });
+                        continue;
+                    }
+                    Some(&pick) => Stmt::Cast { dst: *dst, a: if pick { a } else { b } },
+                    None => Stmt::Where { dst: *dst, c: r(c), a, b },
+                }
+            }
+            Stmt::Binary { dst, op: op @ (BinaryOp::And | BinaryOp::Or), a, b } => {
+                let (a, b) = (r(a), r(b));
+                let v = match (op, konst.get(&a), konst.get(&b)) {
+                    (BinaryOp::And, Some(&x), Some(&y)) => Some(x && y),
+                    (BinaryOp::And, Some(false), _) | (BinaryOp::And, _, Some(false)) => Some(false),
+                    (BinaryOp::Or, Some(&x), Some(&y)) => Some(x || y),
+                    (BinaryOp::Or, Some(true), _) | (BinaryOp::Or, _, Some(true)) => Some(true),
+                    _ => None,
+                };
+                match v {
+                    Some(v) => {
+                        konst.insert(*dst, v);
+                        Stmt::Const { dst: *dst, value: Lit::B(v) }
+                    }
+                    None => Stmt::Binary { dst: *dst, op: *op, a, b },
+                }
+            }
+            Stmt::Unary { dst, op: UnaryOp::Not, a } => match konst.get(&r(a)) {
+                Some(&v) => {
+                    konst.insert(*dst, !v);
+                    Stmt::Const { dst: *dst, value: Lit::B(!v) }
+                }
+                None => Stmt::Unary { dst: *dst, op: UnaryOp::Not, a: r(a) },
+            },
+            Stmt::Load { dst, buf, index, mask: Some(m) } => {
+                let mask = if konst.get(&r(m)) == Some(&true) { None } else { Some(r(m)) };
+                Stmt::Load { dst: *dst, buf: *buf, index: index.clone(), mask }
+            }
+            Stmt::Unary { dst, op, a } => Stmt::Unary { dst: *dst, op: *op, a: r(a) },
+            Stmt::Binary { dst, op, a, b } => Stmt::Binary { dst: *dst, op: *op, a: r(a), b: r(b) },
+            Stmt::Cast { dst, a } => Stmt::Cast { dst: *dst, a: r(a) },
+            Stmt::Bounded { dst, a, hi } => Stmt::Bounded { dst: *dst, a: r(a), hi: hi.clone() },
+            Stmt::Random { dst, dist, seed, index, stream } => Stmt::Random { dst: *dst, dist: *dist, seed: r(seed), index: index.clone(), stream: *stream },
+            Stmt::Store { buf, index, value } => Stmt::Store { buf: *buf, index: index.clone(), value: r(value) },
+            s => s.clone(),
+        };
+        out.push(s);
+    }
+    // What the stores need, walking back.
+    let mut live: HashSet<Tmp> = outside.clone();
+    let mut keep = vec![false; out.len()];
+    for (j, s) in out.iter().enumerate().rev() {
+        if s.dst().is_none_or(|d| live.contains(&d)) {
+            keep[j] = true;
+            live.extend(stmt_reads(s));
+        }
+    }
+    out.into_iter().zip(keep).filter_map(|(s, k)| k.then_some(s)).collect()
+}
+
+/// The kernel with the temporaries in `known` holding the given booleans, each of its
+/// statement lists folded by [`fold_known`] (a list keeps what the others read).
+pub fn fold_known_kernel(k: &Kernel, known: &[(Tmp, bool)]) -> Kernel {
+    use std::collections::HashSet;
+    let mut out = k.clone();
+    let lists: Vec<&Vec<Stmt>> = std::iter::once(&k.prelude).chain(k.passes.iter().flat_map(|p| [&p.body, &p.after])).collect();
+    let mut red_reads: HashSet<Tmp> = HashSet::new();
+    for r in k.passes.iter().flat_map(|p| &p.reductions) {
+        red_reads.insert(r.src);
+        let mut v = Vec::new();
+        expr_tmps(&r.inner_index, &mut v);
+        expr_tmps(&r.count, &mut v);
+        red_reads.extend(v);
+    }
+    let outside = |skip: usize| -> HashSet<Tmp> {
+        let mut o = red_reads.clone();
+        for (j, l) in lists.iter().enumerate() {
+            if j != skip {
+                o.extend(l.iter().flat_map(stmt_reads));
+            }
+        }
+        o
+    };
+    out.prelude = fold_known(&k.prelude, known, &k.tmp_dtypes, &outside(0));
+    for (pi, p) in out.passes.iter_mut().enumerate() {
+        p.body = fold_known(&k.passes[pi].body, known, &k.tmp_dtypes, &outside(1 + 2 * pi));
+        p.after = fold_known(&k.passes[pi].after, known, &k.tmp_dtypes, &outside(2 + 2 * pi));
+    }
+    out
+}
+
 /// The temporaries an index expression reads.
 fn expr_tmps(e: &Expr, out: &mut Vec<Tmp>) {
     for a in e.atoms() {
