@@ -716,7 +716,7 @@ fn persistent_loads(k: &Kernel) -> Option<(i64, Held)> {
     // A value the first pass stores and later passes load back ([Note: stored values
     // reloaded] in braze-sched) is held like a load: the buffer's one store, of the value's
     // own dtype, and nothing in the first pass reads it.
-    let all = || k.prelude.iter().chain(k.passes.iter().flat_map(|p| p.body.iter().chain(&p.after)));
+    let all = || k.stmts();
     let held_store = |buf: u32, value: u32| {
         k.bufs.iter().any(|b| b.id == buf && b.dtype == k.tmp_dtypes[value as usize])
             && all().filter(|s| matches!(s, Stmt::Store { buf: b, .. } if *b == buf)).count() == 1

@@ -562,27 +562,6 @@ struct PieceGroup {
     slots: Vec<(u32, bool, Vec<String>)>,
 }
 
-/// Every index expression of `k` rebuilt by `f` (loads', stores', index values', random
-/// counters', masks', bounds', and the reductions' inner indices and counts).
-fn map_kernel_exprs(k: &mut Kernel, f: &dyn Fn(&Expr) -> Expr) {
-    let stmts = k.prelude.iter_mut().chain(k.passes.iter_mut().flat_map(|p| p.body.iter_mut().chain(p.after.iter_mut())));
-    for s in stmts {
-        match s {
-            Stmt::Load { index, .. } | Stmt::Store { index, .. } | Stmt::Index { index, .. } | Stmt::Random { index, .. } | Stmt::Bounded { hi: index, .. } => *index = f(index),
-            Stmt::InRange { index, lo, hi, .. } => {
-                *index = f(index);
-                *lo = f(lo);
-                *hi = f(hi);
-            }
-            _ => {}
-        }
-    }
-    for r in k.passes.iter_mut().flat_map(|p| p.reductions.iter_mut()) {
-        r.inner_index = f(&r.inner_index);
-        r.count = f(&r.count);
-    }
-}
-
 /// `k` with its temporaries numbered in order of definition (the prelude's, then each
 /// pass's body, reductions and `after`), so that kernels that differ only in which
 /// temporaries they name compare equal.
@@ -596,36 +575,20 @@ fn renumber_tmps(k: &Kernel) -> Kernel {
             order.push(t);
         }
     };
-    for s in &k.prelude {
-        if let Some(t) = s.dst() {
-            def(t, &mut map);
-        }
-    }
-    for p in &k.passes {
-        for s in &p.body {
-            if let Some(t) = s.dst() {
-                def(t, &mut map);
-            }
-        }
-        for r in &p.reductions {
-            def(r.dst, &mut map);
-        }
-        for s in &p.after {
-            if let Some(t) = s.dst() {
-                def(t, &mut map);
-            }
-        }
+    let defs = |l: &[Stmt]| l.iter().filter_map(Stmt::dst).collect::<Vec<_>>();
+    let defined = defs(&k.prelude).into_iter().chain(k.passes.iter().flat_map(|p| defs(&p.body).into_iter().chain(p.reductions.iter().map(|r| r.dst)).chain(defs(&p.after))));
+    for t in defined.collect::<Vec<_>>() {
+        def(t, &mut map);
     }
     // Temporaries read but defined nowhere here keep numbers after the defined ones.
     let mut out = k.clone();
-    let all_reads: Vec<u32> = k.prelude.iter().chain(k.passes.iter().flat_map(|p| p.body.iter().chain(&p.after))).flat_map(braze_sched::loop_ir::stmt_reads).chain(k.passes.iter().flat_map(|p| p.reductions.iter().map(|r| r.src))).collect();
+    let all_reads: Vec<u32> = k.stmts().flat_map(braze_sched::loop_ir::stmt_reads).chain(k.passes.iter().flat_map(|p| p.reductions.iter().map(|r| r.src))).collect();
     for t in all_reads {
         def(t, &mut map);
     }
     let m = |t: &mut u32| *t = map[t];
     // Index expressions name no temporaries here (`group_pieces` takes no such kernel).
-    let stmts = out.prelude.iter_mut().chain(out.passes.iter_mut().flat_map(|p| p.body.iter_mut().chain(p.after.iter_mut())));
-    for s in stmts {
+    for s in out.stmts_mut() {
         match s {
             Stmt::Load { dst, mask, .. } => {
                 m(dst);
@@ -681,11 +644,10 @@ fn group_pieces(v: u32, pieces: Vec<(i64, i64, Kernel)>) -> Option<Vec<PieceGrou
     let mut groups: Vec<Form> = Vec::new();
     for (a, b, piece) in pieces {
         let mut c = renumber_tmps(&piece);
-        map_kernel_exprs(&mut c, &|e| e.subst_vars(&|n| if n == v { Expr::var(v).add(&Expr::constant(a)) } else { Expr::var(n) }));
+        c.map_index_exprs(&|e| e.subst_vars(&|n| if n == v { Expr::var(v).add(&Expr::constant(a)) } else { Expr::var(n) }));
         let mut keys: Vec<(u32, i64)> = Vec::new();
         let (mut loaded, mut stored) = (Vec::new(), Vec::new());
-        let stmts = c.prelude.iter_mut().chain(c.passes.iter_mut().flat_map(|p| p.body.iter_mut().chain(p.after.iter_mut())));
-        for s in stmts {
+        for s in c.stmts_mut() {
             let (buf, index) = match s {
                 Stmt::Load { buf, index, .. } => {
                     loaded.push(*buf);
@@ -731,8 +693,7 @@ fn group_pieces(v: u32, pieces: Vec<(i64, i64, Kernel)>) -> Option<Vec<PieceGrou
                 // Slots every member fills alike are that buffer at that offset again.
                 let n_slots = members[0].len();
                 let same: Vec<bool> = (0..n_slots).map(|n| members.iter().all(|m| m[n] == members[0][n])).collect();
-                let stmts = kernel.prelude.iter_mut().chain(kernel.passes.iter_mut().flat_map(|p| p.body.iter_mut().chain(p.after.iter_mut())));
-                for s in stmts {
+                for s in kernel.stmts_mut() {
                     if let Stmt::Load { buf, index, .. } | Stmt::Store { buf, index, .. } = s {
                         let n = (*buf - SLOT_BASE) as usize;
                         if same[n] {
@@ -1331,8 +1292,7 @@ fn emit_column(k: &Kernel, e: &Emitter, out: &mut String, pragma: Option<String>
     // A concatenation along the columns ([Note: row segments]): chunks that stay within
     // one source, each group of pieces running the kernel folded for it, with its members'
     // pointers ([Note: piece groups]).
-    let all = || k.prelude.iter().chain(k.passes.iter().flat_map(|p| p.body.iter().chain(&p.after)));
-    let groups = k.outer[last].as_const().and_then(|n| concat_pieces(all(), last as u32, n)).and_then(|pieces| {
+    let groups = k.outer[last].as_const().and_then(|n| concat_pieces(k.stmts(), last as u32, n)).and_then(|pieces| {
         group_pieces(last as u32, pieces.into_iter().map(|(a, b, known)| (a, b, braze_sched::loop_ir::fold_known_kernel(k, &known))).collect())
     });
     match &groups {
@@ -1348,7 +1308,7 @@ fn emit_column(k: &Kernel, e: &Emitter, out: &mut String, pragma: Option<String>
             }
             for (gi, g) in groups.iter().enumerate() {
                 for (id, written, ptrs) in &g.slots {
-                    let (c, t) = (if *written { "" } else { "const " }, storage_type(g.kernel.bufs.iter().find(|b| b.id == *id).expect("a slot").dtype));
+                    let (c, t) = (if *written { "" } else { "const " }, storage_type(Emitter { k: &g.kernel, d: e.d }.buf_dtype(*id)));
                     writeln!(out, "  {c}{t}* const bz_g{gi}_p{id}[{}] = {{{}}};", ptrs.len(), ptrs.join(", ")).unwrap();
                 }
             }

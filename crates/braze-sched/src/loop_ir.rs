@@ -122,12 +122,22 @@ impl Kernel {
         out
     }
 
+    /// Every statement of the kernel: the prelude's, then each pass's body and `after`.
+    pub fn stmts(&self) -> impl Iterator<Item = &Stmt> {
+        self.prelude.iter().chain(self.passes.iter().flat_map(|p| p.body.iter().chain(&p.after)))
+    }
+
+    /// [`Kernel::stmts`], to rewrite in place.
+    pub fn stmts_mut(&mut self) -> impl Iterator<Item = &mut Stmt> {
+        self.prelude.iter_mut().chain(self.passes.iter_mut().flat_map(|p| p.body.iter_mut().chain(p.after.iter_mut())))
+    }
+
     /// Every index expression of the kernel: loads', stores', index values', random
     /// counters', bounds checks' and in-range masks' (index and bounds), and each reduction's
     /// inner index and count.
     pub fn index_exprs(&self) -> Vec<&Expr> {
         let mut out = Vec::new();
-        for s in self.prelude.iter().chain(self.passes.iter().flat_map(|p| p.body.iter().chain(&p.after))) {
+        for s in self.stmts() {
             match s {
                 Stmt::Load { index, .. } | Stmt::Store { index, .. } | Stmt::Index { index, .. } | Stmt::Random { index, .. } | Stmt::Bounded { hi: index, .. } => out.push(index),
                 Stmt::InRange { index, lo, hi, .. } => out.extend([index, lo, hi]),
@@ -138,6 +148,25 @@ impl Kernel {
             out.extend([&r.count, &r.inner_index]);
         }
         out
+    }
+
+    /// Every index expression of [`Kernel::index_exprs`] rebuilt by `f`.
+    pub fn map_index_exprs(&mut self, f: &dyn Fn(&Expr) -> Expr) {
+        for s in self.stmts_mut() {
+            match s {
+                Stmt::Load { index, .. } | Stmt::Store { index, .. } | Stmt::Index { index, .. } | Stmt::Random { index, .. } | Stmt::Bounded { hi: index, .. } => *index = f(index),
+                Stmt::InRange { index, lo, hi, .. } => {
+                    *index = f(index);
+                    *lo = f(lo);
+                    *hi = f(hi);
+                }
+                Stmt::Const { .. } | Stmt::Unary { .. } | Stmt::Binary { .. } | Stmt::Where { .. } | Stmt::Cast { .. } => {}
+            }
+        }
+        for r in self.passes.iter_mut().flat_map(|p| p.reductions.iter_mut()) {
+            r.inner_index = f(&r.inner_index);
+            r.count = f(&r.count);
+        }
     }
 
     /// The loop variables' extents in variable order (outer dims, then inner), where constant.
@@ -324,7 +353,7 @@ pub fn reload_stored_values(k: &mut Kernel) {
     }
     let written: Vec<BufId> = k.bufs.iter().filter(|b| b.written).map(|b| b.id).collect();
     let mut stores_of: std::collections::HashMap<BufId, usize> = std::collections::HashMap::new();
-    for s in k.prelude.iter().chain(k.passes.iter().flat_map(|p| p.body.iter().chain(&p.after))) {
+    for s in k.stmts() {
         if let Stmt::Store { buf, .. } = s {
             *stores_of.entry(*buf).or_default() += 1;
         }
@@ -398,7 +427,7 @@ pub fn store_for_reload(k: &mut Kernel) -> bool {
         return false;
     }
     let stores: Vec<&Stmt> =
-        k.prelude.iter().chain(k.passes.iter().flat_map(|p| p.body.iter().chain(&p.after))).filter(|s| matches!(s, Stmt::Store { .. })).collect();
+        k.stmts().filter(|s| matches!(s, Stmt::Store { .. })).collect();
     let [Stmt::Store { buf, index, value }] = stores.as_slice() else { return false };
     let (buf, index, value) = (*buf, index.clone(), *value);
     let Some(bdt) = k.bufs.iter().find(|b| b.id == buf).map(|b| b.dtype) else { return false };
@@ -461,7 +490,7 @@ pub fn store_for_reload(k: &mut Kernel) -> bool {
 fn drop_unused(k: &mut Kernel) {
     loop {
         let mut used = std::collections::HashSet::new();
-        let all = k.prelude.iter().chain(k.passes.iter().flat_map(|p| p.body.iter().chain(&p.after)));
+        let all = k.stmts();
         for s in all {
             used.extend(stmt_reads(s));
         }
@@ -503,7 +532,7 @@ pub fn fold_known(body: &[Stmt], known: &[(Tmp, bool)], dtypes: &[DType], outsid
     let named: HashSet<Tmp> = body
         .iter()
         .flat_map(|s| match s {
-            Stmt::Load { index, .. } | Stmt::Index { index, .. } | Stmt::Random { index, .. } | Stmt::Store { index, .. } => vec![index],
+            Stmt::Load { index, .. } | Stmt::Index { index, .. } | Stmt::Random { index, .. } | Stmt::Store { index, .. } | Stmt::Bounded { hi: index, .. } => vec![index],
             Stmt::InRange { index, lo, hi, .. } => vec![index, lo, hi],
             _ => vec![],
         })

@@ -48,7 +48,7 @@ fn fold_divmods(k: &mut Kernel) {
 /// ranges, reductions' inner indices) by `f` of it.
 fn map_indices(k: &mut Kernel, f: &dyn Fn(&Expr) -> Expr) {
     let map = |e: &mut Expr| *e = f(e);
-    for s in k.prelude.iter_mut().chain(k.passes.iter_mut().flat_map(|p| p.body.iter_mut().chain(p.after.iter_mut()))) {
+    for s in k.stmts_mut() {
         match s {
             Stmt::Load { index, .. } | Stmt::Store { index, .. } | Stmt::Index { index, .. } | Stmt::Random { index, .. } | Stmt::Bounded { hi: index, .. } => map(index),
             Stmt::InRange { index, lo, hi, .. } => {
@@ -75,7 +75,7 @@ fn mergeable(k: &Kernel, v: usize) -> bool {
     let next = size(k, v + 1);
     let affine = |e: &Expr| matches!((e.var_coef(a), e.var_coef(b)), (Some(ca), Some(cb)) if ca == cb.mul(next));
     let free = |e: &Expr| !e.uses_var(a) && !e.uses_var(b);
-    let mut stmts = k.prelude.iter().chain(k.passes.iter().flat_map(|p| p.body.iter().chain(&p.after)));
+    let mut stmts = k.stmts();
     let stmts_ok = stmts.all(|s| match s {
         Stmt::Load { index, .. } | Stmt::Store { index, .. } | Stmt::Random { index, .. } => affine(index),
         Stmt::Index { index, .. } | Stmt::Bounded { hi: index, .. } => free(index),

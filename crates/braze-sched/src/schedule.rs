@@ -770,7 +770,7 @@ fn drop_dead_stores(buffers: &[Buffer], kernels: &mut [Kernel], steps: &[Step], 
         }
     }
     for k in kernels.iter() {
-        for st in k.prelude.iter().chain(k.passes.iter().flat_map(|p| p.body.iter().chain(&p.after))) {
+        for st in k.stmts() {
             if let Stmt::Load { buf, .. } = st {
                 read[*buf as usize] = true;
             }
