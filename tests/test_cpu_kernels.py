@@ -619,3 +619,56 @@ def test_wide_load_groups_not_forced_to_vectorize():
     wide = [body for body in kernels.values() if "4096*i3 + 455]" in body]
     assert len(wide) == 1 and "omp simd" not in wide[0], src
     assert any("omp simd" in body for name, body in kernels.items() if body not in wide), src
+
+
+def test_column_variances_fold_blocks_across_threads():
+    """[Note: column Welford in blocks] and [Note: column chunk width]: channels_last
+    variances (BatchNorm's statistics in training) gather rows in blocks and fold each block
+    into the column's Welford state, instead of a division per element; a 64-channel kernel is
+    cut into chunks narrower than 64 columns so both threads work. Values against float64
+    (within a few times eager's error, with a tail block and a mean far from zero), two reduced
+    dims that do not merge, and a BatchNorm + ReLU training step against eager."""
+    torch.manual_seed(0)
+
+    def stats(x, dims, correction):
+        return torch.var_mean(x, dims, correction=correction)
+
+    base = torch.randn(3, 6, 36, 64) * 2 + 3
+    cases = [
+        (torch.randn(4, 64, 21, 17).contiguous(memory_format=torch.channels_last) * 3 + 5, (0, 2, 3), 0),
+        (torch.randn(3, 5, 7, 96) - 4, (0, 1, 2), 1),
+        (base[:, 1:, 3:, :], (0, 1, 2), 0),
+    ]
+    n0 = len(braze.stats.records)
+    for x, dims, corr in cases:
+        torch._dynamo.reset()  # each case's correction a constant, not a symbolic int
+        got = compiled(stats, options={"on_unsupported": "error"})(x, dims, corr)
+        want = stats(x.double(), dims, corr)
+        for g, w, e in zip(got, want, stats(x, dims, corr)):
+            err = ((g.double() - w).abs() / w.abs()).max().item()
+            err_eager = ((e.double() - w).abs() / w.abs()).max().item()
+            assert err <= max(4 * err_eager, 5e-7), (err, err_eager)
+        assert not braze.stats.records[-1]["externs"], braze.stats.records[-1]["externs"]
+    src = "\n".join(r["source"] for r in braze.stats.records[n0:] if r.get("source"))
+    kernels = "".join(part.split("\n}\n", 1)[0] for part in src.split("void braze_")[1:])
+    assert kernels and "bz_wdivd(" not in kernels, kernels
+    assert "bz_c" in src and "bz_nb" in src, src
+    # 64 columns: four chunks of 16.
+    assert "const int64_t nch = (64 + 16 - 1) / 16;" in src, src
+
+    bn = torch.nn.BatchNorm2d(64)
+    ref = torch.nn.BatchNorm2d(64)
+    ref.load_state_dict(bn.state_dict())
+    x = torch.randn(2, 64, 20, 20).contiguous(memory_format=torch.channels_last).requires_grad_(True)
+    xr = x.detach().clone().requires_grad_(True)
+    c = torch.compile(lambda x: torch.relu(bn(x)), backend="braze", options={"on_unsupported": "error"})
+    y = c(x)
+    yr = torch.relu(ref(xr))
+    torch.testing.assert_close(y, yr, rtol=1e-5, atol=1e-5)
+    g = torch.randn_like(y)
+    y.backward(g)
+    yr.backward(g)
+    torch.testing.assert_close(x.grad, xr.grad, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(bn.weight.grad, ref.weight.grad, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(bn.running_var, ref.running_var)
+    assert braze.stats.graphs_eager == 0

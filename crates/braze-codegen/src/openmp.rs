@@ -184,7 +184,8 @@ impl Dialect for OpenMp {
     }
 }
 
-/// Elements below which a kernel runs on one thread (thread start-up costs more).
+/// Elements below which a kernel runs on one thread (thread start-up costs more), divided
+/// by a reduction's passes over them.
 const PARALLEL_MIN: i64 = 32768;
 
 fn product(v: &[Expr]) -> Expr {
@@ -236,10 +237,14 @@ pub fn emit_kernel(k: &Kernel, out: &mut String) -> Result<Vec<u32>, CodegenErro
     // `parallel ... if(0)` still enters the OpenMP runtime (a team of one) per call, most of
     // a tiny kernel's time (`x + 1` on 8 elements: 0.80 -> 0.29 us per run). A static size
     // decides at compile time; a symbolic one branches between the two loop nests.
+    // Each pass of a reduction walks the elements again: a BatchNorm's statistics and its
+    // normalization over 128 x 224 channels_last elements (two passes, 57k element steps) ran
+    // on one thread while the other waited (DenseNet-121's training step on the 2-core machine).
+    let min = PARALLEL_MIN / k.passes.len().max(1) as i64;
     match total.as_const() {
-        Some(n) => emit_loops(k, &e, &mut body, n < PARALLEL_MIN, 1)?,
+        Some(n) => emit_loops(k, &e, &mut body, n < min, 1)?,
         None => {
-            writeln!(body, "  if ({} >= {PARALLEL_MIN}) {{", crate::c_emit::index(&total)).unwrap();
+            writeln!(body, "  if ({} >= {min}) {{", crate::c_emit::index(&total)).unwrap();
             emit_loops(k, &e, &mut body, false, 2)?;
             writeln!(body, "  }} else {{").unwrap();
             emit_loops(k, &e, &mut body, true, 2)?;
@@ -1271,6 +1276,28 @@ fn emit_lane_body(
 
 /// Columns of a column kernel handled together (the vector loop's length).
 const COL_CHUNK: i64 = 64;
+/// Chunks a column kernel is cut into at least, where its sizes are known, so that its
+/// threads share the work ([`col_width`]).
+const MIN_COL_CHUNKS: i64 = 8;
+
+/// Columns per chunk of a column kernel, given its number of chunks at a width (None where
+/// sizes are symbolic).
+///
+/// [Note: column chunk width] A column kernel's threads take whole chunks: a channels_last
+/// BatchNorm over 64 channels was one chunk of 64 columns, run by one thread while the others
+/// waited, and a concatenation's chunks of 64 and 32 columns split 160 : 96 between two
+/// threads (DenseNet-121's training step on the 2-core machine: braze's kernels 3 : 1 between
+/// its two threads). The width is halved, down to 16 columns (two AVX2 or one AVX-512 vector),
+/// while the kernel would have fewer than `MIN_COL_CHUNKS` chunks. Each column's reduction runs
+/// in the same order at any width, so results do not depend on it.
+fn col_width(chunks: impl Fn(i64) -> Option<i64>) -> i64 {
+    let mut width = COL_CHUNK;
+    while width > 16 && chunks(width).is_some_and(|n| n < MIN_COL_CHUNKS) {
+        width /= 2;
+    }
+    width
+}
+
 /// Rows a column sum adds into a partial sum of its own ([Note: column sums in blocks]).
 const COL_SUM_BLOCK: i64 = 256;
 
@@ -1295,13 +1322,20 @@ fn emit_column(k: &Kernel, e: &Emitter, out: &mut String, pragma: Option<String>
     let groups = k.outer[last].as_const().and_then(|n| concat_pieces(k.stmts(), last as u32, n)).and_then(|pieces| {
         group_pieces(last as u32, pieces.into_iter().map(|(a, b, known)| (a, b, braze_sched::loop_ir::fold_known_kernel(k, &known))).collect())
     });
+    let width = col_width(|w| {
+        let per_lead = match &groups {
+            Some(groups) => Some(groups.iter().flat_map(|g| g.spans.iter()).map(|&(a, b)| (b - a + w - 1) / w).sum::<i64>()),
+            None => k.outer[last].as_const().map(|c| (c + w - 1) / w),
+        };
+        Some(per_lead? * lead.as_const()?)
+    });
     match &groups {
         Some(groups) => {
             // Chunks: (start within the member, columns, group, member).
             let chunks: Vec<[i64; 4]> = groups
                 .iter()
                 .enumerate()
-                .flat_map(|(gi, g)| g.spans.iter().enumerate().flat_map(move |(q, &(a, b))| (0..b - a).step_by(COL_CHUNK as usize).map(move |cb| [cb, (b - a - cb).min(COL_CHUNK), gi as i64, q as i64])))
+                .flat_map(|(gi, g)| g.spans.iter().enumerate().flat_map(move |(q, &(a, b))| (0..b - a).step_by(width as usize).map(move |cb| [cb, (b - a - cb).min(width), gi as i64, q as i64])))
                 .collect();
             for (f, name) in ["bz_cb", "bz_cn", "bz_group", "bz_member"].iter().enumerate() {
                 writeln!(out, "  static const int32_t {name}[{}] = {{{}}};", chunks.len(), chunks.iter().map(|ch| ch[f].to_string()).collect::<Vec<_>>().join(", ")).unwrap();
@@ -1314,7 +1348,7 @@ fn emit_column(k: &Kernel, e: &Emitter, out: &mut String, pragma: Option<String>
             }
             writeln!(out, "  const int64_t nch = {};", chunks.len()).unwrap();
         }
-        None => writeln!(out, "  const int64_t nch = ({c} + {COL_CHUNK} - 1) / {COL_CHUNK};").unwrap(),
+        None => writeln!(out, "  const int64_t nch = ({c} + {width} - 1) / {width};").unwrap(),
     }
     if let Some(pragma) = pragma {
         writeln!(out, "  {pragma}").unwrap();
@@ -1324,8 +1358,8 @@ fn emit_column(k: &Kernel, e: &Emitter, out: &mut String, pragma: Option<String>
         writeln!(out, "    const int64_t cb = bz_cb[x % nch];").unwrap();
         writeln!(out, "    const int64_t cn = bz_cn[x % nch];").unwrap();
     } else {
-        writeln!(out, "    const int64_t cb = (x % nch) * {COL_CHUNK};").unwrap();
-        writeln!(out, "    const int64_t cn = {c} - cb < {COL_CHUNK} ? {c} - cb : {COL_CHUNK};").unwrap();
+        writeln!(out, "    const int64_t cb = (x % nch) * {width};").unwrap();
+        writeln!(out, "    const int64_t cn = {c} - cb < {width} ? {c} - cb : {width};").unwrap();
     }
     let mut rest = "(x / nch)".to_string();
     for d in (0..last).rev() {
@@ -1418,6 +1452,9 @@ fn emit_column_chunk(k: &Kernel, e: &Emitter, out: &mut String) -> Result<(), Co
             }
             writeln!(out, "    }}").unwrap();
         }
+        if column_welford(k, p, e) {
+            emit_column_welford(k, p, e, out, &format!("{col} {}", read_known(&known)))?;
+        } else {
         // [Note: column sums in blocks] A column's sum over many rows added one row at a time
         // into one accumulator has a rounding error growing with the rows: a sum over the
         // 25 088 rows of a 25 088 x 64 f32 tensor (channels_last BatchNorm sums over 2 x 112 x
@@ -1462,6 +1499,7 @@ fn emit_column_chunk(k: &Kernel, e: &Emitter, out: &mut String) -> Result<(), Co
             depth -= 1;
             writeln!(out, "{}}}", "  ".repeat(depth)).unwrap();
         }
+        }
         if states.is_empty() && p.after.is_empty() {
             continue;
         }
@@ -1482,6 +1520,130 @@ fn emit_column_chunk(k: &Kernel, e: &Emitter, out: &mut String) -> Result<(), Co
             known.extend(ts);
         }
         writeln!(out, "    }}").unwrap();
+    }
+    Ok(())
+}
+
+/// Rows of a column's variance gathered before they are folded into its Welford state
+/// ([Note: column Welford in blocks]).
+const COL_WELFORD_BLOCK: i64 = 32;
+
+/// Whether a column kernel's pass runs as [`emit_column_welford`]: its reductions are
+/// variances of floats and sums, at least one variance.
+fn column_welford(k: &Kernel, p: &braze_sched::loop_ir::Pass, e: &Emitter) -> bool {
+    !k.inner.is_empty()
+        && p.reductions.iter().any(|r| r.kind == ReduceKind::Var)
+        && p.reductions.iter().all(|r| (r.kind == ReduceKind::Var && e.dt(r.src).is_float()) || r.kind == ReduceKind::Sum)
+}
+
+/// The row loops of a column kernel's pass of variances ([`emit_column_chunk`] declared and
+/// initialized the pass's states `{state}_v[j]`; `head` defines the column's index and the
+/// values known before the pass).
+///
+/// [Note: column Welford in blocks] Welford's update divides by the count at every element:
+/// in a column kernel (BatchNorm's statistics in channels_last training) that was a double
+/// division per element and column, the kernel's bottleneck (DenseNet-121's BatchNorms over
+/// its concatenations on the 2-core machine). The innermost reduced dim now runs in blocks of
+/// `COL_WELFORD_BLOCK` rows: a vector loop over the chunk's columns computes the pass's body
+/// once per row, keeps each variance's value in a block array and sums it (plain sums of the
+/// pass add into partial sums, as [Note: column sums in blocks] does); after the block, each
+/// column's block mean, its squared deviations from it, and a merge of (mean, M2, count) into
+/// the column's Welford state by Chan et al.'s formula, as [Note: chunked Welford] merges a
+/// row's chunks: one division per block and column.
+fn emit_column_welford(k: &Kernel, p: &braze_sched::loop_ir::Pass, e: &Emitter, out: &mut String, head: &str) -> Result<(), CodegenError> {
+    let ix = crate::c_emit::index;
+    let pad = |d: usize| "  ".repeat(d);
+    let n_outer = k.outer.len();
+    let (vars, plain): (Vec<_>, Vec<_>) = p.reductions.iter().partition(|r| r.kind == ReduceKind::Var);
+    let ct = |r: &braze_sched::loop_ir::Reduction| crate::dialect::compute_type(e.dt(r.src));
+    let block = COL_WELFORD_BLOCK;
+    for r in &vars {
+        let (t, n) = (ct(r), r.dst);
+        writeln!(out, "    {t} bz_c{n}[{block} * {COL_CHUNK}]; {t} bz_s{n}_v[{COL_CHUNK}]; {t} bz_m{n}_v[{COL_CHUNK}]; {t} bz_q{n}_v[{COL_CHUNK}];").unwrap();
+    }
+    let partial: Vec<(&str, String)> = plain.iter().flat_map(|r| e.red_state(r)).collect();
+    for (t, n) in &partial {
+        writeln!(out, "    {t} {n}_p[{COL_CHUNK}];").unwrap();
+    }
+    let last = k.inner.len() - 1;
+    let v = n_outer + last;
+    let mut depth = 2;
+    for (j, size) in k.inner.iter().enumerate() {
+        let (q, i) = (pad(depth), n_outer + j);
+        if j < last {
+            writeln!(out, "{q}for (int64_t i{i} = 0; i{i} < {}; i{i}++) {{", ix(size)).unwrap();
+            depth += 1;
+            continue;
+        }
+        let s = ix(size);
+        writeln!(out, "{q}for (int64_t i{i}b = 0; i{i}b < {s}; i{i}b += {block}) {{").unwrap();
+        writeln!(out, "{q}  const int64_t i{i}e = i{i}b + {block} < {s} ? i{i}b + {block} : {s};").unwrap();
+        let zero: Vec<String> = vars
+            .iter()
+            .flat_map(|r| [format!("bz_s{}_v[j] = 0;", r.dst), format!("bz_q{}_v[j] = 0;", r.dst)])
+            .chain(partial.iter().map(|(_, n)| format!("{n}_p[j] = 0;")))
+            .collect();
+        writeln!(out, "{q}  for (int64_t j = 0; j < cn; j++) {{ {} }}", zero.join(" ")).unwrap();
+        writeln!(out, "{q}  for (int64_t i{i} = i{i}b; i{i} < i{i}e; i{i}++) {{").unwrap();
+        depth += 2;
+    }
+    let q = pad(depth);
+    writeln!(out, "{q}#pragma omp simd").unwrap();
+    writeln!(out, "{q}for (int64_t j = 0; j < cn; j++) {{").unwrap();
+    writeln!(out, "{q}  {head}").unwrap();
+    for (t, n) in &partial {
+        writeln!(out, "{q}  {t} {n} = {n}_p[j];").unwrap();
+    }
+    for s in &p.body {
+        writeln!(out, "{q}  {}", e.stmt(s)?).unwrap();
+    }
+    for r in &vars {
+        writeln!(out, "{q}  bz_c{n}[(i{v} - i{v}b) * {COL_CHUNK} + j] = t{s}; bz_s{n}_v[j] += t{s};", n = r.dst, s = r.src).unwrap();
+    }
+    for r in &plain {
+        writeln!(out, "{q}  {}", e.red_update(r)).unwrap();
+    }
+    for (_, n) in &partial {
+        writeln!(out, "{q}  {n}_p[j] = {n};").unwrap();
+    }
+    writeln!(out, "{q}}}").unwrap();
+    depth -= 1;
+    writeln!(out, "{}}}", pad(depth)).unwrap();
+    // The block's deviations and its merge into each column's state.
+    let q = pad(depth);
+    writeln!(out, "{q}const int64_t bz_nb = i{v}e - i{v}b;").unwrap();
+    for r in &vars {
+        let (t, n) = (ct(r), r.dst);
+        writeln!(out, "{q}#pragma omp simd").unwrap();
+        writeln!(out, "{q}for (int64_t j = 0; j < cn; j++) bz_m{n}_v[j] = bz_s{n}_v[j] / ({t})bz_nb;").unwrap();
+        writeln!(out, "{q}for (int64_t bz_r = 0; bz_r < bz_nb; bz_r++) {{").unwrap();
+        writeln!(out, "{q}  #pragma omp simd").unwrap();
+        writeln!(out, "{q}  for (int64_t j = 0; j < cn; j++) {{ const {t} d = bz_c{n}[bz_r * {COL_CHUNK} + j] - bz_m{n}_v[j]; bz_q{n}_v[j] += d * d; }}").unwrap();
+        writeln!(out, "{q}}}").unwrap();
+    }
+    writeln!(out, "{q}for (int64_t j = 0; j < cn; j++) {{").unwrap();
+    for r in &vars {
+        let n = r.dst;
+        for (t, s) in e.red_state(r) {
+            writeln!(out, "{q}  {t} {s} = {s}_v[j];").unwrap();
+        }
+        let block_state = |state: &str| match &state[..2] {
+            "wm" => format!("bz_m{n}_v[j]"),
+            "wq" => format!("bz_q{n}_v[j]"),
+            _ => "bz_nb".to_string(),
+        };
+        writeln!(out, "{q}  {}", e.red_combine(r, &block_state)).unwrap();
+        for (_, s) in e.red_state(r) {
+            writeln!(out, "{q}  {s}_v[j] = {s};").unwrap();
+        }
+    }
+    for (_, n) in &partial {
+        writeln!(out, "{q}  {n}_v[j] += {n}_p[j];").unwrap();
+    }
+    writeln!(out, "{q}}}").unwrap();
+    while depth > 2 {
+        depth -= 1;
+        writeln!(out, "{}}}", pad(depth)).unwrap();
     }
     Ok(())
 }
