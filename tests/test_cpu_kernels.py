@@ -5,6 +5,7 @@ import os
 import re
 import sys
 import threading
+import warnings
 
 import pytest
 import torch
@@ -231,6 +232,36 @@ def test_variance_is_chunked(n):
     torch.testing.assert_close(f(x), fn(x), rtol=1e-3, atol=1e-3)
     src = "\n".join(r["source"] for r in braze.stats.records[n0:] if r.get("source"))
     assert "bz_c" in src and "_v[32]" not in src, src
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_variance_correction_changing_or_fractional(dtype):
+    """`correction` passed as a Python number that changes between calls (Dynamo makes it a
+    symbolic int; `std` decomposes it to a symbolic float) or that is fractional: braze's
+    kernels, not ATen's, divide by `max(n - correction, 0)` as eager does (inf at and past
+    n), forward and backward."""
+    torch._dynamo.reset()
+
+    def f(x, c):
+        v, m = torch.var_mean(x, (0, 2), correction=c)
+        return v * m, torch.std(x, 1, correction=c)
+
+    c = compiled(f, options={"on_unsupported": "error"})
+    before = dict(braze.stats.extern_ops)
+    tol = {"rtol": 2e-2, "atol": 2e-2} if dtype == torch.bfloat16 else {}
+    for corr in (0, 1, 2, 0.5, 3, 1.5, 6, 9):
+        x = torch.randn(4, 6, 5, dtype=dtype, requires_grad=True)
+        xr = x.detach().clone().requires_grad_(True)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # eager: "degrees of freedom is <= 0"
+            got, want = c(x, corr), f(xr, corr)
+        torch.testing.assert_close(got, want, equal_nan=True, **tol)
+        if corr < 5:
+            g = [torch.randn_like(t) for t in want]
+            torch.autograd.backward(got, g)
+            torch.autograd.backward(want, g)
+            torch.testing.assert_close(x.grad, xr.grad, **tol)
+    assert braze.stats.extern_ops == before, braze.stats.extern_ops
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.int32, torch.int64, torch.bfloat16, torch.float16])

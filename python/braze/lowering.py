@@ -101,6 +101,17 @@ def sym_val(v):
     return int(t) if t.lstrip("-").isdigit() else t
 
 
+def _int_of_float(v):
+    """For a SymFloat `ToFloat(e)` of an integer size expression `e`: `e` as a braze size
+    expression; else None."""
+    if not isinstance(v, torch.SymFloat):
+        return None
+    expr = v.node.expr
+    if type(expr).__name__ != "ToFloat" or len(expr.args) != 1 or not getattr(expr.args[0], "is_integer", False):
+        return None
+    return str(expr.args[0]).replace(" ", "")
+
+
 def sym_value(v):
     """A SymInt/SymFloat/SymBool as a Num when its value is known, else a SymRef."""
     node = v.node
@@ -328,9 +339,14 @@ class Lowerer:
                 if isinstance(v, SymRef):
                     # A size used as a number (the mean's backward divides by the element
                     # count): a scalar of the size's value, read from the call's symbols.
-                    if isinstance(x.meta.get("val"), torch.SymInt):
-                        return _size_scalar(self, x.meta["val"], dtype or torch.int64)
-                    raise Unsupported("SymInt used as a tensor")
+                    val = x.meta.get("val")
+                    if isinstance(val, torch.SymInt):
+                        return _size_scalar(self, val, dtype or torch.int64)
+                    inner = _int_of_float(val)
+                    if inner is not None:
+                        # `sym_float` of a size (std's decomposition passes its correction so)
+                        return self.op("size", value=inner, dtype=dt(dtype or torch.float32))
+                    raise Unsupported("symbolic number used as a tensor")
                 raise Unsupported(f"{x} is not a tensor")
             return self.cast(v, dtype) if dtype is not None else v
         if isinstance(x, (bool, int, float)):
@@ -1691,10 +1707,35 @@ def _any(L, node, x, dim=None, keepdim=False):
     return _reduce(L, kind, t, _dims(dim, L.rank(t)), keepdim)
 
 
-def _correction(correction, unbiased):
-    if correction is not None:
-        return correction
-    return 1 if unbiased is None or unbiased else 0
+def _correction(L, correction, unbiased):
+    """The variance's correction: an int when it is one at compile time, else the FX node or
+    float it was given (see `_variance`)."""
+    if correction is None:
+        return 1 if unbiased is None or unbiased else 0
+    if isinstance(correction, torch.fx.Node) and isinstance(L.env.get(correction), Num):
+        correction = L.env[correction].value
+    if isinstance(correction, float) and correction.is_integer():
+        correction = int(correction)
+    return correction
+
+
+def _variance(L, t, ds, keepdim, correction, n, od):
+    """`var` over `ds` divided by `max(n - correction, 0)`, as eager divides. An int correction
+    is the reduction's attribute; a fractional one, or one Dynamo made a symbol (a Python int
+    that changed between calls), rescales the population variance: `var0 * n / max(n - c, 0)`,
+    in float32 for half types."""
+    if isinstance(correction, int) and not isinstance(correction, bool):
+        return _reduce(L, "var", t, ds, keepdim, correction)
+    acc = _acc_dtype(od)
+    v = L.cast(_reduce(L, "var", t, ds, keepdim, 0), acc)
+    nn = _size_scalar(L, n, acc)
+    den = L.op("max", L.op("sub", nn, L.tensor(correction, acc)), L.scalar(0, acc))
+    return L.cast(L.op("div", L.op("mul", v, nn), den), od)
+
+
+def _numel_over(x, ds):
+    src = x.meta["val"]
+    return math.prod(src.shape[d] for d in ds) if src.dim() else 1
 
 
 @register(A("var"))
@@ -1703,7 +1744,8 @@ def _var(L, node, x, dims=None, unbiased=None, keepdim=False, correction=None):
         unbiased, dims = dims, None
     od = out_dtype(node)
     t = L.tensor(x, od)
-    return _reduce(L, "var", t, _dims(dims, L.rank(t)), keepdim, _correction(correction, unbiased))
+    ds = _dims(dims, L.rank(t))
+    return _variance(L, t, ds, keepdim, _correction(L, correction, unbiased), _numel_over(x, ds), od)
 
 
 @register(A("var_mean"))
@@ -1713,9 +1755,8 @@ def _var_mean(L, node, x, dims=None, unbiased=None, keepdim=False, correction=No
     od = node.meta["val"][0].dtype
     t = L.tensor(x, od)
     ds = _dims(dims, L.rank(t))
-    var = _reduce(L, "var", t, ds, keepdim, _correction(correction, unbiased))
-    src = x.meta["val"]
-    n = math.prod(src.shape[d] for d in ds) if src.dim() else 1
+    n = _numel_over(x, ds)
+    var = _variance(L, t, ds, keepdim, _correction(L, correction, unbiased), n, od)
     mean = L.op("div", _reduce(L, "sum", t, ds, keepdim), _size_scalar(L, n, od))
     return (var, mean)
 

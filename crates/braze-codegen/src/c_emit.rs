@@ -402,7 +402,13 @@ impl Emitter<'_> {
         let ct = compute_type(self.dt(n));
         match r.kind {
             ReduceKind::ArgMax | ReduceKind::ArgMin => format!("{ct} t{n} = ai{n};"),
-            ReduceKind::Var => format!("{ct} t{n} = ({ct})(wq{n} / ({}) (wn{n} - {}));", self.d.variance_type(self.dt(r.src)), r.correction),
+            // Divided by max(count - correction, 0), as eager: inf (or NaN), not a negative
+            // variance, when the correction reaches the count.
+            ReduceKind::Var if r.correction == 0 => format!("{ct} t{n} = ({ct})(wq{n} / ({}) wn{n});", self.d.variance_type(self.dt(r.src))),
+            ReduceKind::Var => {
+                let c = r.correction;
+                format!("{ct} t{n} = ({ct})(wq{n} / ({}) (wn{n} > {c} ? wn{n} - {c} : 0));", self.d.variance_type(self.dt(r.src)))
+            }
             _ => format!("{ct} t{n} = ({ct})a{n};"),
         }
     }
