@@ -908,6 +908,92 @@ def test_gpu_lowering_of_library_ops_without_a_gpu(monkeypatch):
     assert "var dims=[0, 2, 3] keepdim=true correction=0" in text, text
 
 
+def test_dynamic_reshape_of_a_strided_input_stays_its_view(device):
+    """Under dynamic shapes an input in another order (an LSTM's output, batch_first, as
+    Sequencer2d's blocks get it) reshaped by splitting a symbolic dim (`2*s0 -> 2, s0`) is a
+    view in eager, so AOTAutograd rebuilds the output from the input with the strides braze
+    returns. braze could not group `2*s0` with `2, s0`, made a contiguous copy, and
+    AOTAutograd applied the copy's strides to the input: wrong values. The grouping now
+    divides symbolic sizes; an output that must alias an input and cannot is refused (the
+    graph runs eagerly) rather than returned as a copy."""
+    def f(t, x, w, h):
+        return t.reshape(2, w, h, -1).permute(0, 2, 1, 3), x.reshape(-1, w, 7) * 2
+
+    c = compiled(f, dynamic=True, options={"on_unsupported": "error"})
+    for n in (16, 8, 11):
+        t = torch.randn(n, 2 * n, 12, device=device).transpose(0, 1)
+        x = torch.randn(4, n, 7, device=device)
+        got, want = c(t, x, n, n), f(t, x, n, n)
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b)
+            assert a.stride() == b.stride(), (a.stride(), b.stride())
+        assert got[0].data_ptr() == t.data_ptr()
+    _no_eager()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_nearest_upsampling_by_whole_factors(device, dtype):
+    """[Note: nearest upsampling as a broadcast]: nearest and linear `interpolate` /
+    `nn.Upsample` by whole factors (1-d, 2-d and 3-d, contiguous and channels-last, `size` or
+    `scale_factor`, `nearest-exact`, `bilinear`, `trilinear`) trains with braze's kernels: no
+    accumulating index_put left to ATen in the backward, eager's values, gradients and output
+    strides. A factor that is not whole, or `align_corners=True`, keeps the gathers (their
+    backward stays ATen's)."""
+    torch.manual_seed(0)
+    cl, cl3 = torch.channels_last, torch.channels_last_3d
+    cases = [
+        ((2, 3, 6, 5), None, lambda x: F.interpolate(x, scale_factor=2)),
+        ((2, 8, 6, 5), cl, lambda x: F.interpolate(x, size=(12, 15), mode="nearest")),
+        ((2, 8, 6, 5), cl, torch.nn.Upsample(scale_factor=(2, 3))),
+        ((2, 4, 7), None, lambda x: F.interpolate(x, scale_factor=4)),
+        ((1, 4, 3, 4, 5), cl3, lambda x: F.interpolate(x, scale_factor=2, mode="nearest-exact")),
+        ((2, 4, 6, 6), None, lambda x: F.interpolate(x, size=(12, 12), mode="nearest-exact")),
+        ((2, 8, 6, 5), cl, lambda x: F.interpolate(x, scale_factor=2, mode="bilinear", align_corners=False)),
+        ((2, 3, 5, 4), None, torch.nn.Upsample(size=(15, 8), mode="bilinear")),
+        ((2, 4, 7), None, lambda x: F.interpolate(x, scale_factor=3, mode="linear")),
+        ((1, 4, 3, 4, 5), cl3, lambda x: F.interpolate(x, scale_factor=(2, 1, 2), mode="trilinear")),
+    ]
+    tol = {"rtol": 2e-2, "atol": 2e-2} if dtype == torch.bfloat16 else {}
+    for shape, fmt, up in cases:
+        torch._dynamo.reset()
+        braze.stats.reset()
+
+        def f(x, w):
+            return up(torch.relu(x) * w).sin() * 3
+
+        x = torch.randn(*shape, device=device, dtype=dtype)
+        if fmt is not None:
+            x = x.contiguous(memory_format=fmt)
+        w = torch.randn(shape[1], *[1] * (len(shape) - 2), device=device, dtype=dtype)
+        xs = [t.detach().clone().requires_grad_(True) for t in (x, x)]
+        ws = [t.detach().clone().requires_grad_(True) for t in (w, w)]
+        got = compiled(f, options={"on_unsupported": "error"})(xs[0], ws[0])
+        want = f(xs[1], ws[1])
+        torch.testing.assert_close(got, want, **tol)
+        assert got.stride() == want.stride(), (got.stride(), want.stride())
+        g = torch.randn_like(want)
+        got.backward(g)
+        if dtype == torch.bfloat16:
+            # Eager's bf16 index_put rounds after each add of a block; braze sums a block in
+            # f32 and rounds once. Both against float32 eager on the same values.
+            xs[1], ws[1] = (t.detach().float().requires_grad_(True) for t in (x, w))
+            f(xs[1], ws[1]).backward(g.float())
+        else:
+            want.backward(g)
+        torch.testing.assert_close(xs[0].grad, xs[1].grad.to(dtype), **tol)
+        torch.testing.assert_close(ws[0].grad, ws[1].grad.to(dtype), **tol)
+        _no_eager()
+        assert not [k for k in braze.stats.extern_ops if "index" in k], braze.stats.extern_ops
+
+    # 6 -> 9 is no whole factor, align_corners=True no phase pattern: the gathers stay, with
+    # eager's values.
+    x = torch.randn(2, 3, 6, 5, device=device, dtype=dtype)
+    for f in (lambda x: F.interpolate(x, size=(9, 10)) * 2,
+              lambda x: F.interpolate(x, scale_factor=2, mode="bilinear", align_corners=True) * 2):
+        torch._dynamo.reset()
+        torch.testing.assert_close(compiled(f)(x), f(x), **tol)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_shifted_windows_and_bias_table_lowered(device, dtype):
     """Swin's shifted windows (`roll`, decomposed into slices and a cat) and its relative

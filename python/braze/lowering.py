@@ -212,6 +212,10 @@ class Lowered:
     # (returned aliasing the input, as eager returns it; an input reached through clone or
     # other ops is copied instead). `_view_of_input`.
     passthrough: list = field(default_factory=list)
+    # Per IR output: AOTAutograd rebuilds it as an alias of an input from the strides braze
+    # returns it with, so it must come back as a view of that input, never a copy (the
+    # runtime refuses the graph otherwise). Free-layout saved outputs are not rebuilt.
+    must_alias: list = field(default_factory=list)
     # Tensor constants (get_attr) braze passes as extra inputs after the graph's own, in order.
     constants: list = field(default_factory=list)
     # Host values ([Host]): how many slots, and (slot, placeholder index) of those that are inputs.
@@ -459,6 +463,7 @@ class Lowerer:
         inputs = []
         outputs = []
         passthrough = []
+        must_alias = []
         mutations = []
         self.device = _graph_device(self.gm)
         self.known_syms, self.next_sym = _input_syms(self.gm)
@@ -528,6 +533,7 @@ class Lowerer:
                         outputs.append(("t", len(outs)))
                         outs.append(v)
                         passthrough.append(_view_of_input(a))
+                        must_alias.append(passthrough[-1] and a.op != "placeholder")
                     elif isinstance(v, SymRef):
                         outputs.append(("sym", v.expr))
                     elif isinstance(v, Num):
@@ -542,6 +548,7 @@ class Lowerer:
                     mutations.append((len(outs), self.arg_index[dst], _in_place_ok(dst, src)))
                     outs.append(self.tensor(src, dst.meta["val"].dtype))
                     passthrough.append(False)
+                    must_alias.append(False)
                 # Free-layout outputs last: IR outputs from that position on come back in the
                 # strides braze stores them with.
                 free_from = len(outs) if free else None
@@ -549,6 +556,7 @@ class Lowerer:
                     outputs[pos] = ("t", len(outs))
                     outs.append(v)
                     passthrough.append(through)
+                    must_alias.append(False)
                 self.b.set_outputs(outs, free_from)
             elif node.op == "get_attr":
                 val = _attr(self.gm, node.target)
@@ -560,7 +568,7 @@ class Lowerer:
             if node.op == "call_function" and is_tensor_meta(v):
                 check_tensor(v, self)
         return Lowered(self.b, self.externs, outputs, inputs, self.fallbacks, self.lowered_ops, self.reasons,
-                       self.device or torch.device("cpu"), passthrough, constants=self.constants, bugs=self.bugs,
+                       self.device or torch.device("cpu"), passthrough, must_alias=must_alias, constants=self.constants, bugs=self.bugs,
                        islands=self.islands, n_host=self.n_host, host_inputs=self.host_inputs, host_syms=self.host_syms,
                        cpu_linears=[spec for spec, _ in self.cpu_linears.values()], mutations=mutations,
                        conv_channels_last=self.conv_cl, library_convs=self.n_library_convs)

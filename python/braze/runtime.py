@@ -220,6 +220,10 @@ class CompiledGraph:
         # An output held in an input's buffer is copied unless the graph returns that input
         # itself (saved inputs of a forward graph, for one): clone(x) must not alias x.
         self.copy_out = [self.bufs[b][0] == "input" and not p for (b, _), p in zip(self.outputs, lowered.passthrough)]
+        for (b, _), alias in zip(self.outputs, lowered.must_alias):
+            if alias and self.bufs[b][0] != "input":
+                # AOTAutograd would apply this copy's strides to the input's storage.
+                raise Unsupported("an output that is a view of an input could not be kept a strided view of it")
         self.mutations = list(lowered.mutations)
         self.mutated_args = sorted({arg for _, arg, _ in self.mutations})
         self.device = lowered.device

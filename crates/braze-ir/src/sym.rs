@@ -228,6 +228,17 @@ impl Expr {
     }
 
     /// `self / d` when `d` is one monomial (times a coefficient) dividing every term of `self`.
+    /// `self / d` when `d` divides every term exactly: a non-zero constant dividing every
+    /// coefficient, or a monomial (`2*s0`) dividing every term; else None.
+    pub fn exact_div(&self, d: &Expr) -> Option<Expr> {
+        match d.as_const() {
+            Some(0) => None,
+            Some(c) if self.terms.values().all(|k| k % c == 0) => Some(Expr { terms: self.terms.iter().map(|(m, k)| (m.clone(), k / c)).collect() }),
+            Some(_) => None,
+            None => self.exact_div_monomial(d),
+        }
+    }
+
     fn exact_div_monomial(&self, d: &Expr) -> Option<Expr> {
         if d.terms.len() != 1 {
             return None;

@@ -13,8 +13,10 @@ pub struct View {
 }
 
 /// Groups the dims of a reshape `from -> to` into runs with equal products: each group is
-/// (dims of `from`, dims of `to`). Size-1 dims form their own groups. Falls back to a
-/// single group when symbolic sizes leave the grouping undecidable.
+/// (dims of `from`, dims of `to`). Size-1 dims form their own groups. Symbolic sizes group
+/// when one side's product divides the other's exactly (`[2*s0, s1] -> [2, s0, s1]`: an
+/// LSTM's output split back into batch and rows); a single group when that leaves the
+/// grouping undecidable.
 pub fn reshape_groups(from: &[Expr], to: &[Expr]) -> Vec<(Vec<usize>, Vec<usize>)> {
     let mut groups = Vec::new();
     let (mut i, mut j) = (0, 0);
@@ -39,19 +41,26 @@ pub fn reshape_groups(from: &[Expr], to: &[Expr]) -> Vec<(Vec<usize>, Vec<usize>
             continue;
         }
         let (mut gi, mut gj) = (vec![i], vec![j]);
-        let (mut pi, mut pj) = (from[i].as_const(), to[j].as_const());
+        let (mut pi, mut pj) = (from[i].clone(), to[j].clone());
         i += 1;
         j += 1;
-        loop {
-            match (pi, pj) {
-                (Some(a), Some(b)) if a == b => break,
-                (Some(a), Some(b)) if a < b && i < from.len() => {
-                    pi = from[i].as_const().map(|c| c * a);
+        while pi != pj {
+            // Constants: grow the smaller product. Symbolic: grow the side whose product
+            // divides the other's (sizes under dynamic shapes are at least 2).
+            let grow_from = match (pi.as_const(), pj.as_const()) {
+                (Some(a), Some(b)) => Some(a < b),
+                _ if pj.exact_div(&pi).is_some() => Some(true),
+                _ if pi.exact_div(&pj).is_some() => Some(false),
+                _ => None,
+            };
+            match grow_from {
+                Some(true) if i < from.len() => {
+                    pi = pi.mul(&from[i]);
                     gi.push(i);
                     i += 1;
                 }
-                (Some(a), Some(b)) if b < a && j < to.len() => {
-                    pj = to[j].as_const().map(|c| c * b);
+                Some(false) if j < to.len() => {
+                    pj = pj.mul(&to[j]);
                     gj.push(j);
                     j += 1;
                 }
@@ -171,4 +180,26 @@ pub fn strided(g: &Graph, n: NodeId, base_strides: &[Expr]) -> Option<View> {
         }
         _ => unreachable!(),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn symbolic_reshape_groups_split_by_exact_division() {
+        let (s0, s1, s2) = (Expr::sym(0), Expr::sym(1), Expr::sym(2));
+        let c = Expr::constant;
+        // [2*s0, s1, s2] -> [2, s0, s1, s2]: the first dim splits, the others map one to one.
+        let from = [s0.mul_c(2), s1.clone(), s2.clone()];
+        let to = [c(2), s0.clone(), s1.clone(), s2.clone()];
+        assert_eq!(reshape_groups(&from, &to), vec![(vec![0], vec![0, 1]), (vec![1], vec![2]), (vec![2], vec![3])]);
+        // [s0, 2, s1] -> [2*s0, s1] merges; constants still group by size ([6, 4] -> [4, 6]).
+        assert_eq!(reshape_groups(&[s0.clone(), c(2), s1.clone()], &[s0.mul_c(2), s1.clone()]), vec![(vec![0, 1], vec![0]), (vec![2], vec![1])]);
+        assert_eq!(reshape_groups(&[c(6), c(4)], &[c(4), c(6)]), vec![(vec![0, 1], vec![0, 1])]);
+        // s0*s1 -> [s1, s0]: s1 divides s0*s1, so the group takes both `to` dims.
+        assert_eq!(reshape_groups(&[s0.mul(&s1)], &[s1.clone(), s0.clone()]), vec![(vec![0], vec![0, 1])]);
+        // Undecidable: [s0, s1] -> [s2, s0*s1 / s2] has no exact division: one group.
+        assert_eq!(reshape_groups(&[s0.clone(), s1.clone()], &[s2.clone(), s0.clone()]).len(), 1);
+    }
 }
