@@ -933,11 +933,12 @@ def test_dynamic_reshape_of_a_strided_input_stays_its_view(device):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_nearest_upsampling_by_whole_factors(device, dtype):
-    """[Note: nearest upsampling as a broadcast]: nearest `interpolate` / `nn.Upsample` by
-    whole factors (1-d, 2-d and 3-d, contiguous and channels-last, `size` or `scale_factor`,
-    `nearest-exact`) trains with braze's kernels: no accumulating index_put left to ATen in
-    the backward, eager's values, gradients and output strides. A factor that is not whole,
-    and the linear modes, keep the gathers (their backward stays ATen's)."""
+    """[Note: nearest upsampling as a broadcast], [Note: linear upsampling's gradient as
+    shifts]: nearest and linear `interpolate` / `nn.Upsample` by whole factors (1-d, 2-d and
+    3-d, contiguous and channels-last, `size` or `scale_factor`, `nearest-exact`, `bilinear`,
+    `trilinear`) trains with braze's kernels: no accumulating index_put left to ATen in the
+    backward, eager's values, gradients and output strides. A factor that is not whole, or
+    `align_corners=True`, keeps the gathers (their backward stays ATen's)."""
     torch.manual_seed(0)
     cl, cl3 = torch.channels_last, torch.channels_last_3d
     cases = [
@@ -947,6 +948,10 @@ def test_nearest_upsampling_by_whole_factors(device, dtype):
         ((2, 4, 7), None, lambda x: F.interpolate(x, scale_factor=4)),
         ((1, 4, 3, 4, 5), cl3, lambda x: F.interpolate(x, scale_factor=2, mode="nearest-exact")),
         ((2, 4, 6, 6), None, lambda x: F.interpolate(x, size=(12, 12), mode="nearest-exact")),
+        ((2, 8, 6, 5), cl, lambda x: F.interpolate(x, scale_factor=2, mode="bilinear", align_corners=False)),
+        ((2, 3, 5, 4), None, torch.nn.Upsample(size=(15, 8), mode="bilinear")),
+        ((2, 4, 7), None, lambda x: F.interpolate(x, scale_factor=3, mode="linear")),
+        ((1, 4, 3, 4, 5), cl3, lambda x: F.interpolate(x, scale_factor=(2, 1, 2), mode="trilinear")),
     ]
     tol = {"rtol": 2e-2, "atol": 2e-2} if dtype == torch.bfloat16 else {}
     for shape, fmt, up in cases:
@@ -980,10 +985,10 @@ def test_nearest_upsampling_by_whole_factors(device, dtype):
         _no_eager()
         assert not [k for k in braze.stats.extern_ops if "index" in k], braze.stats.extern_ops
 
-    # 6 -> 9 is no whole factor; bilinear stays a gather: eager's values either way.
+    # 6 -> 9 is no whole factor, align_corners=True no fixed phases: eager's values either way.
     x = torch.randn(2, 3, 6, 5, device=device, dtype=dtype)
     for f in (lambda x: F.interpolate(x, size=(9, 10)) * 2,
-              lambda x: F.interpolate(x, scale_factor=2, mode="bilinear") * 2):
+              lambda x: F.interpolate(x, scale_factor=2, mode="bilinear", align_corners=True) * 2):
         torch._dynamo.reset()
         torch.testing.assert_close(compiled(f)(x), f(x), **tol)
 

@@ -1,4 +1,4 @@
-"""Nearest upsampling by whole factors, rewritten in Dynamo's graph before AOTAutograd traces it.
+"""Upsampling by whole factors, rewritten in Dynamo's graph before AOTAutograd traces it.
 
 [Note: nearest upsampling as a broadcast] ``F.interpolate(x, mode="nearest")`` (and
 ``nn.Upsample``) decomposes, while AOTAutograd traces it, into a gather through computed index
@@ -20,10 +20,17 @@ that eager's own ``F.interpolate`` of an index-valued probe on the CPU (one chan
 spatial sizes and arguments) gives exactly the broadcast's result; otherwise, and for symbolic
 sizes, the call stays as it was.
 
-The linear modes stay gathers. Written the same way (each output phase a weighted sum of the
-input and a neighbour shifted by a concatenation, stacked and flattened), a 2x bilinear
-upsampling of 4 x 64 x 32² on the CPU fused into a kernel of nested selects and masked loads:
-27 ms against the gather's 0.57 (eager 0.5).
+[Note: linear upsampling's gradient as shifts] The linear modes (``linear``, ``bilinear``,
+``trilinear``; ``align_corners=False``) by whole factors keep their forward, a gather of two
+neighbours per dim (written as phase-weighted shifted copies stacked and flattened, a 2x
+bilinear upsampling of 4 x 64 x 32² on the CPU fused into a kernel of nested selects and masked
+loads: 27 ms against the gather's 0.57), and get a backward of their own
+(:class:`_LinearUpsample`): per spatial dim, output ``i * f + p`` (phase ``p``) took input ``i``
+and its next neighbour (or its previous one, for phases left of the input's centre) with fixed
+weights, the edge element clamped. So the gradient of input ``i`` is, per phase, the strided
+slice ``g[p::f]`` and a copy of it shifted by one (pads of slices), weighted and summed: one
+pointwise kernel per dim instead of ATen's accumulating ``index_put`` per corner (four for
+bilinear). Checked at compile time against eager's gradient on a float64 probe.
 """
 from __future__ import annotations
 
@@ -34,6 +41,7 @@ import torch.nn.functional as F
 
 _SIGNATURE = inspect.signature(F.interpolate)
 _MODES = ("nearest", "nearest-exact")
+_LINEAR = {"linear": 3, "bilinear": 4, "trilinear": 5}
 
 
 def nearest_repeat(x: torch.Tensor, factors: tuple, channels_last: bool) -> torch.Tensor:
@@ -54,6 +62,66 @@ def nearest_repeat(x: torch.Tensor, factors: tuple, channels_last: bool) -> torc
     return y.permute([0, rank - 1, *range(1, rank - 1)])
 
 
+def _shift(t: torch.Tensor, dim: int, start: int, length: int, left: int) -> torch.Tensor:
+    """``t.narrow(dim, start, length)`` padded with zeros back to ``t``'s size along ``dim``,
+    ``left`` zeros before it."""
+    n = t.shape[dim]
+    pad = [0, 0] * (t.dim() - 1 - dim) + [left, n - length - left]
+    return F.pad(t.narrow(dim, start, length), pad)
+
+
+def _linear_grad(g: torch.Tensor, dim: int, f: int) -> torch.Tensor:
+    """The gradient, along ``dim``, of linear interpolation (``align_corners=False``) growing
+    that dim by the whole factor ``f``, from the output's gradient ``g``."""
+    n = g.shape[dim] // f
+    out = None
+    for p in range(f):
+        gp = g.narrow(dim, p, n * f - f + 1)[(slice(None),) * dim + (slice(None, None, f),)]
+        off = (p + 0.5) / f - 0.5  # source position of phase p, relative to its input
+        if off >= 0:
+            # Input i and i + 1 by 1 - off and off; the last input takes both.
+            terms = [(1.0 - off, gp), (off, _shift(gp, dim, 0, n - 1, 1)), (off, _shift(gp, dim, n - 1, 1, n - 1))]
+        else:
+            # Inputs i - 1 and i by -off and 1 + off; phase p of input 0 clamps to input 0.
+            w = 1.0 + off
+            terms = [(w, gp), (1.0 - w, _shift(gp, dim, 1, n - 1, 0)), (1.0 - w, _shift(gp, dim, 0, 1, 0))]
+        for c, t in terms:
+            if c != 0:
+                out = t * c if out is None else out + t * c
+    return out
+
+
+class _LinearUpsample(torch.autograd.Function):
+    """Eager's linear interpolation forward; the gradient of [Note: linear upsampling's
+    gradient as shifts]."""
+
+    @staticmethod
+    def forward(ctx, x, factors, kwargs):
+        ctx.factors = factors
+        ctx.dtype = x.dtype
+        return F.interpolate(x, **dict(kwargs))
+
+    @staticmethod
+    def backward(ctx, g):
+        return linear_upsample_grad(g, ctx.factors, ctx.dtype), None, None
+
+
+def linear_upsample_grad(g: torch.Tensor, factors: tuple, dtype: torch.dtype) -> torch.Tensor:
+    """The input gradient of a linear upsampling by ``factors`` from the output's, in float32
+    for half types (as eager's kernels accumulate)."""
+    y = g.float() if g.dtype in (torch.float16, torch.bfloat16) else g
+    for d, f in enumerate(factors):
+        if f != 1:
+            y = _linear_grad(y, d + 2, f)
+    return y.to(dtype)
+
+
+def linear_upsample(x: torch.Tensor, factors: tuple, kwargs: tuple) -> torch.Tensor:
+    """``F.interpolate(x, **kwargs)`` with the gradient of [Note: linear upsampling's gradient
+    as shifts]."""
+    return _LinearUpsample.apply(x, factors, kwargs)
+
+
 def _static_shape(v) -> tuple | None:
     if not isinstance(v, torch.Tensor) or not all(type(s) is int for s in v.shape):
         return None
@@ -67,8 +135,8 @@ def _has_node(v) -> bool:
 
 
 def _factors(node):
-    """The whole factors of an interpolate call braze may rewrite, and whether its result is
-    channels-last; None when it must stay."""
+    """For an interpolate call braze may rewrite: the function replacing it and its arguments
+    after the input; None when the call must stay."""
     try:
         bound = _SIGNATURE.bind(*node.args, **node.kwargs)
     except TypeError:
@@ -76,7 +144,10 @@ def _factors(node):
     bound.apply_defaults()
     a = bound.arguments
     x = a["input"]
-    if a["mode"] not in _MODES or a.get("antialias") or not isinstance(x, torch.fx.Node):
+    linear = a["mode"] in _LINEAR
+    if (a["mode"] not in _MODES and not linear) or a.get("antialias") or not isinstance(x, torch.fx.Node):
+        return None
+    if linear and a.get("align_corners"):
         return None
     if any(_has_node(v) for k, v in a.items() if k != "input"):
         return None
@@ -101,14 +172,27 @@ def _factors(node):
         want = F.interpolate(probe, **kwargs)
     except Exception:  # noqa: BLE001 - an argument eager rejects on the probe: leave the call
         return None
-    if want.shape[2:] != ys[2:] or not torch.equal(want, nearest_repeat(probe, factors, False)):
+    if want.shape[2:] != ys[2:]:
         return None
-    return factors, channels_last
+    if linear:
+        if any(s < 2 for s in xs[2:]):
+            return None
+        # The gradient against eager's, on the probe in float64.
+        probe.requires_grad_(True)
+        g = torch.randn(want.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+        (eager_grad,) = torch.autograd.grad(F.interpolate(probe, **kwargs), probe, g)
+        if not torch.allclose(linear_upsample_grad(g, factors, torch.float64), eager_grad, rtol=1e-12, atol=1e-12):
+            return None
+        return linear_upsample, (factors, tuple(kwargs.items()))
+    if not torch.equal(want, nearest_repeat(probe, factors, False)):
+        return None
+    return nearest_repeat, (factors, channels_last)
 
 
 def nearest_as_broadcasts(gm: torch.fx.GraphModule) -> int:
-    """Rewrites ``gm`` in place ([Note: nearest upsampling as a broadcast]): each nearest
-    ``F.interpolate`` by whole factors on static sizes becomes :func:`nearest_repeat`. Returns
+    """Rewrites ``gm`` in place ([Note: nearest upsampling as a broadcast], [Note: linear
+    upsampling's gradient as shifts]): each nearest or linear ``F.interpolate`` by whole
+    factors on static sizes becomes :func:`nearest_repeat` or :func:`linear_upsample`. Returns
     how many calls were rewritten."""
     changed = 0
     for node in list(gm.graph.nodes):
@@ -117,10 +201,10 @@ def nearest_as_broadcasts(gm: torch.fx.GraphModule) -> int:
         found = _factors(node)
         if found is None:
             continue
-        factors, channels_last = found
+        fn, args = found
         x = node.args[0] if node.args else node.kwargs["input"]
         with gm.graph.inserting_before(node):
-            new = gm.graph.call_function(nearest_repeat, (x, factors, channels_last))
+            new = gm.graph.call_function(fn, (x, *args))
         new.meta.update(node.meta)
         node.replace_all_uses_with(new)
         gm.graph.erase_node(node)
