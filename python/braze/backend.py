@@ -19,7 +19,7 @@ import torch
 from . import _core, cpu_heap, cuda, cudagraphs
 from . import autograd as direct
 from .attention import dense_masks
-from .upsample import nearest_as_broadcasts
+from .upsample import whole_factor_upsampling
 from .config import Config
 from .decomp import decomposition_table, drop_unread_batch_norm_stats, recomputable_batch_norm_outputs
 from .lowering import Unsupported, is_tensor_meta, lower_graph
@@ -295,7 +295,7 @@ def braze_backend(gm: torch.fx.GraphModule, example_inputs, mode=None, options=N
             cuda.start_warm_up(t.device.index if t.device.index is not None else torch.cuda.current_device())
             break
     dense_masks(gm)
-    nearest_as_broadcasts(gm)
+    whole_factor_upsampling(gm)
     cap = direct.Capture(example_inputs)
     t0 = time.perf_counter()
     with cap, _backward_ahead_of_time(cfg):

@@ -189,7 +189,7 @@ def _factors(node):
     return nearest_repeat, (factors, channels_last)
 
 
-def nearest_as_broadcasts(gm: torch.fx.GraphModule) -> int:
+def whole_factor_upsampling(gm: torch.fx.GraphModule) -> int:
     """Rewrites ``gm`` in place ([Note: nearest upsampling as a broadcast], [Note: linear
     upsampling's gradient as shifts]): each nearest or linear ``F.interpolate`` by whole
     factors on static sizes becomes :func:`nearest_repeat` or :func:`linear_upsample`. Returns
