@@ -41,7 +41,7 @@ import torch.nn.functional as F
 
 _SIGNATURE = inspect.signature(F.interpolate)
 _MODES = ("nearest", "nearest-exact")
-_LINEAR = {"linear": 3, "bilinear": 4, "trilinear": 5}
+_LINEAR = ("linear", "bilinear", "trilinear")
 
 
 def nearest_repeat(x: torch.Tensor, factors: tuple, channels_last: bool) -> torch.Tensor:
