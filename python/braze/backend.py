@@ -84,6 +84,11 @@ def compile_fx_graph(gm: torch.fx.GraphModule, example_inputs, *, cfg: Config, k
             compiled = _build(lowered, cfg)
         t2 = time.perf_counter()
         fn = CompiledGraph(compiled, lowered, name)
+        if fn.copied_aliases and kind != "backward" and (fn.dynamic or not _view_replay()):
+            # AOTAutograd replays an aliased output's views on the input when they have no
+            # symbolic arguments; otherwise it applies the returned copy's strides to the
+            # input's storage.
+            raise Unsupported("an output that is a view of an input could not be kept a strided view of it")
         if kind == "forward" and cfg.keep_cpu_heap and fn.device.type == "cpu" and not cpu_heap.kept():
             # [Note: a kept CPU heap]: the saved activations are freed and allocated again each step.
             if cpu_heap.keep():
@@ -150,6 +155,10 @@ def compile_fx_graph(gm: torch.fx.GraphModule, example_inputs, *, cfg: Config, k
 # copied BERT-base's saved logits (477 MiB) into them every step. A saved tensor is a forward
 # output of the same name, so the backward is compiled for the strides the forward returns
 # it with.
+
+
+def _view_replay() -> bool:
+    return bool(getattr(torch._functorch.config, "view_replay_for_aliased_outputs", False))
 
 
 def _note_relaid_outputs(gm, lowered, fn):
@@ -240,6 +249,11 @@ def _compile_subgraph(gm, name, *, cfg):
         lowered = lower_graph(gm, name, functools.partial(_compile_subgraph, cfg=cfg))
         compiled = _build(lowered, cfg)
         fn = CompiledGraph(compiled, lowered, name)
+        if fn.copied_aliases and kind != "backward" and (fn.dynamic or not _view_replay()):
+            # AOTAutograd replays an aliased output's views on the input when they have no
+            # symbolic arguments; otherwise it applies the returned copy's strides to the
+            # input's storage.
+            raise Unsupported("an output that is a view of an input could not be kept a strided view of it")
     except (Unsupported, _core.Unsupported, _core.InternalError, _core.EnvironmentError_) as e:
         raise Unsupported(f"subgraph {name}: {type(e).__name__}: {e}") from None
     stats.kernels += len(compiled.kernels)

@@ -220,10 +220,12 @@ class CompiledGraph:
         # An output held in an input's buffer is copied unless the graph returns that input
         # itself (saved inputs of a forward graph, for one): clone(x) must not alias x.
         self.copy_out = [self.bufs[b][0] == "input" and not p for (b, _), p in zip(self.outputs, lowered.passthrough)]
-        for (b, _), alias in zip(self.outputs, lowered.must_alias):
-            if alias and self.bufs[b][0] != "input":
-                # AOTAutograd would apply this copy's strides to the input's storage.
-                raise Unsupported("an output that is a view of an input could not be kept a strided view of it")
+        # Outputs that are views of inputs in the FX graph but copies here: AOTAutograd's
+        # forward and inference wrappers rebuild them from the input, with the copy's strides
+        # when the views had symbolic arguments (backend.py refuses such graphs; backward
+        # graphs' outputs are not rebuilt).
+        self.copied_aliases = [k for k, ((b, _), alias) in enumerate(zip(self.outputs, lowered.must_alias))
+                               if alias and self.bufs[b][0] != "input"]
         self.mutations = list(lowered.mutations)
         self.mutated_args = sorted({arg for _, arg, _ in self.mutations})
         self.device = lowered.device
