@@ -249,11 +249,6 @@ def _compile_subgraph(gm, name, *, cfg):
         lowered = lower_graph(gm, name, functools.partial(_compile_subgraph, cfg=cfg))
         compiled = _build(lowered, cfg)
         fn = CompiledGraph(compiled, lowered, name)
-        if fn.copied_aliases and kind != "backward" and (fn.dynamic or not _view_replay()):
-            # AOTAutograd replays an aliased output's views on the input when they have no
-            # symbolic arguments; otherwise it applies the returned copy's strides to the
-            # input's storage.
-            raise Unsupported("an output that is a view of an input could not be kept a strided view of it")
     except (Unsupported, _core.Unsupported, _core.InternalError, _core.EnvironmentError_) as e:
         raise Unsupported(f"subgraph {name}: {type(e).__name__}: {e}") from None
     stats.kernels += len(compiled.kernels)

@@ -191,8 +191,8 @@ impl Expr {
                 if let Some(a) = self.as_const() {
                     return Expr::constant(a.div_euclid(c));
                 }
-                if self.terms.values().all(|k| k % c == 0) {
-                    return Expr { terms: self.terms.iter().map(|(m, k)| (m.clone(), k / c)).collect() };
+                if let Some(q) = self.exact_div(d) {
+                    return q;
                 }
             }
         }
@@ -227,7 +227,6 @@ impl Expr {
         Expr::atom(Atom::Mod(Box::new(self.clone()), Box::new(d.clone())))
     }
 
-    /// `self / d` when `d` is one monomial (times a coefficient) dividing every term of `self`.
     /// `self / d` when `d` divides every term exactly: a non-zero constant dividing every
     /// coefficient, or a monomial (`2*s0`) dividing every term; else None.
     pub fn exact_div(&self, d: &Expr) -> Option<Expr> {
@@ -239,6 +238,7 @@ impl Expr {
         }
     }
 
+    /// `self / d` when `d` is one monomial (times a coefficient) dividing every term of `self`.
     fn exact_div_monomial(&self, d: &Expr) -> Option<Expr> {
         if d.terms.len() != 1 {
             return None;
